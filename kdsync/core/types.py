@@ -1,0 +1,167 @@
+"""Values that cross the boundary of the ordering core.
+
+Everything here is a frozen, slotted dataclass: inputs the adapter hands to
+`OrderingNode.step()`, and the `Ready` record the node hands back.  Nothing in
+this package performs I/O; adapters (simulator, asyncio/TCP runtime, RDMA
+runtime) move these values around and report back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["member", "witness"]
+Protocol = Literal["derecho", "sequencer", "mirror"]
+
+
+class ProtocolError(Exception):
+    """Base class of every error the core raises."""
+
+
+class LocalProtocolError(ProtocolError):
+    """The adapter used the core wrongly (a bug in the caller)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """A peer sent something malformed; log it, drop it, carry on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One source record, as the core sees it.
+
+    `(origin, partition, offset)` identifies the event; offsets of one
+    `(origin, partition)` must be submitted in increasing order.  `payload` is
+    opaque to the core (the Kafka bridge packs key, value and headers into it);
+    `timestamp_ms` is the source record's timestamp, carried for latency.
+    """
+
+    origin: str
+    partition: int
+    offset: int
+    payload: bytes = b""
+    timestamp_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A run of consecutive positions of the agreed order.
+
+    `events[i]` has position (`kdsync.seq`) `first_seq + i`.  Positions are
+    contiguous from 0 across views and identical at every member.
+    `catchup` is True when the run was received from a peer to fill the gap a
+    restart left, rather than ordered live.
+    """
+
+    first_seq: int
+    events: tuple[Event, ...]
+    catchup: bool = False
+
+    @property
+    def end_seq(self) -> int:
+        return self.first_seq + len(self.events)
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    id: str
+    role: Role = "member"
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """An installed membership.  `members` is ordered by rank (rank 0 leads)."""
+
+    view_id: int
+    members: tuple[str, ...]
+    incarnations: tuple[int, ...]
+    senders: tuple[str, ...]  # members with role "member", in rank order
+    start_seq: int  # first position ordered in this view
+
+    def rank(self, member: str) -> int:
+        return self.members.index(member)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """Ask the adapter for positions [start, stop) of this member's own
+    global topic (durable positions the in-memory log no longer holds).
+    Answer with `node.step(LogChunk(start, events))` — possibly in several
+    chunks, in order."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class LogChunk:
+    """Adapter's answer to a ReadRequest: events at positions start, start+1, ..."""
+
+    start: int
+    events: tuple[Event, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HardState:
+    """What a member must persist (before sending `Ready.messages`) so that a
+    restart keeps its promises: incarnation counter and view-change votes.
+    Losing it is safe except during a view change the member voted in."""
+
+    incarnation: int = 0
+    view_id: int = 0
+    members: tuple[str, ...] = ()
+    promised: tuple[int, int] = (0, -1)  # ballot (round, leader rank)
+    accepted: bytes = b""  # encoded proposal, empty when none
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One message for one peer. `data` is the encoded message (wire codec)."""
+
+    to: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Everything the node wants done, in this order:
+
+    1. persist `hard_state` if not None (before any message is sent);
+    2. send `messages` (any order; the protocol tolerates loss and reordering);
+    3. append `deliveries` to the global topic, in order, then report the
+       highest durable position with `node.durable(seq_end)`;
+    4. serve `reads` (answer with LogChunk inputs);
+    then call `node.advance(ready)`.
+    """
+
+    messages: tuple[Outgoing, ...] = ()
+    deliveries: tuple[Delivery, ...] = ()
+    views: tuple[View, ...] = ()  # views installed since the last Ready
+    reads: tuple[ReadRequest, ...] = ()
+    hard_state: HardState | None = None
+    status: str = ""  # "forming" | "active" | "wedged" | "minority" | "joining" | "catching-up"
+
+    def is_empty(self) -> bool:
+        return not (self.messages or self.deliveries or self.views or self.reads or self.hard_state)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Static configuration of one member.
+
+    `members` is the full configured group (this member included), in rank
+    order; `roles` maps witness ids to "witness" (others are "member").
+    Counts are in ticks; the adapter decides how long a tick is.
+    """
+
+    member_id: str
+    members: tuple[str, ...]
+    roles: dict[str, Role] = field(default_factory=dict)
+    protocol: Protocol = "derecho"
+    heartbeat_ticks: int = 2
+    suspect_ticks: int = 10
+    retransmit_ticks: int = 3
+    max_batch: int = 10_000  # events per slot
+    log_retention: int = 1_000_000  # delivered events kept in memory for catch-up
+    catchup_chunk: int = 5_000  # events per catch-up message
