@@ -1,0 +1,204 @@
+"""Machinery every protocol variant shares.
+
+Theory of operation
+-------------------
+A node accumulates outputs (messages, deliveries, installed views, read
+requests, hard state) while it handles inputs.  `ready()` hands them over as
+one frozen `Ready` and `advance()` closes the handshake; the node never does
+I/O itself.  Delivery goes through one door, `_deliver()`, which applies the
+exactly-once rule: an event whose origin offset is not above the origin
+watermark of its (origin, partition) was already delivered and is dropped
+(counted in `stats["deduplicated"]`).  The watermarks are a pure function of
+the delivered sequence, so every member that delivered the same prefix drops
+the same duplicates and assigns the same positions.  Delivered events stay in
+a bounded in-memory log from which catch-up is served; older positions are
+read back from the adapter (`ReadRequest` → `LogChunk`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Iterable, Mapping
+
+from kdsync.core.types import (
+    Delivery,
+    Event,
+    HardState,
+    LocalProtocolError,
+    LogChunk,
+    NodeConfig,
+    Outgoing,
+    ReadRequest,
+    Ready,
+    View,
+)
+
+
+class NodeBase:
+    """State and helpers common to every variant (see module docstring)."""
+
+    protocol = "base"
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        rng: random.Random,
+        start_seq: int = 0,
+        watermarks: Mapping[tuple[str, int], int] | None = None,
+        hard_state: HardState | None = None,
+    ) -> None:
+        if not isinstance(rng, random.Random):
+            raise LocalProtocolError("rng must be a random.Random (inject it; never use the module-level one)")
+        if config.member_id not in config.members:
+            raise LocalProtocolError(f"member id {config.member_id!r} is not among members {list(config.members)}")
+        if len(set(config.members)) != len(config.members):
+            raise LocalProtocolError("member ids must be unique")
+        for m, role in config.roles.items():
+            if m not in config.members or role not in ("member", "witness"):
+                raise LocalProtocolError(f"bad role {role!r} for {m!r}")
+        if start_seq < 0:
+            raise LocalProtocolError("start_seq must be >= 0")
+        self.cfg = config
+        self.rng = rng
+        self.me = config.member_id
+        self.members: tuple[str, ...] = tuple(config.members)
+        self.member_set = frozenset(self.members)
+        self.peers: tuple[str, ...] = tuple(m for m in self.members if m != self.me)
+        self.is_witness = config.roles.get(self.me, "member") == "witness"
+        self.hard = hard_state or HardState()
+        self.incarnation = (self.hard.incarnation + 1) if hard_state is not None else rng.randrange(1, 2**31)
+        self.now = 0  # ticks since start
+        # delivery state
+        self.next_seq = start_seq
+        self.watermarks: dict[tuple[str, int], int] = dict(watermarks or {})
+        self.durable_seq = start_seq
+        self._log: deque[Delivery] = deque()  # delivered runs kept for catch-up
+        self._log_len = 0
+        # pending outputs
+        self._msgs: list[Outgoing] = []
+        self._deliveries: list[Delivery] = []
+        self._views: list[View] = []
+        self._reads: list[ReadRequest] = []
+        self._hard_dirty = hard_state is not None  # a new incarnation must be persisted
+        self._outstanding: Ready | None = None
+        self.stats = {"delivered": 0, "deduplicated": 0, "resubmitted": 0, "bad_messages": 0, "submitted": 0}
+        self.status = "active"
+
+    # ------------------------------------------------------------------ inputs
+    def submit(self, events: Iterable[Event]) -> None:
+        """Local source events, in origin-offset order per (origin, partition)."""
+        raise NotImplementedError
+
+    def receive(self, sender: str, data: bytes) -> None:
+        """Bytes a peer sent. Raises RemoteProtocolError when malformed."""
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        self.now += 1
+
+    def durable(self, seq_end: int) -> None:
+        """Positions below `seq_end` are durable in this member's global topic."""
+        if seq_end > self.durable_seq:
+            self.durable_seq = min(seq_end, self.next_seq)
+
+    def step(self, item) -> None:
+        """Generic input door (raft's Step): LogChunk and the inputs above."""
+        if isinstance(item, LogChunk):
+            self._on_log_chunk(item)
+        else:
+            raise LocalProtocolError(f"step() does not take {type(item).__name__}")
+
+    def _on_log_chunk(self, chunk: LogChunk) -> None:
+        pass
+
+    # ----------------------------------------------------------------- outputs
+    def has_ready(self) -> bool:
+        return bool(self._msgs or self._deliveries or self._views or self._reads or self._hard_dirty)
+
+    def ready(self) -> Ready:
+        if self._outstanding is not None:
+            raise LocalProtocolError("ready() called again before advance()")
+        self._before_ready()
+        rd = Ready(
+            messages=tuple(self._msgs),
+            deliveries=tuple(self._deliveries),
+            views=tuple(self._views),
+            reads=tuple(self._reads),
+            hard_state=self._hard_state() if self._hard_dirty else None,
+            status=self.status,
+        )
+        self._msgs.clear()
+        self._deliveries.clear()
+        self._views.clear()
+        self._reads.clear()
+        self._hard_dirty = False
+        self._outstanding = rd
+        return rd
+
+    def advance(self, rd: Ready) -> None:
+        if rd is not self._outstanding:
+            raise LocalProtocolError("advance() must be given the last Ready")
+        self._outstanding = None
+
+    def _before_ready(self) -> None:
+        """Hook: cut batches, flush coalesced messages."""
+
+    def _hard_state(self) -> HardState:
+        return HardState(incarnation=self.incarnation)
+
+    # ---------------------------------------------------------------- helpers
+    def _send(self, to: str, data: bytes) -> None:
+        self._msgs.append(Outgoing(to, data))
+
+    def _deliver(self, events: Iterable[Event], catchup: bool = False) -> int:
+        """Deliver events in order, dropping duplicates; returns how many kept."""
+        wm = self.watermarks
+        kept: list[Event] = []
+        app = kept.append
+        dup = 0
+        for e in events:
+            k = (e.origin, e.partition)
+            if e.offset > wm.get(k, -1):
+                wm[k] = e.offset
+                app(e)
+            else:
+                dup += 1
+        if dup:
+            self.stats["deduplicated"] += dup
+        if kept:
+            self._emit(Delivery(self.next_seq, tuple(kept), catchup))
+        return len(kept)
+
+    def _emit(self, d: Delivery) -> None:
+        """Append an already-deduplicated run at next_seq."""
+        if d.first_seq != self.next_seq:
+            raise LocalProtocolError(f"delivery at {d.first_seq} but next position is {self.next_seq}")
+        self._deliveries.append(d)
+        self._log.append(d)
+        self._log_len += len(d.events)
+        self.next_seq = d.end_seq
+        self.stats["delivered"] += len(d.events)
+        keep = self.cfg.log_retention
+        while self._log and self._log_len - len(self._log[0].events) >= keep and self._log[0].end_seq <= self.durable_seq:
+            self._log_len -= len(self._log.popleft().events)
+
+    def log_slice(self, start: int, stop: int, limit: int) -> tuple[Event, ...] | None:
+        """Events at positions [start, min(stop, start+limit)) from memory, or
+        None when `start` is older than the in-memory log."""
+        if not self._log or start < self._log[0].first_seq:
+            return None if start < self.next_seq else ()
+        out: list[Event] = []
+        stop = min(stop, start + limit, self.next_seq)
+        for d in self._log:
+            if d.end_seq <= start:
+                continue
+            if d.first_seq >= stop:
+                break
+            out.extend(d.events[max(0, start - d.first_seq) : stop - d.first_seq])
+        return tuple(out)
+
+    def snapshot(self) -> dict:
+        """A plain-data view of the node for transcripts and debugging."""
+        return {"member": self.me, "status": self.status, "next_seq": self.next_seq}

@@ -1,0 +1,257 @@
+"""A seeded, synchronous in-memory network of ordering nodes (etcd raft's
+`network` for kdsync): cut, isolate, drop, duplicate, reorder, recover,
+crash, restart, stabilize.  Every message is the real encoded bytes the node
+produced, so the codec is exercised on every hop.  Each member's "global
+topic" is a plain list; a crashed member keeps only that list and its hard
+state, like a real member keeps only its Kafka topic and state file.
+
+Used by the unit tests, the interaction transcripts and the property test;
+it is not used in production.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from kdsync.core import Event, HardState, LogChunk, NodeConfig, make_node
+
+
+@dataclass
+class Member:
+    id: str
+    node: object | None
+    topic: list[Event] = field(default_factory=list)
+    hard: HardState | None = None
+    up: bool = True
+    durable_lag: bool = False  # when True, durability is reported only by flush()
+
+
+class Network:
+    def __init__(self, ids, *, protocol="derecho", seed=0, witnesses=(), **cfg):
+        self.ids = tuple(ids)
+        self.rng = random.Random(seed)
+        self.cfg_base = dict(cfg)
+        self.protocol = protocol
+        self.roles = {w: "witness" for w in witnesses}
+        self.members: dict[str, Member] = {}
+        self.queue: list[tuple[str, str, bytes]] = []  # (from, to, data)
+        self.cut_links: set[tuple[str, str]] = set()
+        self.drop_prob: dict[tuple[str, str], float] = {}
+        self.dup_prob = 0.0
+        self.reorder = False
+        self.offsets: dict[tuple[str, int], int] = {}
+        self.log: list[str] = []  # human-readable trace for transcripts
+        self.views: dict[str, list] = {i: [] for i in self.ids}
+        self.bad_messages = 0
+        for i in self.ids:
+            self.members[i] = Member(i, None)
+            self._boot(i)
+
+    # --------------------------------------------------------------- members
+    def config(self, i: str) -> NodeConfig:
+        return NodeConfig(member_id=i, members=self.ids, roles=self.roles, protocol=self.protocol, **self.cfg_base)
+
+    def _boot(self, i: str) -> None:
+        m = self.members[i]
+        wm: dict[tuple[str, int], int] = {}
+        for e in m.topic:
+            k = (e.origin, e.partition)
+            wm[k] = max(wm.get(k, -1), e.offset)
+        m.node = make_node(
+            self.config(i),
+            rng=random.Random(self.rng.randrange(2**32)),
+            start_seq=len(m.topic),
+            watermarks=wm,
+            hard_state=m.hard,
+        )
+        m.up = True
+
+    def crash(self, i: str) -> None:
+        m = self.members[i]
+        m.node, m.up = None, False
+        self.queue = [q for q in self.queue if q[1] != i and q[0] != i]
+        self.log.append(f"crash {i}")
+
+    def restart(self, i: str) -> None:
+        self._boot(i)
+        self.log.append(f"restart {i} at position {len(self.members[i].topic)}")
+
+    def node(self, i: str):
+        return self.members[i].node
+
+    # -------------------------------------------------------------- workload
+    def make_events(self, origin: str, n: int, partition: int = 0) -> list[Event]:
+        k = (origin, partition)
+        start = self.offsets.get(k, 0)
+        self.offsets[k] = start + n
+        return [Event(origin, partition, start + j, b"%s:%d" % (origin.encode(), start + j), 0) for j in range(n)]
+
+    def submit(self, i: str, n: int = 1, partition: int = 0) -> list[Event]:
+        evs = self.make_events(i, n, partition)
+        self.node(i).submit(evs)
+        return evs
+
+    # --------------------------------------------------------------- faults
+    def cut(self, a: str, b: str) -> None:
+        self.cut_links |= {(a, b), (b, a)}
+
+    def cut_one_way(self, a: str, b: str) -> None:
+        self.cut_links.add((a, b))
+
+    def isolate(self, i: str) -> None:
+        for j in self.ids:
+            if j != i:
+                self.cut(i, j)
+
+    def partition(self, *groups) -> None:
+        for g in groups:
+            for h in groups:
+                if g is not h:
+                    for a in g:
+                        for b in h:
+                            self.cut_links.add((a, b))
+
+    def drop(self, a: str, b: str, prob: float) -> None:
+        self.drop_prob[(a, b)] = prob
+
+    def recover(self) -> None:
+        self.cut_links.clear()
+        self.drop_prob.clear()
+        self.dup_prob = 0.0
+        self.reorder = False
+
+    # ------------------------------------------------------------------ run
+    def _process_ready(self) -> bool:
+        progressed = False
+        for i in self.ids:
+            m = self.members[i]
+            n = m.node
+            if n is None or not n.has_ready():
+                continue
+            progressed = True
+            rd = n.ready()
+            if rd.hard_state is not None:
+                m.hard = rd.hard_state
+            for out in rd.messages:
+                self._enqueue(i, out.to, out.data)
+            for d in rd.deliveries:
+                assert d.first_seq == len(m.topic), f"{i}: delivery at {d.first_seq}, topic has {len(m.topic)}"
+                m.topic.extend(d.events)
+            for v in rd.views:
+                self.views[i].append(v)
+                self.log.append(f"{i} installs view {v.view_id} {list(v.members)} at {v.start_seq}")
+            if rd.deliveries and not m.durable_lag:
+                n.durable(len(m.topic))
+            for r in rd.reads:
+                n.step(LogChunk(r.start, tuple(m.topic[r.start : r.stop])))
+            n.advance(rd)
+        return progressed
+
+    def flush(self, i: str) -> None:
+        """Report everything written as durable (when durable_lag is set)."""
+        self.node(i).durable(len(self.members[i].topic))
+
+    def _enqueue(self, a: str, b: str, data: bytes) -> None:
+        if (a, b) in self.cut_links or not self.members[b].up:
+            return
+        p = self.drop_prob.get((a, b), 0.0)
+        if p and self.rng.random() < p:
+            return
+        self.queue.append((a, b, data))
+        if self.dup_prob and self.rng.random() < self.dup_prob:
+            self.queue.append((a, b, data))
+
+    def deliver_msgs(self) -> int:
+        q, self.queue = self.queue, []
+        if self.reorder:
+            self.rng.shuffle(q)
+        for a, b, data in q:
+            n = self.members[b].node
+            if n is None or (a, b) in self.cut_links:
+                continue
+            try:
+                n.receive(a, data)
+            except Exception as exc:  # RemoteProtocolError is logged and survived
+                from kdsync.core import RemoteProtocolError
+
+                if not isinstance(exc, RemoteProtocolError):
+                    raise
+                self.bad_messages += 1
+        return len(q)
+
+    def tick(self, n: int = 1) -> None:
+        for _ in range(n):
+            for i in self.ids:
+                if self.members[i].node is not None:
+                    self.members[i].node.tick()
+            self.stabilize(max_rounds=50)
+
+    def stabilize(self, max_rounds: int = 1000) -> None:
+        for _ in range(max_rounds):
+            p = self._process_ready()
+            if not self.queue and not p:
+                return
+            self.deliver_msgs()
+
+    def run_until(self, cond, max_ticks: int = 2000) -> int:
+        """Tick until cond() holds; returns ticks used; raises on timeout."""
+        self.stabilize()
+        for t in range(max_ticks):
+            if cond():
+                return t
+            self.tick()
+        if cond():
+            return max_ticks
+        raise AssertionError(f"condition not reached within {max_ticks} ticks; {self.describe()}")
+
+    # -------------------------------------------------------------- observe
+    def topic(self, i: str) -> list[Event]:
+        return self.members[i].topic
+
+    def describe(self) -> str:
+        parts = []
+        for i in self.ids:
+            m = self.members[i]
+            st = m.node.snapshot() if m.node is not None else {"status": "down"}
+            parts.append(f"{i}:{st} topic={len(m.topic)}")
+        return "; ".join(parts)
+
+
+def check_invariants(net: Network, *, agreement=True, submitted=None, live=None) -> list[str]:
+    """The outside checker: returns a list of violations (empty when fine)."""
+    problems: list[str] = []
+    topics = {i: net.topic(i) for i in net.ids if net.roles.get(i) != "witness"}
+    keys = {i: [(e.origin, e.partition, e.offset) for e in t] for i, t in topics.items()}
+    if agreement:
+        ids = sorted(keys)
+        for a in ids:
+            for b in ids:
+                if a < b:
+                    ka, kb = keys[a], keys[b]
+                    n = min(len(ka), len(kb))
+                    if ka[:n] != kb[:n]:
+                        k = next(j for j in range(n) if ka[j] != kb[j])
+                        problems.append(f"agreement: {a} and {b} differ at position {k}: {ka[k]} vs {kb[k]}")
+    for i, ks in keys.items():
+        if len(set(ks)) != len(ks):
+            problems.append(f"integrity: {i} holds a duplicate")
+        last: dict[tuple[str, int], int] = {}
+        for o, p, off in ks:
+            if off <= last.get((o, p), -1):
+                problems.append(f"origin order: {i} has {o}/{p} offset {off} after {last[(o, p)]}")
+                break
+            last[(o, p)] = off
+        if submitted is not None:
+            unknown = set(ks) - submitted
+            if unknown:
+                problems.append(f"integrity: {i} holds events never submitted: {sorted(unknown)[:3]}")
+    if submitted is not None:
+        for i in live if live is not None else keys:
+            missing = submitted - set(keys[i])
+            if missing:
+                problems.append(f"loss: {i} misses {len(missing)} events, e.g. {sorted(missing)[:3]}")
+    return problems
+
+
+__all__ = ["Network", "check_invariants", "replace"]
