@@ -1,0 +1,174 @@
+"""kdsync/transport — moving core messages between members.
+
+A transport carries opaque core messages (bytes produced by the ordering core)
+from this member to its peers and hands every message received from an
+authenticated peer to `on_message(peer_id, data)`, in the event-loop thread.
+It never interprets the messages: ordering, retransmission and failure
+detection are the core's job.  Delivery is best effort: messages to one peer
+arrive in the order they were sent over one connection, but may be lost when a
+connection breaks or when `send()` refuses them (back-pressure); the core
+retransmits.
+
+Implementations: `kdsync.transport.tcp.TcpTransport` (asyncio streams, optional
+TLS) and `kdsync.transport.rdma.RdmaTransport` (optional).  Both frame their
+byte streams with `kdsync.transport.framing`.
+
+Contract for the optional RDMA module (imported lazily by `make_transport`):
+it exports `RdmaTransport` (a `Transport` subclass with the same constructor)
+and may export `unavailable_reason() -> str | None`, returning why RDMA cannot
+be used on this machine (no device, no pyverbs...) or None when it can.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = [
+    "PeerStats",
+    "TLSSettings",
+    "Transport",
+    "TransportError",
+    "make_transport",
+]
+
+log = logging.getLogger("kdsync.transport")
+
+OnMessage = Callable[[str, bytes], None]
+
+
+class TransportError(Exception):
+    """A transport problem with a one-line, user-facing message."""
+
+
+@dataclass
+class TLSSettings:
+    """Certificates for TLS between members (PEM files).
+
+    Every member presents `certfile`/`keyfile`.  When `cafile` is set, TLS is
+    mutual: each side requires the other's certificate to be signed by that
+    CA.  Without `cafile` the link is encrypted but the peer's certificate is
+    not verified (the group secret still authenticates members).
+    """
+
+    certfile: str
+    keyfile: str
+    cafile: str | None = None
+
+
+@dataclass
+class PeerStats:
+    """Counters for one peer, kept up to date by the transport.
+
+    Bytes and frames count what crossed the wire (frame headers included), in
+    both directions over every connection with that peer.  `connected` is True
+    while the outgoing (sending) link to the peer is authenticated and up.
+    `refused` counts connections claiming to be this peer that failed the
+    handshake (wrong secret, malformed HELLO).
+    """
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    frames_in: int = 0
+    frames_out: int = 0
+    connected: bool = False
+    refused: int = 0
+
+
+class Transport(abc.ABC):
+    """Abstract transport between the members of one kdsync group.
+
+    `member_id`: this member.  `listen`: (host, port) to bind.  `peers`:
+    {member_id: (host, port)} of ALL members (this one included, ignored).
+    `on_message(peer_id, data)` is called in the event-loop thread for every
+    core message received from an authenticated peer.  `secret`: the group
+    secret (bytes) every member must prove it knows; None disables the check.
+    `tls`: optional TLS certificates.  `max_frame_bytes`: the largest frame
+    accepted or sent; a core message must fit in one frame.
+    """
+
+    kind: str = "?"
+
+    def __init__(
+        self,
+        member_id: str,
+        listen: tuple[str, int],
+        peers: dict[str, tuple[str, int]],
+        on_message: OnMessage,
+        *,
+        secret: bytes | None = None,
+        tls: TLSSettings | None = None,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.member_id = member_id
+        self.listen = (listen[0], int(listen[1]))
+        self.peers = {p: (a[0], int(a[1])) for p, a in peers.items() if p != member_id}
+        self.on_message = on_message
+        self.secret = secret
+        self.tls = tls
+        self.max_frame_bytes = int(max_frame_bytes)
+        self.log = logger or log
+        self.stats: dict[str, PeerStats] = {p: PeerStats() for p in sorted(self.peers)}
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bind and start (re)connecting to peers; return once listening.
+
+        Raises TransportError when the listen address cannot be bound.
+        """
+
+    @abc.abstractmethod
+    def send(self, peer: str, data: bytes) -> bool:
+        """Queue one core message for `peer`; never blocks.
+
+        Returns False when that peer's queue is full (the message is dropped;
+        the core retransmits).  Raises TransportError for an unknown peer or a
+        message larger than a frame can carry.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop every task and close every socket.  Idempotent."""
+
+
+def _make_tcp(*args, **kwargs) -> Transport:
+    from kdsync.transport.tcp import TcpTransport
+
+    return TcpTransport(*args, **kwargs)
+
+
+def make_transport(kind: str, *args, **kwargs) -> Transport:
+    """Build the transport named by `kind`: "tcp", "rdma" or "auto".
+
+    "auto" uses RDMA when `kdsync.transport.rdma` is importable and reports
+    itself usable, else TCP (with one log line saying why).  Raises
+    TransportError for "rdma" when RDMA cannot be used, and for an unknown kind.
+    """
+    if kind == "tcp":
+        return _make_tcp(*args, **kwargs)
+    if kind not in ("rdma", "auto"):
+        raise TransportError(f"unknown transport {kind!r} (expected tcp, rdma or auto)")
+    reason: str | None
+    try:
+        from kdsync.transport import rdma  # type: ignore[attr-defined]
+    except ImportError as exc:
+        rdma = None
+        reason = f"RDMA transport not available ({exc})"
+    else:
+        check = getattr(rdma, "unavailable_reason", None)
+        reason = check() if callable(check) else None
+    if reason is None and rdma is not None:
+        try:
+            return rdma.RdmaTransport(*args, **kwargs)
+        except TransportError as exc:
+            if kind == "rdma":
+                raise
+            reason = str(exc)
+    if kind == "rdma":
+        raise TransportError(f"transport = \"rdma\" cannot be used: {reason}; set transport = \"tcp\" or \"auto\"")
+    logger = kwargs.get("logger") or log
+    logger.info("transport auto: using TCP because %s", reason)
+    return _make_tcp(*args, **kwargs)

@@ -1,0 +1,213 @@
+"""Frames on a byte stream between two members (shared by TCP and RDMA).
+
+Theory of operation.  A connection carries a sequence of frames.  A frame is a
+fixed 16-byte header followed by `length` body bytes::
+
+    offset size field
+    0      2    magic     b"KD"
+    2      1    version   1
+    3      1    kind      HELLO=1, AUTH=2, BATCH=3, PING=4
+    4      2    flags     reserved, must be 0
+    6      2    reserved  must be 0
+    8      4    length    body length, big-endian, <= max_frame_bytes
+    12     4    checksum  CRC-32 (zlib.crc32, the IEEE/ISO-HDLC polynomial)
+                          of header bytes 0..11 followed by the body
+
+The checksum covers the header too, so a flipped kind or length is caught, not
+just a flipped body byte.  CRC-32 rather than CRC-32C because zlib's is in the
+standard library and runs at several GB/s; it is an error check, not
+authentication (that is the handshake's HMAC and optionally TLS).
+
+A BATCH body is a run of core messages, each prefixed by its length as a
+4-byte big-endian integer; a writer puts everything queued for a peer into one
+BATCH frame.  HELLO and AUTH bodies are the handshake (see tcp.py); PING has an
+empty body and keeps an idle link observable.
+
+`FrameDecoder.feed()` is incremental: it accepts any split of the stream and
+returns the complete frames, raising only `FrameError` on anything malformed
+(the error's `frames` attribute holds the good frames that preceded the damage
+in the same call).  After a FrameError the stream cannot be resynchronised; the caller closes the
+connection, and further `feed()` calls raise FrameError again.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import NamedTuple
+
+from kdsync.transport import TransportError
+
+__all__ = [
+    "AUTH",
+    "BATCH",
+    "HEADER_SIZE",
+    "HELLO",
+    "KINDS",
+    "MAGIC",
+    "PING",
+    "VERSION",
+    "Frame",
+    "FrameDecoder",
+    "FrameError",
+    "batch_overhead",
+    "decode_batch",
+    "encode_batch",
+    "encode_frame",
+]
+
+MAGIC = b"KD"
+VERSION = 1
+HELLO = 1
+AUTH = 2
+BATCH = 3
+PING = 4
+KINDS = frozenset((HELLO, AUTH, BATCH, PING))
+
+_HEAD = struct.Struct(">2sBBHHI")  # magic, version, kind, flags, reserved, length
+_CRC = struct.Struct(">I")
+_LEN = struct.Struct(">I")
+HEADER_SIZE = _HEAD.size + _CRC.size  # 16
+_crc32 = zlib.crc32
+
+
+class FrameError(TransportError):
+    """A malformed frame: bad magic, version, kind or length, checksum, or batch.
+
+    When raised by `FrameDecoder.feed()`, `frames` holds the valid frames that
+    preceded the damage in that call (deliver them, then close the stream).
+    """
+
+    frames: list["Frame"]
+
+    def __init__(self, message: str, frames: list["Frame"] | None = None) -> None:
+        super().__init__(message)
+        self.frames = frames if frames is not None else []
+
+
+class Frame(NamedTuple):
+    kind: int
+    flags: int
+    body: bytes
+
+
+def encode_frame(kind: int, body: bytes = b"", flags: int = 0) -> bytes:
+    """Return header + body for one frame.  Raises FrameError on a bad kind."""
+    if kind not in KINDS:
+        raise FrameError(f"cannot encode unknown frame kind {kind}")
+    head = _HEAD.pack(MAGIC, VERSION, kind, flags, 0, len(body))
+    return head + _CRC.pack(_crc32(body, _crc32(head))) + body
+
+
+def encode_batch(messages: list[bytes]) -> bytes:
+    """Return the BATCH body carrying `messages` (each length-prefixed)."""
+    parts: list[bytes] = []
+    pack = _LEN.pack
+    for m in messages:
+        parts.append(pack(len(m)))
+        parts.append(m)
+    return b"".join(parts)
+
+
+def batch_overhead(n_messages: int) -> int:
+    """Bytes a frame adds around `n_messages` messages in one BATCH."""
+    return HEADER_SIZE + _LEN.size * n_messages
+
+
+def decode_batch(body: bytes | bytearray | memoryview) -> list[bytes]:
+    """Split a BATCH body into its messages.  Raises FrameError if truncated."""
+    out: list[bytes] = []
+    mv = memoryview(body)
+    n = len(mv)
+    pos = 0
+    unpack = _LEN.unpack_from
+    while pos < n:
+        if n - pos < 4:
+            raise FrameError(f"truncated batch: {n - pos} stray bytes at offset {pos}")
+        (size,) = unpack(mv, pos)
+        pos += 4
+        end = pos + size
+        if end > n:
+            raise FrameError(f"truncated batch: message of {size} bytes at offset {pos} overruns body of {n}")
+        out.append(bytes(mv[pos:end]))
+        pos = end
+    return out
+
+
+class FrameDecoder:
+    """Incremental decoder of a frame stream.
+
+    `feed(data)` returns the frames completed by `data` (possibly none) and
+    raises only FrameError.  Bodies longer than `max_frame_bytes` are refused
+    as soon as their header arrives, so a hostile peer cannot make us buffer
+    more than one frame's worth.
+    """
+
+    __slots__ = ("max_frame_bytes", "_buf", "_error")
+
+    def __init__(self, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_frame_bytes = int(max_frame_bytes)
+        self._buf = bytearray()
+        self._error: str | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)
+
+    def _fail(self, why: str) -> FrameError:
+        self._error = why
+        self._buf = bytearray()
+        return FrameError(why)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._error is not None:
+            raise FrameError(f"stream already failed: {self._error}")
+        if self._buf:
+            self._buf += data
+            src: bytes | bytearray = self._buf
+        else:
+            # Fast path: parse straight from the caller's buffer, copy only the tail.
+            src = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        frames: list[Frame] = []
+        try:
+            pos = self._parse(src, frames)
+        except FrameError as exc:
+            exc.frames = frames
+            raise
+        if src is self._buf:
+            if pos:
+                del self._buf[:pos]
+        elif pos < len(src):
+            self._buf = bytearray(src[pos:])
+        return frames
+
+    def _parse(self, src: bytes | bytearray, frames: list[Frame]) -> int:
+        n = len(src)
+        pos = 0
+        unpack = _HEAD.unpack_from
+        crc_unpack = _CRC.unpack_from
+        limit = self.max_frame_bytes
+        with memoryview(src) as mv:
+            while n - pos >= 12:
+                magic, version, kind, flags, reserved, length = unpack(src, pos)
+                if magic != MAGIC:
+                    raise self._fail(f"bad magic {bytes(magic)!r} (not a kdsync peer?)")
+                if version != VERSION:
+                    raise self._fail(f"unsupported frame version {version} (this member speaks {VERSION})")
+                if kind not in KINDS:
+                    raise self._fail(f"unknown frame kind {kind}")
+                if flags or reserved:
+                    raise self._fail(f"unknown frame flags {flags:#x}/{reserved:#x}")
+                if length > limit:
+                    raise self._fail(f"frame of {length} bytes exceeds max_frame_bytes={limit}")
+                end = pos + HEADER_SIZE + length
+                if end > n:
+                    break
+                (crc,) = crc_unpack(src, pos + 12)
+                body = mv[pos + HEADER_SIZE : end]
+                if _crc32(body, _crc32(mv[pos : pos + 12])) != crc:
+                    raise self._fail("frame checksum mismatch")
+                frames.append(Frame(kind, flags, bytes(body)))
+                pos = end
+        return pos
