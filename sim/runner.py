@@ -1,0 +1,414 @@
+"""One simulation run: scenario + seed in, summary + trace + violations out.
+
+Theory of operation
+-------------------
+One `simpy.Environment` (time in seconds) holds everything.  Each member
+ticks its node every `TICK_S` from a phase drawn from the seed; workloads
+append to the source topic of their cluster and wake the member's consumer
+`produce_ms + consume_ms` after the producer sent (the source acknowledgement
+is `produce_ms` after sending: that is the event's `submit_ts`); faults run
+from one process in file order; at `duration_s` every partition, link fault
+and clock pause ends, and the run goes on for `settle_s` so live members can
+converge.  Then the checkers judge the global topics.
+
+Everything random comes from its own `random.Random` seeded with a string
+derived from the run seed (string seeds hash with SHA-512, so the stream does
+not depend on PYTHONHASHSEED); iteration is over lists in rank or file order,
+so the same scenario and seed give the same run, byte for byte.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import simpy
+
+from kdsync.core import Event, NodeConfig, make_node
+from sim.checkers import MIRROR_TOLERATED, Checker, Violation
+from sim.members import Cluster, Member
+from sim.network import Network
+from sim.scenario import Scenario
+
+TICK_S = 0.010  # one node tick = 10 ms of simulated time
+# Node counts (ticks): NodeConfig defaults — heartbeat 2 (20 ms), suspect 10
+# (100 ms), retransmit 3 (30 ms).  Scenarios with WAN latencies above ~80 ms
+# RTT get suspect_ticks scaled to stay above 3 RTTs (see node_config()).
+
+TRACE_COLUMNS = (
+    "run_id",
+    "member",
+    "event_id",
+    "origin",
+    "origin_partition",
+    "origin_offset",
+    "seq",
+    "submit_ts",
+    "deliver_ts",
+)
+
+
+def node_config(s: Scenario, member_id: str) -> NodeConfig:
+    """The NodeConfig the simulator gives a member of scenario `s`.
+
+    Failure suspicion must outlast a few round trips, or a slow WAN looks like
+    a dead peer: suspect_ticks >= 3 worst-case RTTs (and >= the default).
+    """
+    base = NodeConfig(member_id=member_id, members=s.member_ids)
+    worst_ms = s.network.default.latency_ms or 1.0
+    worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
+    for o in s.network.links:
+        worst_ms = max(worst_ms, (o.latency_ms or 0.0) + 3 * (o.jitter_ms or 0.0))
+    rtt_ticks = 2 * worst_ms / 1000.0 / TICK_S
+    suspect = max(base.suspect_ticks, int(3 * rtt_ticks + 0.999))
+    return NodeConfig(
+        member_id=member_id,
+        members=s.member_ids,
+        roles={m.id: m.role for m in s.members if m.role == "witness"},
+        protocol=s.protocol,
+        suspect_ticks=suspect,
+        retransmit_ticks=max(base.retransmit_ticks, int(rtt_ticks + 0.999) + 1),
+    )
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    trace: dict[str, list]  # column -> values (TRACE_COLUMNS)
+    violations: list[Violation]
+    failing: list[Violation]  # the violations that make the exit code 1
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failing else 0
+
+
+NodeFactory = Callable[..., Any]
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, seed: int, node_factory: NodeFactory | None = None) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.env = simpy.Environment()
+        self.produce_s = scenario.kafka.produce_ms / 1000.0
+        self.consume_s = scenario.kafka.consume_ms / 1000.0
+        self.node_factory = node_factory or make_node
+        self.checker = Checker()
+        self.witness_disk: dict = {}
+        self.members: dict[str, Member] = {}
+        for spec in scenario.members:
+            cluster = Cluster(spec.id) if spec.role == "member" else None
+            self.members[spec.id] = Member(self, spec.id, node_config(scenario, spec.id), cluster)
+        self.order = list(self.members.values())  # rank order
+        self.network = Network(self.env, scenario.member_ids, scenario.network, seed, self._on_message)
+        self._flush_list: list[Member] = []
+        self._flush_scheduled = False
+        self._majority_cache: dict[str, bool] | None = None
+        self.submitted: dict[tuple[str, int, int], Event] = {}
+        self.submit_ts: dict[tuple[str, int, int], float] = {}
+        self.end_s = scenario.duration_s + scenario.settle_s
+
+    # ----------------------------------------------------------- scheduling
+    def after(self, delay: float, fn: Callable[[Any], None], arg: Any) -> None:
+        ev = self.env.timeout(delay)
+        ev.callbacks.append(lambda _e: fn(arg))
+
+    def request_flush(self, m: Member) -> None:
+        m.flush_pending = True
+        self._flush_list.append(m)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            ev = self.env.timeout(0.0)
+            ev.callbacks.append(self._run_flushes)
+
+    def _run_flushes(self, _e) -> None:
+        self._flush_scheduled = False
+        todo, self._flush_list = self._flush_list, []
+        for m in todo:
+            if m.flush_pending:
+                m.flush()
+
+    def _on_message(self, src: str, dst: str, data: bytes) -> None:
+        self.members[dst].on_message(src, data)
+
+    # ------------------------------------------------------------ majority
+    def topology_changed(self) -> None:
+        self._majority_cache = None
+
+    def in_majority(self, member: str) -> bool:
+        """Is `member` in a group of up members, connected both ways, larger than half the configuration?"""
+        cache = self._majority_cache
+        if cache is None:
+            cache = self._majority_cache = self._compute_majority()
+        return cache.get(member, False)
+
+    def _compute_majority(self) -> dict[str, bool]:
+        up = [m.id for m in self.order if m.up]
+        n = len(self.order)
+        can = self.network.can_send
+        out: dict[str, bool] = {}
+        seen: set[str] = set()
+        for start in up:
+            if start in seen:
+                continue
+            comp, stack = {start}, [start]
+            while stack:
+                a = stack.pop()
+                for b in up:
+                    if b not in comp and can(a, b) and can(b, a):
+                        comp.add(b)
+                        stack.append(b)
+            seen |= comp
+            for m in comp:
+                out[m] = 2 * len(comp) > n
+        return out
+
+    # ------------------------------------------------------------- workload
+    def _setup_workload(self) -> None:
+        s = self.scenario
+        for spec in s.workload:
+            targets = s.clusters if spec.member == "all" else (spec.member,)
+            for m in targets:
+                self.members[m].cluster.ensure_partitions(spec.partitions)
+        for i, spec in enumerate(s.workload):
+            targets = s.clusters if spec.member == "all" else (spec.member,)
+            for m in targets:
+                rng = random.Random(f"{self.seed}/workload/{i}/{m}")
+                self.env.process(self._workload(spec, self.members[m], rng))
+
+    def _produce(self, member: Member, n: int, partitions: int, payload_bytes: int, rng: random.Random) -> None:
+        """n events reach the consumer now; the producer sent them produce+consume ago."""
+        c = member.cluster
+        ack = self.env.now - self.consume_s
+        sent_ms = int(round((ack - self.produce_s) * 1000))
+        origin = member.id
+        submitted, submit_ts = self.submitted, self.submit_ts
+        for _ in range(n):
+            p = rng.randrange(partitions) if partitions > 1 else 0
+            part = c.source[p]
+            off = len(part)
+            head = f"{origin}:{p}:{off}:".encode()
+            payload = head + b"." * (payload_bytes - len(head)) if payload_bytes > len(head) else head[:payload_bytes]
+            e = Event(origin, p, off, payload, sent_ms)
+            part.append(e)
+            c.source_ack[p].append(ack)
+            k = (origin, p, off)
+            submitted[k] = e
+            submit_ts[k] = ack
+        member.poll()
+
+    def _workload(self, spec, member: Member, rng: random.Random):
+        lag = self.produce_s + self.consume_s
+        env = self.env
+        if spec.burst is not None:
+            yield env.timeout(spec.at_s + lag)
+            self._produce(member, spec.burst, spec.partitions, spec.payload_bytes, rng)
+            return
+        start = spec.start_s or 0.0
+        stop = self.scenario.duration_s if spec.stop_s is None else spec.stop_s
+        t = start + rng.expovariate(spec.rate_eps)
+        if t >= stop:
+            return
+        yield env.timeout(t + lag)
+        while True:
+            self._produce(member, 1, spec.partitions, spec.payload_bytes, rng)
+            t += rng.expovariate(spec.rate_eps)
+            if t >= stop:
+                return
+            yield env.timeout(t + lag - env.now)
+
+    # --------------------------------------------------------------- faults
+    def _faults(self):
+        env = self.env
+        net = self.network
+        for f in sorted(self.scenario.faults, key=lambda f: f.at_s):  # stable: file order on ties
+            if f.at_s > env.now:
+                yield env.timeout(f.at_s - env.now)
+            a = f.action
+            if a == "crash":
+                self.members[f.crash].crash()
+            elif a == "restart":
+                self.members[f.restart].start()
+            elif a == "partition":
+                groups = [list(g) for g in f.partition]
+                net.set_partition(groups)
+                if f.until_s is not None:
+                    token = net._group
+                    self.after(f.until_s - env.now, self._end_partition, token)
+            elif a == "heal":
+                net.heal()
+            elif a == "link":
+                lf = f.link
+                net.set_link_fault(lf.from_, lf.to, lf)
+                if f.until_s is not None:
+                    self.after(f.until_s - env.now, self._end_link_fault, (lf.from_, lf.to, lf))
+            elif a == "clock_pause":
+                self.members[f.clock_pause].pause(env.now + f.for_s)
+            self.topology_changed()
+
+    def _end_partition(self, token) -> None:
+        if self.network._group is token:
+            self.network.set_partition(None)
+            self.topology_changed()
+
+    def _end_link_fault(self, arg) -> None:
+        src, dst, spec = arg
+        if self.network._faults.get((src, dst)) is spec:
+            self.network.set_link_fault(src, dst, None)
+            self.topology_changed()
+
+    def _settle(self):
+        yield self.env.timeout(self.scenario.duration_s)
+        self.network.heal()
+        for m in self.order:
+            m.resume()
+        self.topology_changed()
+
+    # ---------------------------------------------------------------- ticks
+    def _ticker(self, m: Member, phase: float):
+        env = self.env
+        yield env.timeout(phase)
+        while True:
+            if m.up:
+                m.tick()
+                m.flush()
+            yield env.timeout(TICK_S)
+
+    # ------------------------------------------------------------------ run
+    def run(self, progress: Callable[[float], None] | None = None) -> None:
+        phase_rng = random.Random(f"{self.seed}/tick-phase")
+        for m in self.order:
+            m.start()
+            self.env.process(self._ticker(m, phase_rng.random() * TICK_S))
+        self._setup_workload()
+        self.env.process(self._faults())
+        self.env.process(self._settle())
+        if progress is None:
+            self.env.run(until=self.end_s)
+            return
+        step = max(self.end_s / 200.0, TICK_S)
+        t = 0.0
+        while t < self.end_s:
+            t = min(self.end_s, t + step)
+            self.env.run(until=t)
+            progress(t)
+
+
+def _percentile(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return 0.0
+    pos = (len(sorted_vals) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def run_scenario(
+    scenario: Scenario,
+    seed: int | None = None,
+    *,
+    node_factory: NodeFactory | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> RunResult:
+    """Run `scenario` with `seed` (default: the scenario's own) and judge it.
+
+    `node_factory` replaces `kdsync.core.make_node` (tests use it to plant a
+    broken node).  Raises nothing for a bad run: violations are in the result.
+    """
+    seed = scenario.seed if seed is None else seed
+    t0 = time.perf_counter()
+    sim = Simulation(scenario, seed, node_factory)
+    sim.run(progress)
+    wall = time.perf_counter() - t0
+
+    s = scenario
+    topics = {m.id: m.cluster.global_events for m in sim.order if m.cluster is not None}
+    live = [m.id for m in sim.order if m.up and m.cluster is not None]
+    violations = sim.checker.finish(topics, sim.submitted, live)
+
+    run_id = f"{s.name}:{seed}"
+    trace: dict[str, list] = {c: [] for c in TRACE_COLUMNS}
+    lat: list[float] = []
+    submit_ts = sim.submit_ts
+    for m in sim.order:
+        c = m.cluster
+        if c is None:
+            continue
+        n = len(c.global_events)
+        trace["run_id"].extend([run_id] * n)
+        trace["member"].extend([m.id] * n)
+        trace["seq"].extend(range(n))
+        trace["deliver_ts"].extend(c.global_ts)
+        for e, dts in zip(c.global_events, c.global_ts):
+            k = (e.origin, e.partition, e.offset)
+            trace["event_id"].append(f"{e.origin}:{e.partition}:{e.offset}")
+            trace["origin"].append(e.origin)
+            trace["origin_partition"].append(e.partition)
+            trace["origin_offset"].append(e.offset)
+            sts = submit_ts.get(k, float("nan"))
+            trace["submit_ts"].append(sts)
+            if sts == sts:
+                lat.append((dts - sts) * 1000.0)
+    lat.sort()
+    delivered = {mid: len(t) for mid, t in topics.items()}
+    n_sub = len(sim.submitted)
+    latency = {
+        "p50": round(_percentile(lat, 0.50), 3),
+        "p90": round(_percentile(lat, 0.90), 3),
+        "p99": round(_percentile(lat, 0.99), 3),
+        "max": round(lat[-1], 3) if lat else 0.0,
+    }
+    everywhere = min((delivered[m] for m in live), default=0)
+    if s.expect.max_p99_ms is not None and latency["p99"] > s.expect.max_p99_ms:
+        violations.append(Violation("expect", f"p99 latency {latency['p99']} ms above expect.max_p99_ms {s.expect.max_p99_ms}"))
+    if s.expect.min_delivered_fraction is not None and n_sub:
+        frac = everywhere / n_sub
+        if frac < s.expect.min_delivered_fraction:
+            violations.append(
+                Violation(
+                    "expect",
+                    f"delivered fraction {frac:.4f} (fewest at a live member / submitted) below "
+                    f"expect.min_delivered_fraction {s.expect.min_delivered_fraction}",
+                )
+            )
+    tolerated = MIRROR_TOLERATED if s.protocol == "mirror" else frozenset()
+    failing = [v for v in violations if v.kind not in tolerated]
+    for m in sim.order:
+        if m.up:
+            m._collect_stats()
+    counts: dict[str, int] = {}
+    for v in violations:
+        counts[v.kind] = counts.get(v.kind, 0) + 1
+    summary = {
+        "scenario": s.name,
+        "seed": seed,
+        "protocol": s.protocol,
+        "members": list(s.member_ids),
+        "events_submitted": n_sub,
+        "events_delivered": delivered,
+        "violations": [v.as_dict() for v in violations],
+        "latency_ms": latency,
+        "throughput_eps": round(everywhere / s.duration_s, 3),
+        "sim_time_s": round(sim.env.now, 6),
+        "wall_time_s": round(wall, 3),
+        # extensions (interfaces.md allows new keys)
+        "violation_counts": counts,
+        "exit_code": 1 if failing else 0,
+        "tick_ms": TICK_S * 1000,
+        "network": {"messages": sim.network.sent, "dropped": sim.network.dropped, "bytes": sim.network.bytes},
+        "member_state": {
+            m.id: {
+                "up": m.up,
+                "status": m.status,
+                "starts": m.starts,
+                "views": m.views,
+                "bad_messages": m.bad_messages,
+                "deduplicated": m.deduplicated,
+            }
+            for m in sim.order
+        },
+    }
+    return RunResult(summary, trace, violations, failing)

@@ -1,0 +1,311 @@
+"""Scenario files: YAML in, validated `Scenario` out (format: shared/specs/scenario.md).
+
+Validation is pydantic (`extra="forbid"`, so an unknown key is an error); the
+YAML is composed node by node first so that every error can name the file
+line of the key it is about.  Cross-references (member ids in workloads,
+links and faults) are checked after pydantic, with the same line mapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ScenarioError(Exception):
+    """A scenario file a user must fix: `str(err)` is one line `file:line: key: what`."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MemberSpec(_Strict):
+    id: str = Field(min_length=1)
+    role: Literal["member", "witness"] = "member"
+
+
+class LinkSpec(_Strict):
+    """Properties of one direction of a link; in overrides every field is optional."""
+
+    latency_ms: float | None = Field(default=None, ge=0)
+    jitter_ms: float | None = Field(default=None, ge=0)
+    loss: float | None = Field(default=None, ge=0, le=1)
+    duplicate: float | None = Field(default=None, ge=0, le=1)
+    reorder: float | None = Field(default=None, ge=0, le=1)
+    bandwidth_mbps: float | None = Field(default=None, gt=0)
+
+
+class LinkOverride(LinkSpec):
+    from_: str = Field(alias="from")
+    to: str
+
+
+class NetworkSpec(_Strict):
+    default: LinkSpec = LinkSpec()
+    links: list[LinkOverride] = []
+
+
+class KafkaSpec(_Strict):
+    produce_ms: float = Field(default=2.0, ge=0)
+    consume_ms: float = Field(default=1.0, ge=0)
+
+
+class WorkloadSpec(_Strict):
+    member: str
+    rate_eps: float | None = Field(default=None, gt=0)
+    start_s: float | None = Field(default=None, ge=0)
+    stop_s: float | None = Field(default=None, ge=0)
+    burst: int | None = Field(default=None, ge=1)
+    at_s: float | None = Field(default=None, ge=0)
+    partitions: int = Field(default=1, ge=1, le=1024)
+    payload_bytes: int = Field(default=100, ge=0, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "WorkloadSpec":
+        if (self.rate_eps is None) == (self.burst is None):
+            raise ValueError("give exactly one of rate_eps (with start_s/stop_s) or burst (with at_s)")
+        if self.burst is not None and (self.start_s is not None or self.stop_s is not None):
+            raise ValueError("a burst takes at_s, not start_s/stop_s")
+        if self.burst is not None and self.at_s is None:
+            raise ValueError("a burst needs at_s")
+        if self.rate_eps is not None and self.at_s is not None:
+            raise ValueError("a rate takes start_s/stop_s, not at_s")
+        return self
+
+
+class LinkFault(LinkSpec):
+    from_: str = Field(alias="from")
+    to: str
+
+
+_FAULT_ACTIONS = ("crash", "restart", "partition", "heal", "link", "clock_pause")
+
+
+class FaultSpec(_Strict):
+    at_s: float = Field(ge=0)
+    crash: str | None = None
+    restart: str | None = None
+    partition: list[list[str]] | None = None
+    heal: Literal[True] | None = None
+    link: LinkFault | None = None
+    until_s: float | None = Field(default=None, ge=0)  # link faults (and partitions): when they end
+    clock_pause: str | None = None
+    for_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_action(self) -> "FaultSpec":
+        given = [a for a in _FAULT_ACTIONS if getattr(self, a) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(_FAULT_ACTIONS)} (got {', '.join(given) or 'none'})")
+        if self.for_s is not None and self.clock_pause is None:
+            raise ValueError("for_s belongs to clock_pause")
+        if self.clock_pause is not None and self.for_s is None:
+            raise ValueError("clock_pause needs for_s")
+        if self.until_s is not None and self.link is None and self.partition is None:
+            raise ValueError("until_s belongs to link or partition")
+        if self.until_s is not None and self.until_s <= self.at_s:
+            raise ValueError("until_s must be after at_s")
+        return self
+
+    @property
+    def action(self) -> str:
+        return next(a for a in _FAULT_ACTIONS if getattr(self, a) is not None)
+
+
+class ExpectSpec(_Strict):
+    max_p99_ms: float | None = Field(default=None, gt=0)
+    min_delivered_fraction: float | None = Field(default=None, ge=0, le=1)
+
+
+class Scenario(_Strict):
+    name: str = Field(min_length=1)
+    seed: int = 0
+    protocol: Literal["derecho", "sequencer", "mirror"] = "derecho"
+    duration_s: float = Field(gt=0, le=86_400)
+    settle_s: float = Field(default=10.0, ge=0, le=86_400)
+    members: list[MemberSpec] = Field(min_length=1)
+    network: NetworkSpec = NetworkSpec()
+    kafka: KafkaSpec = KafkaSpec()
+    workload: list[WorkloadSpec] = []
+    faults: list[FaultSpec] = []
+    expect: ExpectSpec = ExpectSpec()
+
+    @property
+    def member_ids(self) -> tuple[str, ...]:
+        return tuple(m.id for m in self.members)
+
+    @property
+    def clusters(self) -> tuple[str, ...]:
+        """Members that have a Kafka cluster (everyone but witnesses), in rank order."""
+        return tuple(m.id for m in self.members if m.role == "member")
+
+    @property
+    def witnesses(self) -> tuple[str, ...]:
+        return tuple(m.id for m in self.members if m.role == "witness")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _plain(node: yaml.Node, path: tuple, lines: dict[tuple, int]) -> Any:
+    """Python value of a composed YAML node; records the line of every path."""
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = yaml.constructor.SafeConstructor().construct_object(key_node)
+            if not isinstance(key, (str, int, float, bool)):
+                raise _LoadError(key_node.start_mark.line + 1, "a mapping key must be a plain scalar")
+            if key in out:
+                raise _LoadError(key_node.start_mark.line + 1, f"{key}: duplicate key")
+            lines[path + (key,)] = key_node.start_mark.line + 1
+            out[key] = _plain(value_node, path + (key,), lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_plain(item, path + (i,), lines) for i, item in enumerate(node.value)]
+    return yaml.constructor.SafeConstructor().construct_object(node)
+
+
+class _LoadError(Exception):
+    def __init__(self, line: int, msg: str):
+        super().__init__(msg)
+        self.line = line
+
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _line_of(path: tuple, lines: dict[tuple, int]) -> int:
+    path = tuple(path)
+    while path and path not in lines:
+        path = path[:-1]
+    return lines.get(path, 1)
+
+
+def _field_path(loc: tuple) -> tuple:
+    """pydantic loc -> path in the YAML (aliases are already YAML names)."""
+    return tuple("from" if p == "from_" else p for p in loc if p not in ("function-after",))
+
+
+def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
+    """Validate scenario YAML text.  Raises ScenarioError (one line: source:line: key: what)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = mark.line + 1 if mark else 1
+        raise ScenarioError(f"{source}:{line}: not valid YAML: {err.problem or err}") from None
+    if root is None:
+        raise ScenarioError(f"{source}:1: the file is empty (expected a mapping with name, duration_s, members, ...)")
+    lines: dict[tuple, int] = {}
+    try:
+        data = _plain(root, (), lines)
+    except _LoadError as err:
+        raise ScenarioError(f"{source}:{err.line}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ScenarioError(f"{source}:1: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{source}:1: a scenario is a mapping (name, duration_s, members, ...)")
+    try:
+        scenario = Scenario.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        path = _field_path(first["loc"])
+        if first["type"] == "extra_forbidden":
+            what = "unknown key"
+        elif first["type"] == "missing":
+            what = "missing required key"
+        else:
+            what = first["msg"].removeprefix("Value error, ")
+            if "input" in first and not isinstance(first["input"], (dict, list)):
+                what += f" (got {first['input']!r})"
+        raise ScenarioError(f"{source}:{_line_of(path, lines)}: {_dotted(path)}: {what}") from None
+    problem = _cross_check(scenario)
+    if problem:
+        path, what = problem
+        raise ScenarioError(f"{source}:{_line_of(path, lines)}: {_dotted(path)}: {what}")
+    return scenario
+
+
+def _cross_check(s: Scenario) -> tuple[tuple, str] | None:
+    ids = s.member_ids
+    seen: set[str] = set()
+    for i, m in enumerate(s.members):
+        if m.id in seen:
+            return ("members", i, "id"), f"duplicate member id {m.id!r}"
+        if m.id == "all":
+            return ("members", i, "id"), "'all' is reserved (workload member: all)"
+        seen.add(m.id)
+    if not s.clusters:
+        return ("members",), "at least one member must have role member (a Kafka cluster)"
+
+    def unknown(name: str) -> str:
+        return f"unknown member {name!r} (members: {', '.join(ids)})"
+
+    for i, link in enumerate(s.network.links):
+        for key, name in (("from", link.from_), ("to", link.to)):
+            if name not in seen:
+                return ("network", "links", i, key), unknown(name)
+    for i, w in enumerate(s.workload):
+        if w.member != "all" and w.member not in seen:
+            return ("workload", i, "member"), unknown(w.member)
+        if w.member in s.witnesses:
+            return ("workload", i, "member"), f"{w.member!r} is a witness and has no Kafka cluster"
+        if w.rate_eps is not None:
+            start, stop = w.start_s or 0.0, s.duration_s if w.stop_s is None else w.stop_s
+            if stop > s.duration_s:
+                return ("workload", i, "stop_s"), f"must be at most duration_s ({s.duration_s})"
+            if start >= stop:
+                return ("workload", i, "start_s"), "must be before stop_s"
+        elif w.at_s is not None and w.at_s >= s.duration_s:
+            return ("workload", i, "at_s"), f"must be before duration_s ({s.duration_s})"
+    for i, f in enumerate(s.faults):
+        if f.at_s >= s.duration_s:
+            return ("faults", i, "at_s"), f"must be before duration_s ({s.duration_s}); everything heals then"
+        for key in ("crash", "restart", "clock_pause"):
+            name = getattr(f, key)
+            if name is not None and name not in seen:
+                return ("faults", i, key), unknown(name)
+        if f.link is not None:
+            for key, name in (("from", f.link.from_), ("to", f.link.to)):
+                if name not in seen:
+                    return ("faults", i, "link", key), unknown(name)
+        if f.partition is not None:
+            placed: set[str] = set()
+            for g, group in enumerate(f.partition):
+                for j, name in enumerate(group):
+                    if name not in seen:
+                        return ("faults", i, "partition", g, j), unknown(name)
+                    if name in placed:
+                        return ("faults", i, "partition", g, j), f"{name!r} is in two groups"
+                    placed.add(name)
+    return None
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file.  Raises ScenarioError for anything a user must fix."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ScenarioError(f"{path}: cannot read scenario file ({err.__class__.__name__}: {err})") from None
+    return parse_scenario(text, str(path))
+
+
+def dump_scenario(s: Scenario) -> str:
+    """YAML text that `parse_scenario` turns back into an equal Scenario."""
+    data = s.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_defaults=False)
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
