@@ -66,7 +66,8 @@ class PeerStats:
     both directions over every connection with that peer.  `connected` is True
     while the outgoing (sending) link to the peer is authenticated and up.
     `refused` counts connections claiming to be this peer that failed the
-    handshake (wrong secret, malformed HELLO).
+    handshake (wrong secret, malformed HELLO), in either direction.
+    `dropped` counts messages `send()` refused because the queue was full.
     """
 
     bytes_in: int = 0
@@ -75,6 +76,7 @@ class PeerStats:
     frames_out: int = 0
     connected: bool = False
     refused: int = 0
+    dropped: int = 0
 
 
 class Transport(abc.ABC):

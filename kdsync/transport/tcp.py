@@ -1,0 +1,613 @@
+"""TCP transport between kdsync members (asyncio streams, optional TLS).
+
+Theory of operation.
+
+Connections.  Every member dials one outgoing connection to each peer and
+uses it only to send; the connections peers dial to us are used only to
+receive.  So a pair of members holds two TCP connections, one per direction.
+This avoids the classic race of "both sides dial at once, which connection
+wins?", needs no tie-breaking by member id, and lets each side reconnect on
+its own schedule: the dialer owns its link and reconnects it with exponential
+backoff plus jitter (`backoff_initial` doubling up to `backoff_max`, each delay
+scaled by a random factor in [0.5, 1)).  When a peer dials again (it
+restarted, or its link broke), the older incoming connection from that peer is
+closed, so a half-open leftover never lingers.
+
+Framing and batching.  Both directions carry frames (`framing.py`).  Each
+peer has a bounded queue (in bytes, `max_queue_bytes`) filled by `send()`.
+One writer task per outgoing connection takes *everything* queued when it
+runs (up to one frame) and writes it as a single BATCH frame, then awaits
+`drain()`; while the socket is busy, new messages accumulate and go out
+together in the next frame.  When the queue is full `send()` returns False and
+drops the message (the core retransmits); memory per peer is therefore bounded
+by `max_queue_bytes` plus one frame in the socket buffer.  Queued messages
+survive a reconnect.  An idle sender emits a PING every `ping_interval`
+seconds; a receiver closes an incoming connection that stays silent for
+`idle_timeout` seconds (a vanished peer, a half-open socket).
+
+Handshake (over the framed stream, before any BATCH)::
+
+    dialer   -> HELLO {"v":1, "id": <dialer id>, "to": <expected peer id>, "nonce": <32 hex>}
+    listener -> HELLO {"v":1, "id": <listener id>, "nonce": <32 hex>}
+    dialer   -> AUTH  {"proof": P_dialer}
+    listener -> AUTH  {"ok": true, "proof": P_listener}
+
+With a group secret, P_role = HMAC-SHA256(secret, "kdsync-v1/" + role, nonce_dialer,
+nonce_listener, dialer_id, listener_id) in hex, role being "dialer" or
+"listener" so that one side's proof can never be replayed as the other's.  The
+secret itself never crosses the wire; both nonces are fresh, so a recorded
+handshake cannot be replayed.  The dialer proves first: a listener never
+computes a proof for a stranger, and it is the listener (the member being
+contacted) that logs the precise reason when a peer has the wrong secret.
+Without a secret the proofs are empty.  A peer that claims an unknown member
+id, cannot prove the secret, times out (`handshake_timeout`) or sends anything
+malformed is logged as one WARNING line naming its address and the reason, and
+only that connection is closed.
+
+TLS.  With `TLSSettings`, both the listener and the dialer wrap their sockets
+with stdlib `ssl` (TLS 1.2+).  With `cafile` set, both sides require a
+certificate signed by that CA (mutual TLS).  Hostnames are not checked: members
+are addressed by IP and are identified by the handshake above.
+
+Threading.  Everything runs in one asyncio event loop; `send()` and
+`on_message` must be used from that loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import json
+import logging
+import os
+import random
+import socket
+import ssl
+from typing import Any
+
+from kdsync.transport import OnMessage, PeerStats, TLSSettings, Transport, TransportError
+from kdsync.transport.framing import (
+    AUTH,
+    BATCH,
+    HEADER_SIZE,
+    HELLO,
+    PING,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    decode_batch,
+    encode_batch,
+    encode_frame,
+)
+
+__all__ = ["TcpTransport", "HandshakeError"]
+
+_READ_CHUNK = 1 << 20
+_MAX_HELLO = 4096
+_PING_FRAME = encode_frame(PING)
+
+
+class HandshakeError(TransportError):
+    """The handshake with a peer failed; the message says why."""
+
+
+class _ClosedDuringHandshake(HandshakeError):
+    pass
+
+
+def _proof(secret: bytes | None, role: str, n_dialer: str, n_listener: str, dialer: str, listener: str) -> str:
+    if secret is None:
+        return ""
+    msg = "\x00".join(("kdsync-v1/" + role, n_dialer, n_listener, dialer, listener)).encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def _parse_json(frame: Frame, kind: int, what: str) -> dict[str, Any]:
+    if frame.kind != kind:
+        raise HandshakeError(f"expected {what}, got frame kind {frame.kind}")
+    if len(frame.body) > _MAX_HELLO:
+        raise HandshakeError(f"{what} of {len(frame.body)} bytes is too large")
+    try:
+        obj = json.loads(frame.body)
+    except (UnicodeDecodeError, ValueError):
+        raise HandshakeError(f"malformed {what} (not JSON)") from None
+    if not isinstance(obj, dict):
+        raise HandshakeError(f"malformed {what} (not an object)")
+    return obj
+
+
+def _field(obj: dict[str, Any], key: str, what: str) -> str:
+    val = obj.get(key)
+    if not isinstance(val, str) or len(val) > 256:
+        raise HandshakeError(f"malformed {what}: field {key!r} missing or not a string")
+    return val
+
+
+class _Link:
+    """Outgoing side of one peer: its queue and the task that dials it."""
+
+    __slots__ = ("peer", "addr", "queue", "queued", "wakeup", "task", "writer", "last_error")
+
+    def __init__(self, peer: str, addr: tuple[str, int]) -> None:
+        self.peer = peer
+        self.addr = addr
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.queued = 0
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.last_error: str | None = None
+
+
+class TcpTransport(Transport):
+    """The Transport over TCP; see the module docstring for the design.
+
+    Extra keyword options (all optional): `max_queue_bytes` (per-peer send
+    queue bound, default = max_frame_bytes), `handshake_timeout` (s),
+    `ping_interval` (s), `idle_timeout` (s), `backoff_initial` and
+    `backoff_max` (s, reconnect delays), `connect_timeout` (s).
+    """
+
+    kind = "tcp"
+
+    def __init__(
+        self,
+        member_id: str,
+        listen: tuple[str, int],
+        peers: dict[str, tuple[str, int]],
+        on_message: OnMessage,
+        *,
+        secret: bytes | None = None,
+        tls: TLSSettings | None = None,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        logger: logging.Logger | None = None,
+        max_queue_bytes: int | None = None,
+        handshake_timeout: float = 5.0,
+        ping_interval: float = 1.0,
+        idle_timeout: float = 15.0,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(
+            member_id,
+            listen,
+            peers,
+            on_message,
+            secret=secret,
+            tls=tls,
+            max_frame_bytes=max_frame_bytes,
+            logger=logger,
+        )
+        if isinstance(secret, str):
+            raise TypeError("secret must be bytes")
+        self.max_queue_bytes = int(max_queue_bytes if max_queue_bytes is not None else max_frame_bytes)
+        self.handshake_timeout = handshake_timeout
+        self.ping_interval = ping_interval
+        self.idle_timeout = idle_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.connect_timeout = connect_timeout
+        # Largest single message that fits in one BATCH frame.
+        self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
+        self.refused_unknown = 0  # refused connections that named no known member
+        self._links = {p: _Link(p, a) for p, a in sorted(self.peers.items())}
+        self._inbound: dict[str, asyncio.StreamWriter] = {}
+        self._conn_tasks: set[asyncio.Task] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._closing = False
+        self._rng = random.Random(os.urandom(16))
+        self._server_ssl: ssl.SSLContext | None = None
+        self._client_ssl: ssl.SSLContext | None = None
+        self.bound: tuple[str, int] | None = None  # actual listen address after start()
+
+    # ------------------------------------------------------------ public API
+
+    async def start(self) -> None:
+        if self.tls is not None:
+            self._server_ssl, self._client_ssl = self._ssl_contexts(self.tls)
+        host, port = self.listen
+        try:
+            self._server = await asyncio.start_server(
+                self._on_incoming,
+                host,
+                port,
+                ssl=self._server_ssl,
+                ssl_handshake_timeout=self.handshake_timeout if self._server_ssl else None,
+                limit=_READ_CHUNK,
+                reuse_address=True,
+            )
+        except OSError as exc:
+            raise TransportError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; check [member] listen"
+            ) from None
+        sock = self._server.sockets[0]
+        self.bound = sock.getsockname()[:2]
+        for link in self._links.values():
+            link.task = asyncio.create_task(self._dial_loop(link), name=f"kdsync-tcp-dial-{link.peer}")
+        self.log.info(
+            "transport tcp listening on %s:%s%s%s",
+            self.bound[0],
+            self.bound[1],
+            " with TLS" if self._server_ssl else "",
+            " with group secret" if self.secret is not None else "",
+        )
+
+    def send(self, peer: str, data: bytes) -> bool:
+        link = self._links.get(peer)
+        if link is None:
+            raise TransportError(f"cannot send to unknown member {peer!r}")
+        size = len(data)
+        if size > self.max_message_bytes:
+            raise TransportError(
+                f"message of {size} bytes does not fit in a frame (max_frame_bytes={self.max_frame_bytes})"
+            )
+        if self._closing or link.queued + size > self.max_queue_bytes:
+            self.stats[peer].dropped += 1
+            return False
+        link.queue.append(data)
+        link.queued += size
+        link.wakeup.set()
+        return True
+
+    def queued_bytes(self, peer: str) -> int:
+        """Bytes waiting in the send queue of `peer`."""
+        return self._links[peer].queued
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        tasks = [lk.task for lk in self._links.values() if lk.task is not None] + list(self._conn_tasks)
+        for lk in self._links.values():
+            if lk.writer is not None:
+                lk.writer.close()
+        for w in list(self._inbound.values()):
+            w.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        for st in self.stats.values():
+            st.connected = False
+
+    # ------------------------------------------------------------ TLS
+
+    @staticmethod
+    def _ssl_contexts(tls: TLSSettings) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        try:
+            server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            for ctx in (server, client):
+                ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+                ctx.load_cert_chain(tls.certfile, tls.keyfile)
+            client.check_hostname = False
+            if tls.cafile:
+                for ctx in (server, client):
+                    ctx.load_verify_locations(cafile=tls.cafile)
+                    ctx.verify_mode = ssl.CERT_REQUIRED
+            else:
+                server.verify_mode = ssl.CERT_NONE
+                client.verify_mode = ssl.CERT_NONE
+        except (OSError, ssl.SSLError) as exc:
+            raise TransportError(
+                f"cannot load TLS certificates (certfile={tls.certfile}, keyfile={tls.keyfile}, "
+                f"cafile={tls.cafile}): {getattr(exc, 'strerror', None) or exc}; check the [tls] settings"
+            ) from None
+        return server, client
+
+    # ------------------------------------------------------------ helpers
+
+    @staticmethod
+    async def _next_frame(reader: asyncio.StreamReader, dec: FrameDecoder, pending: list[Frame]) -> Frame:
+        while not pending:
+            data = await reader.read(_READ_CHUNK)
+            if not data:
+                raise _ClosedDuringHandshake("connection closed during handshake")
+            pending.extend(dec.feed(data))
+        return pending.pop(0)
+
+    @staticmethod
+    def _set_sockopts(writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        except OSError:
+            pass
+
+    def _deliver(self, peer: str, frames: list[Frame]) -> None:
+        """Hand the messages of `frames` to on_message.  Raises FrameError on a bad frame."""
+        st = self.stats[peer]
+        st.frames_in += len(frames)
+        for f in frames:
+            if f.kind == BATCH:
+                for msg in decode_batch(f.body):
+                    try:
+                        self.on_message(peer, msg)
+                    except Exception:  # the member's bug must not kill the link
+                        self.log.exception("on_message failed for a message from %s", peer)
+            elif f.kind != PING:
+                raise FrameError(f"unexpected frame kind {f.kind} after handshake")
+
+    # ------------------------------------------------------------ listener side
+
+    async def _on_incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._conn_tasks.add(task)
+        addr = writer.get_extra_info("peername")
+        addr_s = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        peer: str | None = None
+        try:
+            self._set_sockopts(writer)
+            dec = FrameDecoder(self.max_frame_bytes)
+            pending: list[Frame] = []
+            try:
+                peer = await asyncio.wait_for(self._listener_handshake(reader, writer, dec, pending), self.handshake_timeout)
+            except asyncio.TimeoutError:
+                self.log.warning("refused connection from %s: no valid handshake within %.1fs", addr_s, self.handshake_timeout)
+                return
+            except HandshakeError as exc:
+                self.log.warning("refused connection from %s: %s", addr_s, exc)
+                return
+            old = self._inbound.get(peer)
+            if old is not None:
+                old.close()  # the peer dialed again; its previous connection is stale
+            self._inbound[peer] = writer
+            self.log.debug("accepted connection from %s at %s", peer, addr_s)
+            st = self.stats[peer]
+            try:
+                if pending:
+                    self._deliver(peer, pending)
+                while not self._closing:
+                    try:
+                        data = await asyncio.wait_for(reader.read(_READ_CHUNK), self.idle_timeout)
+                    except asyncio.TimeoutError:
+                        self.log.info("closing silent connection from %s at %s (nothing for %.0fs)", peer, addr_s, self.idle_timeout)
+                        return
+                    if not data:
+                        return
+                    st.bytes_in += len(data)
+                    try:
+                        frames = dec.feed(data)
+                    except FrameError as exc:
+                        self._deliver(peer, exc.frames)
+                        raise
+                    if frames:
+                        self._deliver(peer, frames)
+            except FrameError as exc:
+                self.log.warning("closed connection from %s at %s: malformed frame: %s", peer, addr_s, exc)
+            finally:
+                if self._inbound.get(peer) is writer:
+                    del self._inbound[peer]
+        except (ConnectionError, OSError, ssl.SSLError) as exc:
+            self.log.debug("connection from %s (%s) ended: %s", addr_s, peer, exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            writer.close()
+            if task is not None:
+                self._conn_tasks.discard(task)
+
+    async def _listener_handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dec: FrameDecoder, pending: list[Frame]
+    ) -> str:
+        """Run the listener half of the handshake; return the authenticated peer id."""
+        claimed: str | None = None
+        try:
+            hello = _parse_json(await self._next_frame(reader, dec, pending), HELLO, "HELLO")
+            claimed = _field(hello, "id", "HELLO")
+            if hello.get("v") != 1:
+                raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}")
+            if claimed not in self.peers:
+                self.refused_unknown += 1
+                raise HandshakeError(f"unknown member id {claimed!r}")
+            target = _field(hello, "to", "HELLO")
+            if target != self.member_id:
+                raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}")
+            n_dialer = _field(hello, "nonce", "HELLO")
+            n_listener = os.urandom(16).hex()
+            frame = encode_frame(HELLO, json.dumps({"v": 1, "id": self.member_id, "nonce": n_listener}).encode())
+            writer.write(frame)
+            await writer.drain()
+            auth = _parse_json(await self._next_frame(reader, dec, pending), AUTH, "AUTH")
+            want = _proof(self.secret, "dialer", n_dialer, n_listener, claimed, self.member_id)
+            got = auth.get("proof")
+            if not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
+                raise HandshakeError(f"member {claimed!r} could not prove it knows the group secret")
+            proof = _proof(self.secret, "listener", n_dialer, n_listener, claimed, self.member_id)
+            accept = encode_frame(AUTH, json.dumps({"ok": True, "proof": proof}).encode())
+            writer.write(accept)
+            await writer.drain()
+        except FrameError as exc:
+            if claimed in self.stats:
+                self.stats[claimed].refused += 1
+            raise HandshakeError(f"malformed frame: {exc}") from None
+        except HandshakeError:
+            if claimed in self.stats:
+                self.stats[claimed].refused += 1
+            raise
+        st = self.stats[claimed]
+        st.frames_out += 2
+        st.bytes_out += len(frame) + len(accept)
+        return claimed
+
+    # ------------------------------------------------------------ dialer side
+
+    async def _dial_loop(self, link: _Link) -> None:
+        attempt = 0
+        st = self.stats[link.peer]
+        host, port = link.addr
+        while not self._closing:
+            writer: asyncio.StreamWriter | None = None
+            reason: str | None = None
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(
+                        host,
+                        port,
+                        ssl=self._client_ssl,
+                        ssl_handshake_timeout=self.handshake_timeout if self._client_ssl else None,
+                        limit=_READ_CHUNK,
+                    ),
+                    self.connect_timeout,
+                )
+                self._set_sockopts(writer)
+                dec = FrameDecoder(self.max_frame_bytes)
+                pending: list[Frame] = []
+                try:
+                    await asyncio.wait_for(self._dialer_handshake(link, reader, writer, dec, pending), self.handshake_timeout)
+                except HandshakeError as exc:
+                    st.refused += 1
+                    self._note_failure(link, f"handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
+                    raise
+                attempt = 0
+                link.writer = writer
+                link.last_error = None
+                st.connected = True
+                self.log.info("connected to %s at %s:%s", link.peer, host, port)
+                reason = await self._pump(link, reader, writer, dec, pending)
+            except asyncio.CancelledError:
+                raise
+            except HandshakeError:
+                pass
+            except asyncio.TimeoutError:
+                self._note_failure(link, f"connecting to {link.peer} at {host}:{port} timed out", logging.DEBUG)
+            except (OSError, ssl.SSLError, TransportError) as exc:
+                self._note_failure(link, f"cannot reach {link.peer} at {host}:{port}: {exc}", logging.DEBUG)
+            finally:
+                was_connected = st.connected
+                st.connected = False
+                link.writer = None
+                if writer is not None:
+                    writer.close()
+                if was_connected and not self._closing:
+                    self.log.info("link to %s lost: %s", link.peer, reason or "closed")
+            if self._closing:
+                return
+            delay = min(self.backoff_max, self.backoff_initial * (2 ** min(attempt, 30))) * self._rng.uniform(0.5, 1.0)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    def _note_failure(self, link: _Link, msg: str, level: int) -> None:
+        """Log a dial failure once per distinct reason (retries would repeat it every backoff)."""
+        if msg != link.last_error:
+            link.last_error = msg
+            self.log.log(level, "%s", msg)
+
+    async def _dialer_handshake(
+        self,
+        link: _Link,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        dec: FrameDecoder,
+        pending: list[Frame],
+    ) -> None:
+        st = self.stats[link.peer]
+        n_dialer = os.urandom(16).hex()
+        hello = encode_frame(HELLO, json.dumps({"v": 1, "id": self.member_id, "to": link.peer, "nonce": n_dialer}).encode())
+        writer.write(hello)
+        await writer.drain()
+        try:
+            reply = _parse_json(await self._next_frame(reader, dec, pending), HELLO, "HELLO")
+            answered = _field(reply, "id", "HELLO")
+            if answered != link.peer:
+                raise HandshakeError(f"answered as member {answered!r}")
+            n_listener = _field(reply, "nonce", "HELLO")
+            auth = encode_frame(
+                AUTH, json.dumps({"proof": _proof(self.secret, "dialer", n_dialer, n_listener, self.member_id, link.peer)}).encode()
+            )
+            writer.write(auth)
+            await writer.drain()
+            try:
+                ok = _parse_json(await self._next_frame(reader, dec, pending), AUTH, "AUTH")
+            except _ClosedDuringHandshake:
+                raise HandshakeError("peer closed the connection: it refused our proof (wrong group secret?)") from None
+            want = _proof(self.secret, "listener", n_dialer, n_listener, self.member_id, link.peer)
+            got = ok.get("proof")
+            if ok.get("ok") is not True or not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
+                raise HandshakeError("peer could not prove it knows the group secret")
+        except FrameError as exc:
+            raise HandshakeError(f"malformed frame: {exc}") from None
+        st.frames_out += 2
+        st.bytes_out += len(hello) + len(auth)
+        st.frames_in += 2
+
+    async def _pump(
+        self,
+        link: _Link,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        dec: FrameDecoder,
+        pending: list[Frame],
+    ) -> str:
+        """Run the writer and a watcher of the read side until the connection ends; return why."""
+        wtask = asyncio.create_task(self._write_loop(link, writer))
+        rtask = asyncio.create_task(self._watch_loop(link, reader, dec, pending))
+        try:
+            done, _ = await asyncio.wait((wtask, rtask), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (wtask, rtask):
+                t.cancel()
+            await asyncio.gather(wtask, rtask, return_exceptions=True)
+        for t in done:
+            exc = t.exception()
+            if exc is not None:
+                return str(exc) or type(exc).__name__
+            return t.result()
+        return "closed"
+
+    async def _write_loop(self, link: _Link, writer: asyncio.StreamWriter) -> str:
+        st = self.stats[link.peer]
+        queue = link.queue
+        budget = self.max_frame_bytes - HEADER_SIZE
+        while not self._closing:
+            if not queue:
+                link.wakeup.clear()
+                try:
+                    await asyncio.wait_for(link.wakeup.wait(), self.ping_interval)
+                except asyncio.TimeoutError:
+                    writer.write(_PING_FRAME)
+                    st.frames_out += 1
+                    st.bytes_out += len(_PING_FRAME)
+                    await writer.drain()
+                continue
+            msgs: list[bytes] = []
+            size = 0
+            while queue:
+                n = len(queue[0]) + 4
+                if msgs and size + n > budget:
+                    break
+                msgs.append(queue.popleft())
+                size += n
+            link.queued -= size - 4 * len(msgs)
+            frame = encode_frame(BATCH, encode_batch(msgs))
+            writer.write(frame)
+            st.frames_out += 1
+            st.bytes_out += len(frame)
+            await writer.drain()
+        return "closing"
+
+    async def _watch_loop(self, link: _Link, reader: asyncio.StreamReader, dec: FrameDecoder, pending: list[Frame]) -> str:
+        """The listener sends nothing after accepting; read only to notice EOF and errors."""
+        st = self.stats[link.peer]
+        while True:
+            data = await reader.read(_READ_CHUNK)
+            if not data:
+                return "peer closed the connection"
+            st.bytes_in += len(data)
+            for f in dec.feed(data):
+                st.frames_in += 1
+                if f.kind != PING:
+                    raise FrameError(f"unexpected frame kind {f.kind} from listener")

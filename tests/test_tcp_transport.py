@@ -1,0 +1,481 @@
+"""TCP transport: round trip, reconnect, back-pressure, refusals, TLS.
+
+Everything runs on 127.0.0.1 with free ports, inside `asyncio.run` (no
+pytest-asyncio needed).  Waits poll for a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from kdsync.transport import TLSSettings, Transport, TransportError, make_transport
+from kdsync.transport.framing import AUTH, HELLO, FrameDecoder, encode_frame
+from kdsync.transport.tcp import TcpTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = dict(backoff_initial=0.02, backoff_max=0.2, handshake_timeout=2.0, ping_interval=0.2)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def async_test(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 50))
+
+    return wrapper
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.got: dict[str, list[bytes]] = defaultdict(list)
+
+    def __call__(self, peer: str, data: bytes) -> None:
+        self.got[peer].append(data)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.got.values())
+
+
+def group(ids, ports, inboxes=None, **kw) -> dict[str, TcpTransport]:
+    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    inboxes = inboxes if inboxes is not None else {m: Inbox() for m in ids}
+    return {m: TcpTransport(m, peers[m], peers, inboxes[m], **{**FAST, **kw}) for m in ids}
+
+
+async def start_all(ts) -> None:
+    for t in ts.values():
+        await t.start()
+
+
+async def close_all(ts) -> None:
+    for t in ts.values():
+        await t.close()
+
+
+async def all_connected(ts, timeout=10.0) -> None:
+    await until(lambda: all(st.connected for t in ts.values() for st in t.stats.values()), timeout, "all links up")
+
+
+# ------------------------------------------------------------------ round trip
+
+
+@async_test
+async def test_three_members_round_trip_order_and_batching():
+    ids = ["dc1", "dc2", "dc3"]
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, free_ports(3), inboxes)
+    await start_all(ts)
+    try:
+        await all_connected(ts)
+        n = 3000
+        for i in range(n):
+            for src in ids:
+                for dst in ids:
+                    if src != dst:
+                        assert ts[src].send(dst, f"{src}->{dst}:{i}".encode() + b"x" * (i % 50))
+        await until(lambda: all(inboxes[m].count() == 2 * n for m in ids), 20, "all messages")
+        for dst in ids:
+            for src in ids:
+                if src == dst:
+                    continue
+                got = inboxes[dst].got[src]
+                assert [g.split(b":")[1].rstrip(b"x") for g in got] == [str(i).encode() for i in range(n)]
+                assert all(g.startswith(f"{src}->{dst}:".encode()) for g in got)
+                st = ts[src].stats[dst]
+                # Batching: far fewer BATCH frames than messages.
+                assert 0 < st.frames_out < n / 10, st
+                assert ts[dst].stats[src].frames_in >= 1
+                assert ts[dst].stats[src].bytes_in >= sum(len(g) for g in got)
+                assert st.bytes_out >= sum(len(g) for g in got)
+    finally:
+        await close_all(ts)
+
+
+# ------------------------------------------------------------------ reconnect
+
+
+@async_test
+async def test_reconnect_after_peer_restart():
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, ports, inboxes)
+    await start_all(ts)
+    try:
+        await all_connected(ts)
+        assert ts["a"].send("b", b"before")
+        await until(lambda: inboxes["b"].got["a"] == [b"before"], what="first message")
+        await ts["b"].close()
+        await until(lambda: not ts["a"].stats["b"].connected, what="a notices b is gone")
+        # b comes back on the same port, as a fresh process would.
+        inbox2 = Inbox()
+        peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+        ts["b"] = TcpTransport("b", peers["b"], peers, inbox2, **FAST)
+        await ts["b"].start()
+        await all_connected(ts)
+        for i in range(100):
+            assert ts["a"].send("b", b"after%d" % i)
+            assert ts["b"].send("a", b"back%d" % i)
+        await until(lambda: inbox2.got["a"][-1:] == [b"after99"], what="a->b after restart")
+        await until(lambda: inboxes["a"].got["b"][-1:] == [b"back99"], what="b->a after restart")
+        assert inbox2.got["a"][-100:] == [b"after%d" % i for i in range(100)]
+        assert inboxes["a"].got["b"] == [b"back%d" % i for i in range(100)]
+    finally:
+        await close_all(ts)
+
+
+@async_test
+async def test_messages_queued_while_peer_down_are_sent_when_it_comes_up():
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, ports, inboxes)
+    await ts["a"].start()
+    try:
+        for i in range(10):
+            assert ts["a"].send("b", b"m%d" % i)
+        assert ts["a"].queued_bytes("b") > 0
+        await ts["b"].start()
+        await until(lambda: len(inboxes["b"].got["a"]) == 10, what="queued messages")
+        assert inboxes["b"].got["a"] == [b"m%d" % i for i in range(10)]
+        assert ts["a"].queued_bytes("b") == 0
+    finally:
+        await close_all(ts)
+
+
+# ------------------------------------------------------------------ back-pressure
+
+
+async def stuck_listener(member_id: str, port: int, dialer_id: str):
+    """A peer that completes the handshake (no secret) and then never reads again."""
+    accepted = asyncio.Event()
+    writers = []
+
+    async def handle(reader, writer):
+        writers.append(writer)
+        dec = FrameDecoder()
+        frames = []
+        while len(frames) < 2:
+            data = await reader.read(65536)
+            if not data:
+                return
+            frames += dec.feed(data)
+            if len(frames) == 1:
+                hello = json.loads(frames[0].body)
+                assert hello["id"] == dialer_id
+                reply = {"v": 1, "id": member_id, "nonce": "00" * 16}
+                writer.write(encode_frame(HELLO, json.dumps(reply).encode()))
+        writer.write(encode_frame(AUTH, b'{"ok":true,"proof":""}'))
+        accepted.set()
+        try:
+            await asyncio.Event().wait()  # never read again
+        except asyncio.CancelledError:
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    # Tiny receive buffer so the sender's socket fills quickly.
+    for s in server.sockets:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    return server, accepted, writers
+
+
+@async_test
+async def test_back_pressure_slow_peer_bounded_and_others_unaffected():
+    ids = ["a", "slow", "c"]
+    ports = free_ports(3)
+    inboxes = {m: Inbox() for m in ids}
+    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    qmax = 1 << 20
+    a = TcpTransport("a", peers["a"], peers, inboxes["a"], max_queue_bytes=qmax, max_frame_bytes=1 << 20, **FAST)
+    c = TcpTransport("c", peers["c"], peers, inboxes["c"], **FAST)
+    server, accepted, writers = await stuck_listener("slow", ports[1], "a")
+    await a.start()
+    await c.start()
+    try:
+        await asyncio.wait_for(accepted.wait(), 10)
+        await until(lambda: a.stats["slow"].connected, what="link to slow peer")
+        chunk = b"z" * 32768
+        sent = 0
+        refused_at = None
+        for i in range(2000):  # 64 MiB offered, far more than socket buffers + queue
+            if not a.send("slow", chunk):
+                refused_at = i
+                break
+            sent += 1
+            if i % 16 == 0:
+                await asyncio.sleep(0)  # let the writer push into the socket
+        assert refused_at is not None, "send() never reported back-pressure"
+        assert a.queued_bytes("slow") <= qmax
+        assert a.stats["slow"].dropped == 1
+        # Memory stays bounded: queue + what asyncio holds for the socket.
+        lw = a._links["slow"].writer
+        assert lw is not None and lw.transport.get_write_buffer_size() <= (1 << 20) + 65536
+        # The slow peer does not hold up the others, in either direction.
+        for i in range(500):
+            assert a.send("c", b"c%d" % i)
+            assert c.send("a", b"a%d" % i)
+        await until(lambda: len(inboxes["c"].got["a"]) == 500 and len(inboxes["a"].got["c"]) == 500, what="c traffic")
+        assert inboxes["c"].got["a"] == [b"c%d" % i for i in range(500)]
+        assert a.queued_bytes("slow") <= qmax
+    finally:
+        await a.close()
+        await c.close()
+        for w in writers:
+            w.close()
+        server.close()
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@async_test
+async def test_wrong_secret_refused_and_logged_others_keep_going(caplog):
+    caplog.set_level(logging.INFO, logger="kdsync")
+    ids = ["a", "b", "c"]
+    ports = free_ports(3)
+    inboxes = {m: Inbox() for m in ids}
+    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    ts = {
+        m: TcpTransport(m, peers[m], peers, inboxes[m], secret=(b"s3cret" if m != "c" else b"guess"), **FAST)
+        for m in ids
+    }
+    await start_all(ts)
+    try:
+        await until(lambda: ts["a"].stats["b"].connected and ts["b"].stats["a"].connected, what="a<->b")
+        await until(lambda: ts["a"].stats["c"].refused >= 1 and ts["c"].stats["a"].refused >= 1, what="c refused")
+        for i in range(50):
+            ts["a"].send("b", b"%d" % i)
+            ts["c"].send("a", b"intruder")
+        await until(lambda: len(inboxes["b"].got["a"]) == 50, what="a->b with secret")
+        await asyncio.sleep(0.3)  # give the intruder's dialer several retries
+        assert inboxes["a"].got["c"] == [] and inboxes["b"].got["c"] == []
+        assert not ts["c"].stats["a"].connected and not ts["a"].stats["c"].connected
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("refused connection from 127.0.0.1:" in w and "'c' could not prove it knows the group secret" in w for w in warnings), warnings
+        assert any("handshake with c at" in w and "refused our proof (wrong group secret?)" in w for w in warnings), warnings
+        assert not any("s3cret" in r.getMessage() or "guess" in r.getMessage() for r in caplog.records)
+    finally:
+        await close_all(ts)
+
+
+@async_test
+async def test_secret_on_one_side_only_is_refused():
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    a = TcpTransport("a", peers["a"], peers, Inbox(), secret=b"k", **FAST)
+    b = TcpTransport("b", peers["b"], peers, Inbox(), **FAST)
+    await a.start()
+    await b.start()
+    try:
+        # Each side refuses the other's dialer proof (empty vs. HMAC), and each dialer sees
+        # its connection closed: two refusals per side.
+        await until(lambda: a.stats["b"].refused >= 2 and b.stats["a"].refused >= 2, what="refusals")
+        assert not a.stats["b"].connected and not b.stats["a"].connected
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def raw_exchange(port: int, payload: bytes, timeout: float = 5.0) -> bytes:
+    """Send `payload` on a raw connection; return what came back before the server closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+    await writer.drain()
+    got = b""
+    try:
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), timeout)
+            if not data:
+                break
+            got += data
+    except ConnectionResetError:
+        pass
+    writer.close()
+    return got
+
+
+@async_test
+async def test_unknown_member_garbage_and_silence_close_only_that_connection(caplog):
+    caplog.set_level(logging.INFO, logger="kdsync")
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, ports, inboxes, handshake_timeout=0.5)
+    await start_all(ts)
+    try:
+        await all_connected(ts)
+        hello = json.dumps({"v": 1, "id": "mallory", "to": "a", "nonce": "11" * 16}).encode()
+        bad = [
+            encode_frame(HELLO, hello),  # unknown member id
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # garbage
+            encode_frame(HELLO, b"{not json"),  # malformed HELLO
+            encode_frame(HELLO, b"x" * 10)[:8] + b"\xff\xff\xff\xff" + b"\x00" * 4,  # oversized length
+            encode_frame(HELLO, json.dumps({"v": 1, "id": "b", "to": "zz", "nonce": "1"}).encode()),  # wrong target
+            b"",  # silence: handshake timeout
+        ]
+        results = await asyncio.gather(*(raw_exchange(ports[0], p) for p in bad))
+        # Every bad connection was closed by a (no reply to the bad ones at all).
+        assert results == [b""] * len(bad)
+        # ...while a and b kept exchanging.
+        for i in range(200):
+            assert ts["b"].send("a", b"%d" % i)
+        await until(lambda: len(inboxes["a"].got["b"]) == 200, what="b->a after attacks")
+        assert ts["a"].stats["b"].connected and ts["b"].stats["a"].connected
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        for needle in ("unknown member id 'mallory'", "bad magic", "malformed HELLO", "exceeds max_frame_bytes", "meant to reach 'zz'", "no valid handshake"):
+            assert any(needle in w and "refused connection from 127.0.0.1:" in w for w in warnings), (needle, warnings)
+        assert ts["a"].refused_unknown == 1
+    finally:
+        await close_all(ts)
+
+
+@async_test
+async def test_malformed_frame_after_handshake_closes_that_connection(caplog):
+    """An authenticated peer whose stream turns bad is cut off; it reconnects and recovers."""
+    caplog.set_level(logging.INFO, logger="kdsync")
+    ids = ["a", "b"]
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, free_ports(2), inboxes)
+    await start_all(ts)
+    try:
+        await all_connected(ts)
+        assert ts["b"].send("a", b"one")
+        await until(lambda: inboxes["a"].got["b"] == [b"one"], what="first")
+        # Corrupt b's outgoing stream directly.
+        ts["b"]._links["a"].writer.write(b"\x00" * 64)
+        await until(lambda: any("closed connection from b" in r.getMessage() for r in caplog.records), what="warning")
+        await until(lambda: ts["b"].stats["a"].connected, what="b reconnects")
+        assert ts["b"].send("a", b"two")
+        await until(lambda: inboxes["a"].got["b"][-1:] == [b"two"], what="after reconnect")
+    finally:
+        await close_all(ts)
+
+
+# ------------------------------------------------------------------ API edges
+
+
+@async_test
+async def test_send_errors_and_bind_failure():
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    ts = group(ids, ports, max_frame_bytes=1024)
+    with pytest.raises(TransportError, match="unknown member 'zz'"):
+        ts["a"].send("zz", b"x")
+    with pytest.raises(TransportError, match="does not fit in a frame"):
+        ts["a"].send("b", b"x" * 2000)
+    await ts["a"].start()
+    try:
+        clash = TcpTransport("b", ("127.0.0.1", ports[0]), {"a": ("127.0.0.1", ports[0])}, Inbox())
+        with pytest.raises(TransportError, match=f"cannot listen on 127.0.0.1:{ports[0]}"):
+            await clash.start()
+    finally:
+        await ts["a"].close()
+    assert ts["a"].send("b", b"x") is False  # closed
+
+
+def test_make_transport_kinds(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="kdsync")
+    args = ("a", ("127.0.0.1", 0), {"a": ("127.0.0.1", 0)}, Inbox())
+    t = make_transport("tcp", *args)
+    assert isinstance(t, Transport) and t.kind == "tcp"
+    monkeypatch.setitem(sys.modules, "kdsync.transport.rdma", None)  # as if the module did not exist
+    t = make_transport("auto", *args)
+    assert t.kind == "tcp"
+    assert any("transport auto: using TCP because" in r.getMessage() for r in caplog.records)
+    with pytest.raises(TransportError, match='transport = "rdma" cannot be used'):
+        make_transport("rdma", *args)
+    with pytest.raises(TransportError, match="unknown transport 'udp'"):
+        make_transport("udp", *args)
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def make_certs(tmp_path, names):
+    """A throwaway CA and one cert per name (openssl CLI); returns {name: TLSSettings}."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+
+    def run(*cmd):
+        subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+
+    run("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "1", "-subj", "/CN=kdsync-test-ca")
+    out = {}
+    for n in names:
+        run("openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{n}.key", "-out", f"{n}.csr", "-subj", f"/CN={n}")
+        (tmp_path / f"{n}.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+        run("openssl", "x509", "-req", "-in", f"{n}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{n}.pem", "-days", "1", "-extfile", f"{n}.ext")
+        out[n] = TLSSettings(str(tmp_path / f"{n}.pem"), str(tmp_path / f"{n}.key"), str(tmp_path / "ca.pem"))
+    return out
+
+
+def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path):
+    certs = make_certs(tmp_path, ["a", "b"])
+
+    @async_test
+    async def body():
+        ids = ["a", "b", "c"]
+        ports = free_ports(3)
+        inboxes = {m: Inbox() for m in ids}
+        peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+        ts = {m: TcpTransport(m, peers[m], peers, inboxes[m], tls=certs[m], secret=b"k", **FAST) for m in ("a", "b")}
+        # c has the secret but no TLS: it must not get in.
+        ts["c"] = TcpTransport("c", peers["c"], peers, inboxes["c"], secret=b"k", **FAST)
+        await start_all(ts)
+        try:
+            await until(lambda: ts["a"].stats["b"].connected and ts["b"].stats["a"].connected, what="TLS links")
+            for i in range(300):
+                assert ts["a"].send("b", b"tls%d" % i)
+                assert ts["b"].send("a", b"slt%d" % i)
+                ts["c"].send("a", b"plain")
+            await until(lambda: len(inboxes["b"].got["a"]) == 300 and len(inboxes["a"].got["b"]) == 300, what="TLS msgs")
+            assert inboxes["b"].got["a"] == [b"tls%d" % i for i in range(300)]
+            assert ts["a"]._links["b"].writer.get_extra_info("ssl_object") is not None
+            await asyncio.sleep(0.3)
+            assert inboxes["a"].got["c"] == [] and not ts["c"].stats["a"].connected
+        finally:
+            await close_all(ts)
+
+    body()
+
+
+def test_tls_bad_certificate_paths_give_one_line_error(tmp_path):
+    tls = TLSSettings(str(tmp_path / "missing.pem"), str(tmp_path / "missing.key"))
+    t = TcpTransport("a", ("127.0.0.1", 0), {}, Inbox(), tls=tls)
+    with pytest.raises(TransportError, match="cannot load TLS certificates") as info:
+        asyncio.run(t.start())
+    assert "\n" not in str(info.value)
