@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Run the RDMA tests for real: build (or reuse) the Debian guest image, boot it
+# under qemu (software emulation, TCG), load soft-RoCE (rdma_rxe) in the guest
+# and run tests/rdma there.  The project is shared read-only over virtfs/9p;
+# results come back through a second, writable 9p share.
+#
+# Usage: infra/rdma-vm/run-tests.sh [OUT_DIR]      (default build/rdma-vm)
+# Env:   KDSYNC_VM_TIMEOUT  seconds before qemu is killed (default 420)
+#        KDSYNC_VM_CMD      a shell command to run in the guest instead of pytest
+#        KDSYNC_VM_CACHE    image cache directory (see build-image.sh)
+# Exit:  0 tests passed, 1 tests failed or the guest did not finish,
+#        3 skipped: the environment cannot run the VM (reason on stderr,
+#        also written to OUT_DIR/skip_reason).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PROJECT="$(cd "$HERE/../.." && pwd)"
+OUT="${1:-$PROJECT/build/rdma-vm}"
+TIMEOUT="${KDSYNC_VM_TIMEOUT:-420}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+rm -f "$OUT"/{junit.xml,results.json,guest.log,console.log,exit_code,vm-info.txt,skip_reason,cmd,run.json}
+
+skip() {
+    echo "skipped: $*" >&2
+    echo "$*" >"$OUT/skip_reason"
+    exit 3
+}
+log() { echo "[rdma-vm] $*" >&2; }
+
+if ! command -v qemu-system-x86_64 >/dev/null; then
+    [ "$(id -u)" = 0 ] || skip "qemu-system-x86_64 is not installed and we are not root to apt-get install it"
+    log "installing qemu-system-x86 debootstrap e2fsprogs"
+    apt-get update -q >&2 || skip "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        qemu-system-x86 debootstrap e2fsprogs >&2 || skip "cannot apt-get install qemu-system-x86"
+fi
+
+t0=$(date +%s)
+set +e
+IMAGE="$(bash "$HERE/build-image.sh" | tail -n 1)"
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" = 3 ]; then
+    skip "guest image could not be built (see messages above)"
+elif [ "$rc" != 0 ] || [ ! -f "$IMAGE/disk.img" ]; then
+    echo "guest image build failed (exit $rc)" >&2
+    exit 1
+fi
+t1=$(date +%s)
+
+if [ -n "${KDSYNC_VM_CMD:-}" ]; then
+    printf '%s\n' "$KDSYNC_VM_CMD" >"$OUT/cmd"
+fi
+
+# TCG: the host's /dev/kvm is a nested paravirtual KVM that cannot boot a stock
+# kernel, and CI hosts may have no KVM at all; emulation is slower but certain.
+log "booting guest (TCG, timeout ${TIMEOUT}s), console in $OUT/console.log"
+qemu-system-x86_64 \
+    -accel tcg,thread=multi -cpu max -m 2048 -smp 2 \
+    -kernel "$IMAGE/vmlinuz" -initrd "$IMAGE/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0 init=/sbin/kdsync-vm-boot net.ifnames=0 panic=-1 quiet" \
+    -drive "file=$IMAGE/disk.img,format=raw,if=virtio" -snapshot \
+    -netdev user,id=n0 -device virtio-net-pci,netdev=n0 \
+    -virtfs "local,path=$PROJECT,mount_tag=src,security_model=none,readonly=on" \
+    -virtfs "local,path=$OUT,mount_tag=out,security_model=none" \
+    -nographic -no-reboot -monitor none -serial "file:$OUT/console.log" &
+QEMU_PID=$!
+# Kill only the qemu we started, if this script is interrupted.
+trap 'kill "$QEMU_PID" 2>/dev/null || true' EXIT INT TERM
+deadline=$(( $(date +%s) + TIMEOUT ))
+while kill -0 "$QEMU_PID" 2>/dev/null; do
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+        log "timeout after ${TIMEOUT}s: killing qemu pid $QEMU_PID"
+        kill "$QEMU_PID" 2>/dev/null || true
+        sleep 2
+        kill -9 "$QEMU_PID" 2>/dev/null || true
+        break
+    fi
+    sleep 1
+done
+wait "$QEMU_PID" 2>/dev/null || true
+trap - EXIT INT TERM
+t2=$(date +%s)
+printf '{"image": "%s", "image_seconds": %d, "vm_seconds": %d}\n' "$IMAGE" $((t1 - t0)) $((t2 - t1)) >"$OUT/run.json"
+log "image $((t1 - t0))s, vm $((t2 - t1))s"
+
+if [ ! -f "$OUT/exit_code" ]; then
+    if ! grep -q 'kdsync-vm' "$OUT/console.log" 2>/dev/null && [ ! -f "$OUT/guest.log" ]; then
+        tail -30 "$OUT/console.log" >&2 2>/dev/null || true
+        skip "the guest did not boot under qemu within ${TIMEOUT}s (console tail above)"
+    fi
+    echo "guest did not finish the tests within ${TIMEOUT}s; see $OUT/guest.log" >&2
+    tail -30 "$OUT/guest.log" >&2 2>/dev/null || true
+    exit 1
+fi
+code="$(cat "$OUT/exit_code")"
+tail -40 "$OUT/guest.log" >&2 || true
+[ "$code" = 0 ] || { echo "in-VM tests failed (exit $code); see $OUT/guest.log" >&2; exit 1; }
+log "in-VM tests passed"
