@@ -1,0 +1,439 @@
+"""Configuration of one member (`kdsync run --config FILE`), validated with pydantic.
+
+The TOML file (see shared/specs/interfaces.md) with every optional section::
+
+    state_dir = "/var/lib/kdsync/dc1"   # HardState; default: .kdsync-state/<id> next to the file
+
+    [member]
+    id = "dc1"
+    listen = "127.0.0.1:7401"
+    role = "member"                     # or "witness" (orders and votes, no Kafka)
+
+    [peers]                             # every member, this one included
+    dc1 = "127.0.0.1:7401"
+    dc2 = "127.0.0.1:7402"
+    arb = { address = "127.0.0.1:7409", role = "witness" }
+
+    [kafka]                             # any librdkafka property, as is
+    "bootstrap.servers" = "127.0.0.1:9092"
+    [kafka.consumer]                    # overrides for the source consumer
+    "fetch.wait.max.ms" = 5
+    [kafka.producer]                    # overrides for the global-topic producer
+    "linger.ms" = 2
+
+    [topics]
+    source = "test"                     # or ["a", "b"] or { allow = "^app-.*", deny = "-global$" }
+    global_suffix = "-global"
+    global_partitions = 1               # >1: partitioned by key hash, same in every cluster
+
+    [transport]
+    kind = "auto"                       # auto | tcp | rdma
+    secret = "..."                      # or secret_file = "/etc/kdsync/secret"
+    tls = { certfile = "m.pem", keyfile = "m.key", cafile = "ca.pem" }
+
+    [protocol]
+    name = "derecho"                    # derecho | sequencer | mirror
+    tick_ms = 10
+    heartbeat_ms = 20
+    suspect_ms = 200
+    retransmit_ms = 30
+
+    [metrics]
+    listen = "127.0.0.1:9464"           # Prometheus endpoint; absent: none
+
+    [log]
+    level = "info"
+    format = "kv"                       # kv | json
+
+`load_config(path)` returns a `Config` or raises `ConfigError` whose message is
+one line naming the key: ``config error: peers.dc9: ...``.
+
+The original positional form ``kdsync run [N [BROKERS [TOPIC]]]`` is mapped by
+`legacy_config(n, brokers, topic, derecho_cfg)`: members are ``m0 .. m{N-1}``;
+``m<local_id>`` is this member at ``local_ip:gms_port``; ``m0`` is the leader at
+``leader_ip:leader_gms_port`` and every other ``m<i>`` at ``leader_ip:leader_gms_port + i``
+(Derecho's single-host layout).  For members on several hosts, add to the
+``[DERECHO]`` section ``members = "ip:port, ip:port, ..."`` (in id order).
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["Config", "ConfigError", "load_config", "legacy_config", "parse_address"]
+
+KafkaValue = Union[str, int, float, bool]
+
+
+_KEY = "\x00"  # ValueError("\0sub.key\0message") names a key below the failing location
+
+
+class ConfigError(Exception):
+    """A user error in the configuration; str() is one line naming the key."""
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """"host:port" -> (host, port); raises ValueError with a short reason."""
+    if not isinstance(value, str) or ":" not in value:
+        raise ValueError(f"expected \"host:port\", got {value!r}")
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"missing host in {value!r}")
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"port {port!r} is not a number") from None
+    if not 0 < p < 65536:
+        raise ValueError(f"port {p} out of range 1..65535")
+    return host, p
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _address(v: Any) -> str:
+    parse_address(v)
+    return v
+
+
+class MemberSection(_Model):
+    id: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    listen: str
+    role: Literal["member", "witness"] = "member"
+    state_dir: str | None = None
+
+    _check_listen = field_validator("listen")(lambda cls, v: _address(v))
+
+
+class PeerEntry(_Model):
+    address: str
+    role: Literal["member", "witness"] = "member"
+
+    _check_address = field_validator("address")(lambda cls, v: _address(v))
+
+
+class TopicFilter(_Model):
+    allow: str
+    deny: str | None = None
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"bad regular expression: {e}") from None
+        return v
+
+
+class TopicsSection(_Model):
+    source: Any  # a name, a list of names, or TopicFilter (normalised by _source)
+    global_suffix: str = "-global"
+    global_partitions: Annotated[int, Field(ge=1, le=10_000)] = 1
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _source(cls, v):
+        if isinstance(v, dict):
+            try:
+                return TopicFilter.model_validate(v)
+            except ValidationError as e:
+                raise ValueError(_format(e, prefix=False)) from None
+        names = [v] if isinstance(v, str) else v if isinstance(v, list) else None
+        if names is None:
+            raise ValueError("expected a topic name, a list of names, or { allow = REGEX, deny = REGEX }")
+        if not names:
+            raise ValueError("empty list of source topics")
+        for n in names:
+            if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", n):
+                raise ValueError(f"{n!r} is not a valid Kafka topic name")
+        return v
+
+    @field_validator("global_suffix")
+    @classmethod
+    def _suffix(cls, v: str) -> str:
+        if not v or not re.fullmatch(r"[A-Za-z0-9._-]+", v):
+            raise ValueError("must be a non-empty topic-name suffix (letters, digits, . _ -)")
+        return v
+
+    def global_topic(self, source: str) -> str:
+        return source + self.global_suffix
+
+    def matches(self, topic: str) -> bool:
+        """Whether a topic that exists in the cluster is a source topic."""
+        if topic.endswith(self.global_suffix) or topic.startswith("__"):
+            return False
+        s = self.source
+        if isinstance(s, str):
+            return topic == s
+        if isinstance(s, list):
+            return topic in s
+        return re.search(s.allow, topic) is not None and not (s.deny and re.search(s.deny, topic))
+
+    def fixed_names(self) -> list[str] | None:
+        """The source topics when they are named, None for a regex filter."""
+        s = self.source
+        return [s] if isinstance(s, str) else list(s) if isinstance(s, list) else None
+
+
+class TLSSection(_Model):
+    certfile: str
+    keyfile: str
+    cafile: str | None = None
+
+
+class TransportSection(_Model):
+    kind: Literal["auto", "tcp", "rdma"] = "auto"
+    secret: str | None = None
+    secret_file: str | None = None
+    tls: TLSSection | None = None
+    max_frame_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
+
+    @model_validator(mode="after")
+    def _one_secret(self):
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("set either secret or secret_file, not both")
+        return self
+
+
+class ProtocolSection(_Model):
+    name: Literal["derecho", "sequencer", "mirror"] = "derecho"
+    tick_ms: Annotated[float, Field(gt=0, le=10_000)] = 10
+    heartbeat_ms: Annotated[float, Field(gt=0)] = 20
+    suspect_ms: Annotated[float, Field(gt=0)] = 500
+    retransmit_ms: Annotated[float, Field(gt=0)] = 50
+    max_batch: Annotated[int, Field(ge=1)] = 10_000
+    log_retention: Annotated[int, Field(ge=1)] = 1_000_000
+    catchup_chunk: Annotated[int, Field(ge=1)] = 5_000
+
+    def ticks(self, ms: float) -> int:
+        return max(1, round(ms / self.tick_ms))
+
+
+class MetricsSection(_Model):
+    listen: str | None = None
+
+    @field_validator("listen")
+    @classmethod
+    def _addr(cls, v):
+        return None if v is None else _address(v)
+
+
+class LogSection(_Model):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["kv", "json"] = "kv"
+
+
+class KafkaSection(BaseModel):
+    """librdkafka properties, as is; `consumer` / `producer` override them."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    consumer: dict[str, Any] = Field(default_factory=dict)
+    producer: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _values(cls, data):
+        if not isinstance(data, dict):
+            return data
+        for k, v in data.items():
+            sub = v.items() if k in ("consumer", "producer") and isinstance(v, dict) else [(None, v)]
+            if k in ("consumer", "producer") and not isinstance(v, dict):
+                raise ValueError(f"{_KEY}{k}{_KEY}must be a table of librdkafka properties")
+            for k2, v2 in sub:
+                if not isinstance(v2, (str, int, float, bool)):
+                    name = f"{k}.{k2}" if k2 is not None else k
+                    raise ValueError(f"{_KEY}{name}{_KEY}librdkafka property must be a string, number or boolean")
+        return data
+
+    def common(self) -> dict[str, KafkaValue]:
+        return dict(self.model_extra or {})
+
+    def consumer_conf(self) -> dict[str, KafkaValue]:
+        return {**self.common(), **self.consumer}
+
+    def producer_conf(self) -> dict[str, KafkaValue]:
+        return {**self.common(), **self.producer}
+
+
+class Config(_Model):
+    member: MemberSection
+    peers: dict[str, PeerEntry]
+    kafka: KafkaSection = Field(default_factory=KafkaSection)
+    topics: TopicsSection | None = None
+    transport: TransportSection = Field(default_factory=TransportSection)
+    protocol: ProtocolSection = Field(default_factory=ProtocolSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    log: LogSection = Field(default_factory=LogSection)
+    state_dir: str | None = None
+    base_dir: str = Field(default=".", exclude=True)  # directory of the config file
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _peers(cls, v):
+        if not isinstance(v, dict) or not v:
+            raise ValueError("a table of member id = \"host:port\" with at least this member")
+        for pid in v:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", pid):
+                raise ValueError(f"{pid!r} is not a valid member id (letters, digits, . _ -)")
+        return {pid: {"address": e} if isinstance(e, str) else e for pid, e in v.items()}
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        me = self.member.id
+        if me not in self.peers:
+            raise ValueError(f"{_KEY}member.id{_KEY}{me!r} must be listed in [peers]")
+        mine = self.peers[me]
+        if mine.role != self.member.role and "role" in mine.model_fields_set:
+            raise ValueError(f"{_KEY}peers.{me}.role{_KEY}disagrees with member.role")
+        if self.member.role == "member":
+            if self.topics is None:
+                raise ValueError(f"{_KEY}topics.source{_KEY}required for a member (only a witness runs without Kafka)")
+            if "bootstrap.servers" not in self.kafka.common() and "bootstrap.servers" not in self.kafka.consumer:
+                raise ValueError(f"{_KEY}kafka.\"bootstrap.servers\"{_KEY}required for a member")
+        if self.transport.tls is not None:
+            for f in ("certfile", "keyfile", "cafile"):
+                p = getattr(self.transport.tls, f)
+                if p is not None and not self._path(p).is_file():
+                    raise ValueError(f"{_KEY}transport.tls.{f}{_KEY}no such file {p!r}")
+        if self.transport.secret_file is not None and not self._path(self.transport.secret_file).is_file():
+            raise ValueError(f"{_KEY}transport.secret_file{_KEY}no such file {self.transport.secret_file!r}")
+        return self
+
+    # ------------------------------------------------------------ derived
+    def _path(self, p: str) -> Path:
+        q = Path(p).expanduser()
+        return q if q.is_absolute() else Path(self.base_dir) / q
+
+    def peer_addresses(self) -> dict[str, tuple[str, int]]:
+        return {pid: parse_address(e.address) for pid, e in self.peers.items()}
+
+    def roles(self) -> dict[str, str]:
+        """Member ids with role "witness" (others are members)."""
+        out = {pid: e.role for pid, e in self.peers.items() if e.role == "witness"}
+        if self.member.role == "witness":
+            out[self.member.id] = "witness"
+        return out
+
+    def member_ids(self) -> tuple[str, ...]:
+        """All members in rank order (sorted ids, the same at every member)."""
+        return tuple(sorted(self.peers))
+
+    def secret_bytes(self) -> bytes | None:
+        t = self.transport
+        if t.secret is not None:
+            return t.secret.encode()
+        if t.secret_file is not None:
+            return self._path(t.secret_file).read_bytes().strip()
+        return None
+
+    def state_path(self) -> Path:
+        d = self.state_dir or self.member.state_dir or f".kdsync-state/{self.member.id}"
+        return self._path(d)
+
+    def resolved_tls(self):
+        """TLS paths made absolute relative to the config file, or None."""
+        t = self.transport.tls
+        if t is None:
+            return None
+        return TLSSection(certfile=str(self._path(t.certfile)), keyfile=str(self._path(t.keyfile)),
+                          cafile=str(self._path(t.cafile)) if t.cafile else None)
+
+
+def _format(err: ValidationError, prefix: bool = True) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"])
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if msg.startswith(_KEY):
+        sub, _, msg = msg[1:].partition(_KEY)
+        loc = f"{loc}.{sub}" if loc else sub
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif e["type"] == "missing":
+        msg = "required key is missing"
+    text = f"{loc}: {msg}" if loc else msg
+    return f"config error: {text}" if prefix else text
+
+
+def config_from_dict(data: dict, base_dir: str = ".") -> Config:
+    """Validate a parsed config; raises ConfigError (one line)."""
+    try:
+        return Config.model_validate({**data, "base_dir": base_dir})
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a TOML config file; raises ConfigError (one line)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config error: cannot read {str(path)!r}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config error: {path}: {e}") from None
+    if "base_dir" in data:
+        raise ConfigError("config error: base_dir: unknown key")
+    return config_from_dict(data, base_dir=str(p.resolve().parent))
+
+
+def legacy_config(n: int, brokers: str, topic: str, derecho_cfg: str | os.PathLike[str]) -> Config:
+    """The original `kdsync run N BROKERS TOPIC` + derecho.cfg form (see module doc)."""
+    cp = configparser.ConfigParser(inline_comment_prefixes=("#", ";"))
+    try:
+        with open(derecho_cfg, encoding="utf-8") as f:
+            cp.read_file(f)
+    except OSError as e:
+        raise ConfigError(f"config error: cannot read {str(derecho_cfg)!r}: {e.strerror} "
+                          "(put derecho.cfg in the working directory or set DERECHO_CONF_FILE)") from None
+    except configparser.Error as e:
+        raise ConfigError(f"config error: {derecho_cfg}: {str(e).splitlines()[0]}") from None
+    if not cp.has_section("DERECHO"):
+        raise ConfigError(f"config error: {derecho_cfg}: missing [DERECHO] section")
+    sec = cp["DERECHO"]
+
+    def get(key: str, conv=str):
+        if key not in sec:
+            raise ConfigError(f"config error: DERECHO.{key}: required key is missing in {derecho_cfg}")
+        try:
+            return conv(sec[key].strip())
+        except ValueError:
+            raise ConfigError(f"config error: DERECHO.{key}: {sec[key]!r} is not a valid value") from None
+
+    if n < 1:
+        raise ConfigError("config error: N: the number of members must be at least 1")
+    local_id = get("local_id", int)
+    if not 0 <= local_id < n:
+        raise ConfigError(f"config error: DERECHO.local_id: {local_id} is not in 0..{n - 1} (N = {n})")
+    local_ip, gms_port = get("local_ip"), get("gms_port", int)
+    leader_ip, leader_port = get("leader_ip"), get("leader_gms_port", int)
+    if "members" in sec:
+        addrs = [a.strip() for a in sec["members"].split(",") if a.strip()]
+        if len(addrs) != n:
+            raise ConfigError(f"config error: DERECHO.members: lists {len(addrs)} addresses but N = {n}")
+    else:
+        addrs = [f"{leader_ip}:{leader_port + i}" for i in range(n)]
+    addrs[local_id] = f"{local_ip}:{gms_port}"
+    me = f"m{local_id}"
+    data = {
+        "member": {"id": me, "listen": f"{local_ip}:{gms_port}"},
+        "peers": {f"m{i}": a for i, a in enumerate(addrs)},
+        "kafka": {"bootstrap.servers": brokers},
+        "topics": {"source": topic},
+        "transport": {"kind": "tcp"},
+    }
+    return config_from_dict(data, base_dir=str(Path(derecho_cfg).resolve().parent))

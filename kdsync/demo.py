@@ -1,0 +1,383 @@
+"""`kdsync demo`: embedded brokers, one `kdsync run` per cluster, concurrent
+writes, and an offset-by-offset agreement check.
+
+The pieces are reusable (the member tests and the benchmark use them):
+
+* `LocalGroup(n, workdir, ...)` — n embedded Tansu brokers (real processes),
+  generated TOML configs and n `kdsync run` subprocesses; `start_member(i)`,
+  `signal_member(i, sig)`, `wait_member(i)`, `close()` (stops every process
+  it started, members first).
+* `write_events(bootstrap, topic, n, tag)` — produce n keyed records, return
+  when every one is acknowledged.
+* `read_global(bootstrap, topic)` — a global topic read to partition EOF,
+  as `GlobalRecord`s.
+* `check_agreement({member: records})` — (ok, one-line detail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
+from kdsync.kafka.topic import ensure_topic, iter_partition
+
+__all__ = ["GlobalRecord", "LocalGroup", "check_agreement", "main", "read_global", "write_events"]
+
+
+@dataclass(frozen=True)
+class GlobalRecord:
+    offset: int
+    seq: int
+    origin: str
+    origin_partition: int
+    origin_offset: int
+    origin_ts: int
+    key: bytes | None
+    value: bytes | None
+    write_ts: int  # record timestamp in the global topic (ms)
+
+    @property
+    def event_id(self) -> tuple[str, int, int]:
+        return (self.origin, self.origin_partition, self.origin_offset)
+
+
+def read_global(bootstrap: str, topic: str, timeout: float = 30.0) -> list[GlobalRecord]:
+    """Every record of partition 0 of a global topic, read to partition EOF."""
+    out = []
+    for m in iter_partition(bootstrap, topic, 0, timeout=timeout):
+        h = dict(m.headers() or [])
+        out.append(GlobalRecord(m.offset(), int(h["kdsync.seq"]), h["kdsync.origin"].decode(),
+                                int(h["kdsync.origin.partition"]), int(h["kdsync.origin.offset"]),
+                                int(h["kdsync.origin.ts"]), m.key(), m.value(), m.timestamp()[1]))
+    return out
+
+
+def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None = None) -> tuple[bool, str]:
+    """Every global topic holds the same events at the same offsets, seq ==
+    offset, no duplicate, and (if given) exactly `expected` records."""
+    names = sorted(topics)
+    for n in names:
+        recs = topics[n]
+        for i, r in enumerate(recs):
+            if r.offset != i or r.seq != i:
+                return False, f"{n}: record at offset {r.offset} has kdsync.seq {r.seq} (expected {i})"
+        ids = [r.event_id for r in recs]
+        if len(set(ids)) != len(ids):
+            return False, f"{n}: {len(ids) - len(set(ids))} duplicate events"
+        if expected is not None and len(recs) != expected:
+            return False, f"{n}: {len(recs)} records, expected {expected}"
+    ref = topics[names[0]]
+    for n in names[1:]:
+        other = topics[n]
+        if len(other) != len(ref):
+            return False, f"{names[0]} has {len(ref)} records, {n} has {len(other)}"
+        for a, b in zip(ref, other):
+            if (a.event_id, a.key, a.value) != (b.event_id, b.key, b.value):
+                return False, f"offset {a.offset}: {names[0]} has {a.event_id}, {n} has {b.event_id}"
+    return True, f"{len(ref)} records identical in {len(names)} clusters"
+
+
+def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | None = None,
+                 timeout: float = 60.0) -> int:
+    """Produce n records key=f"{tag}-{i}" (optionally paced at `rate`/s);
+    return how many were acknowledged.  Raises RuntimeError on a delivery error."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, "log_level": 3})
+    errors: list = []
+    acked = [0]
+
+    def cb(err, msg):
+        if err is not None:
+            errors.append(err)
+        else:
+            acked[0] += 1
+
+    t0 = time.monotonic()
+    for i in range(n):
+        while True:
+            try:
+                p.produce(topic, key=f"{tag}-{i}".encode(), value=f"{tag} event {i}".encode(),
+                          headers=[("app", tag.encode())], on_delivery=cb)
+                break
+            except BufferError:
+                p.poll(0.01)
+        p.poll(0)
+        if rate:
+            ahead = (i + 1) / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+    left = p.flush(timeout)
+    if errors or left:
+        raise RuntimeError(f"writing to {topic} at {bootstrap}: {len(errors)} errors, {left} unacknowledged")
+    return acked[0]
+
+
+def _toml_str(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class LocalGroup:
+    """n embedded clusters and n `kdsync run` member processes (see module doc).
+
+    `peer_address(i, j)` may route member i's link to member j elsewhere (a
+    test proxy); by default it is member j's listen address.
+    """
+
+    def __init__(self, n: int, workdir: str | os.PathLike[str], *, topic: str = "events", protocol: str = "derecho",
+                 secret: str | None = "demo-secret", tick_ms: float = 5, heartbeat_ms: float = 20,
+                 suspect_ms: float = 300, retransmit_ms: float = 30, names: list[str] | None = None,
+                 peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
+                 metrics: bool = False):
+        self.n = n
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.topic = topic
+        self.global_topic = topic + "-global"
+        self.names = names or [f"dc{i + 1}" for i in range(n)]
+        self.clusters = [EmbeddedCluster(name, log_dir=self.dir) for name in self.names]
+        self.ports = [free_port() for _ in range(n)]
+        self.metrics_ports = [free_port() for _ in range(n)] if metrics else None
+        self.protocol = protocol
+        self.secret = secret
+        self.timing = dict(tick_ms=tick_ms, heartbeat_ms=heartbeat_ms, suspect_ms=suspect_ms, retransmit_ms=retransmit_ms)
+        self.peer_address = peer_address or (lambda i, j: f"127.0.0.1:{self.ports[j]}")
+        self.extra = extra or {}
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.logs: list[Path] = [self.dir / f"member-{name}.log" for name in self.names]
+
+    # -------------------------------------------------------------- brokers
+    def start_brokers(self) -> None:
+        for c in self.clusters:
+            c.start()
+            ensure_topic(c.bootstrap, self.topic)
+
+    def bootstrap(self, i: int) -> str:
+        return self.clusters[i].bootstrap
+
+    # -------------------------------------------------------------- members
+    def config_text(self, i: int, **overrides) -> str:
+        name = self.names[i]
+        # state_dir is a top-level key: it comes before the first table
+        lines = [f"state_dir = {_toml_str(str(self.dir / ('state-' + name)))}", "",
+                 "[member]", f"id = {_toml_str(name)}", f"listen = {_toml_str(f'127.0.0.1:{self.ports[i]}')}",
+                 "", "[peers]"]
+        for j, other in enumerate(self.names):
+            addr = f"127.0.0.1:{self.ports[j]}" if j == i else self.peer_address(i, j)
+            lines.append(f"{other} = {_toml_str(addr)}")
+        sections = {
+            "kafka": {"bootstrap.servers": self.clusters[i].bootstrap},
+            "topics": {"source": self.topic, "global_suffix": "-global"},
+            "transport": {"kind": "tcp", **({"secret": self.secret} if self.secret else {})},
+            "protocol": {"name": self.protocol, **self.timing},
+        }
+        if self.metrics_ports:
+            sections["metrics"] = {"listen": f"127.0.0.1:{self.metrics_ports[i]}"}
+        for sec, vals in self.extra.items():
+            sections.setdefault(sec, {}).update(vals)
+        for sec, vals in overrides.items():
+            sections.setdefault(sec, {}).update(vals)
+        for sec, vals in sections.items():
+            lines += ["", f"[{sec}]"] + [f"{_toml_str(k)} = {_toml_str(v)}" for k, v in vals.items()]
+        return "\n".join(lines) + "\n"
+
+    def config_path(self, i: int) -> Path:
+        return self.dir / f"{self.names[i]}.toml"
+
+    def start_member(self, i: int, **overrides) -> subprocess.Popen:
+        path = self.config_path(i)
+        path.write_text(self.config_text(i, **overrides))
+        log = open(self.logs[i], "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path)],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=_die_with_parent, start_new_session=True)
+        log.close()
+        return self.procs[i]
+
+    def start_members(self) -> None:
+        for i in range(self.n):
+            self.start_member(i)
+
+    def signal_member(self, i: int, sig: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+
+    def wait_member(self, i: int, timeout: float = 30.0) -> int:
+        p = self.procs[i]
+        rc = p.wait(timeout)
+        self.procs[i] = None
+        return rc
+
+    def stop_member(self, i: int, timeout: float = 20.0) -> int | None:
+        p = self.procs[i]
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs[i] = None
+        return p.returncode
+
+    def log_text(self, i: int) -> str:
+        try:
+            return self.logs[i].read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -------------------------------------------------------------- checks
+    def read_globals(self, timeout: float = 30.0) -> dict[str, list[GlobalRecord]]:
+        return {name: read_global(c.bootstrap, self.global_topic, timeout) for name, c in zip(self.names, self.clusters)}
+
+    def wait_for(self, expected: int, timeout: float, members: list[int] | None = None,
+                 poll: float = 0.25) -> dict[str, list[GlobalRecord]]:
+        """Poll until every (listed) global topic holds `expected` records or
+        the deadline passes; returns the last reading either way."""
+        idx = list(range(self.n)) if members is None else members
+        deadline = time.monotonic() + timeout
+        while True:
+            got = {self.names[i]: read_global(self.clusters[i].bootstrap, self.global_topic) for i in idx}
+            if all(len(v) >= expected for v in got.values()) or time.monotonic() > deadline:
+                return got
+            for i in idx:  # a member that died will not get there
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    return got
+            time.sleep(poll)
+
+    # -------------------------------------------------------------- cleanup
+    def close(self) -> None:
+        for i in range(self.n):
+            with contextlib.suppress(Exception):
+                self.stop_member(i, timeout=10)
+        for c in self.clusters:
+            with contextlib.suppress(Exception):
+                c.stop()
+
+    def __enter__(self) -> LocalGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: float, rate: float | None,
+             out=print) -> int:
+    """Returns 0 when every cluster's global topic is identical, 1 otherwise."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    per = [events // clusters + (1 if i < events % clusters else 0) for i in range(clusters)]
+    with LocalGroup(clusters, workdir, protocol=protocol) as g:
+        with console.status(f"starting {clusters} embedded brokers"):
+            g.start_brokers()
+        console.log(f"brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
+        with console.status(f"starting {clusters} kdsync members ({protocol})"):
+            g.start_members()
+            # the first write waits for the group to form; members consume from offset 0 anyway
+        console.log(f"members: {', '.join(f'{n} pid {p.pid}' for n, p in zip(g.names, g.procs))}")
+        t0 = time.time()
+        errors: list[str] = []
+
+        def writer(i: int) -> None:
+            try:
+                write_events(g.bootstrap(i), g.topic, per[i], g.names[i], rate=rate / clusters if rate else None)
+            except Exception as e:
+                errors.append(str(e))
+
+        with console.status(f"writing {events} events concurrently into {clusters} clusters"):
+            threads = [threading.Thread(target=writer, args=(i,)) for i in range(clusters)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            out(f"demo: writing failed: {errors[0]}")
+            return 1
+        with console.status("waiting until every global topic holds every event"):
+            got = g.wait_for(events, timeout)
+        elapsed = time.time() - t0
+        ok, detail = check_agreement(got, expected=events)
+        recs = [r for rs in got.values() for r in rs]
+        lat = [max(0, r.write_ts - r.origin_ts) for r in recs]
+        last = max((r.write_ts for r in recs), default=0) / 1000.0
+        span = max(1e-3, last - t0) if recs else elapsed
+        dead = [g.names[i] for i, p in enumerate(g.procs) if p is not None and p.poll() is not None]
+        out(f"events      {events} written ({' + '.join(map(str, per))}), "
+            f"{' / '.join(str(len(v)) for v in got.values())} in the global topics")
+        out(f"agreement   {'YES' if ok else 'NO'}: {detail}")
+        out(f"latency     p50 {_percentile(lat, 50):.1f} ms, p99 {_percentile(lat, 99):.1f} ms "
+            f"(source timestamp -> global topic)")
+        out(f"throughput  {events / span:.0f} events/s end to end ({span:.2f} s)")
+        if dead:
+            out(f"members exited early: {', '.join(dead)} (logs in {workdir})")
+        if not ok:
+            out(f"logs: {workdir}")
+        return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kdsync demo", description="Embedded brokers, one member per cluster, "
+                                 "concurrent writes, agreement check.")
+    ap.add_argument("--clusters", type=int, default=3, help="number of clusters / members (default 3)")
+    ap.add_argument("--events", type=int, default=3000, help="events written in total (default 3000)")
+    ap.add_argument("--protocol", choices=["derecho", "sequencer", "mirror"], default="derecho")
+    ap.add_argument("--rate", type=float, default=None, help="total write rate in events/s (default: as fast as possible)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for agreement (default 120)")
+    ap.add_argument("--keep", metavar="DIR", help="keep configs and logs in DIR")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if e.code in (0, None) else 2
+    if not 1 <= args.clusters <= 16:
+        print("kdsync demo: --clusters must be between 1 and 16", file=sys.stderr)
+        return 2
+    if args.events < 1:
+        print("kdsync demo: --events must be at least 1", file=sys.stderr)
+        return 2
+    # Ctrl-C: turn SIGINT/SIGTERM into KeyboardInterrupt so the context managers clean up
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if args.keep:
+            return run_demo(args.clusters, args.events, args.protocol, Path(args.keep), args.timeout, args.rate)
+        with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
+            return run_demo(args.clusters, args.events, args.protocol, Path(d), args.timeout, args.rate)
+    except KeyboardInterrupt:
+        print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+    except Exception as e:  # broker binary missing, ports...: one line
+        print(f"kdsync demo: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Prometheus metrics of one member (prometheus_client, own registry).
+
+Gauges the runtime sets as things happen, plus a collector that reads the
+counters the transport (`Transport.stats`) and the core (`node.stats`) keep,
+at scrape time, so nothing is copied on the hot path.
+
+Exported (all prefixed `kdsync_`):
+  view_id{topic}, live_members{topic}, status{topic,status} (1 for the current)
+  delivered_position{topic}            next position durable in the global topic
+  input_lag{topic,partition}           source records not yet durably ordered
+  e2e_latency_seconds{topic}           histogram: source timestamp -> written to global topic
+  events_consumed_total{topic}, events_written_total{topic}
+  peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer}
+  core_events_total{topic,kind}        kind = submitted|delivered|resubmitted|deduplicated|bad_messages
+  bad_peer_messages_total{peer}        malformed messages dropped
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["MemberMetrics"]
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class _Live:
+    """Collector reading transport and core counters at scrape time."""
+
+    def __init__(self, peers: Callable[[], dict], cores: Callable[[], dict[str, dict]]):
+        self._peers = peers
+        self._cores = cores
+
+    def collect(self):
+        b = CounterMetricFamily("kdsync_peer_bytes", "bytes exchanged with a peer", labels=["peer", "direction"])
+        f = CounterMetricFamily("kdsync_peer_frames", "frames exchanged with a peer", labels=["peer", "direction"])
+        c = GaugeMetricFamily("kdsync_peer_connected", "1 while the link to the peer is up", labels=["peer"])
+        r = CounterMetricFamily("kdsync_peer_refused", "connections claiming to be this peer refused", labels=["peer"])
+        for peer, s in sorted(self._peers().items()):
+            b.add_metric([peer, "in"], s.bytes_in)
+            b.add_metric([peer, "out"], s.bytes_out)
+            f.add_metric([peer, "in"], s.frames_in)
+            f.add_metric([peer, "out"], s.frames_out)
+            c.add_metric([peer], 1 if s.connected else 0)
+            r.add_metric([peer], s.refused)
+        e = CounterMetricFamily("kdsync_core_events", "events counted by the ordering core", labels=["topic", "kind"])
+        for topic, stats in sorted(self._cores().items()):
+            for kind, v in sorted(stats.items()):
+                e.add_metric([topic, kind], v)
+        yield from (b, f, c, r, e)
+
+
+class MemberMetrics:
+    def __init__(self, peers: Callable[[], dict] = dict, cores: Callable[[], dict[str, dict]] = dict):
+        self.registry = reg = CollectorRegistry()
+        self.view_id = Gauge("kdsync_view_id", "installed view", ["topic"], registry=reg)
+        self.live_members = Gauge("kdsync_live_members", "members of the installed view", ["topic"], registry=reg)
+        self.status = Gauge("kdsync_status", "1 for the current status of the ordering node", ["topic", "status"], registry=reg)
+        self.delivered = Gauge("kdsync_delivered_position", "next position not yet durable in the global topic",
+                               ["topic"], registry=reg)
+        self.input_lag = Gauge("kdsync_input_lag", "source records not yet durably ordered", ["topic", "partition"],
+                               registry=reg)
+        self.latency = Histogram("kdsync_e2e_latency_seconds", "source record timestamp to written in the global topic",
+                                 ["topic"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.consumed = Counter("kdsync_events_consumed", "source records consumed", ["topic"], registry=reg)
+        self.written = Counter("kdsync_events_written", "records confirmed in the global topic", ["topic"], registry=reg)
+        self.bad_messages = Counter("kdsync_bad_peer_messages", "malformed peer messages dropped", ["peer"], registry=reg)
+        reg.register(_Live(peers, cores))
+        self._status: dict[str, str] = {}
+        self.server = None
+
+    def set_status(self, topic: str, status: str) -> None:
+        old = self._status.get(topic)
+        if old == status:
+            return
+        if old is not None:
+            self.status.labels(topic, old).set(0)
+        self.status.labels(topic, status).set(1)
+        self._status[topic] = status
+
+    def serve(self, host: str, port: int) -> None:
+        """Start the HTTP endpoint (a daemon thread). Raises OSError if the port is taken."""
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
