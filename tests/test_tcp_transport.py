@@ -192,7 +192,7 @@ async def stuck_listener(member_id: str, port: int, dialer_id: str):
                 return
             frames += dec.feed(data)
             if len(frames) == 1:
-                hello = json.loads(frames[0].body)
+                hello = json.loads(bytes(frames[0].body))
                 assert hello["id"] == dialer_id
                 reply = {"v": 1, "id": member_id, "nonce": "00" * 16}
                 writer.write(encode_frame(HELLO, json.dumps(reply).encode()))

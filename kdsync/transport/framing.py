@@ -53,6 +53,7 @@ __all__ = [
     "batch_overhead",
     "decode_batch",
     "encode_batch",
+    "encode_batch_frame",
     "encode_frame",
 ]
 
@@ -88,7 +89,7 @@ class FrameError(TransportError):
 class Frame(NamedTuple):
     kind: int
     flags: int
-    body: bytes
+    body: bytes | memoryview  # bytes-like; may alias the decoder's input (see FrameDecoder)
 
 
 def encode_frame(kind: int, body: bytes = b"", flags: int = 0) -> bytes:
@@ -107,6 +108,25 @@ def encode_batch(messages: list[bytes]) -> bytes:
         parts.append(pack(len(m)))
         parts.append(m)
     return b"".join(parts)
+
+
+def encode_batch_frame(messages: list[bytes]) -> bytearray:
+    """Return a whole BATCH frame carrying `messages`, built with one copy.
+
+    Same bytes as `encode_frame(BATCH, encode_batch(messages))`.
+    """
+    pack = _LEN.pack
+    parts: list[bytes] = [bytes(HEADER_SIZE)]
+    length = 0
+    for m in messages:
+        parts.append(pack(len(m)))
+        parts.append(m)
+        length += 4 + len(m)
+    out = bytearray().join(parts)
+    _HEAD.pack_into(out, 0, MAGIC, VERSION, BATCH, 0, 0, length)
+    with memoryview(out) as mv:
+        _CRC.pack_into(out, 12, _crc32(mv[HEADER_SIZE:], _crc32(mv[:12])))
+    return out
 
 
 def batch_overhead(n_messages: int) -> int:
@@ -141,73 +161,115 @@ class FrameDecoder:
     raises only FrameError.  Bodies longer than `max_frame_bytes` are refused
     as soon as their header arrives, so a hostile peer cannot make us buffer
     more than one frame's worth.
+
+    Copies are kept to a minimum because bodies can be tens of MB: a frame
+    that arrives whole inside one `bytes` chunk is returned as a memoryview
+    slice of that chunk (no copy); a frame split across chunks is assembled
+    once into a buffer of its exact size.  `Frame.body` is therefore any
+    bytes-like object (bytes or a read-only-by-contract memoryview); copy it
+    with `bytes()` if you keep it.
     """
 
-    __slots__ = ("max_frame_bytes", "_buf", "_error")
+    __slots__ = ("max_frame_bytes", "_head", "_frame", "_fill", "_error")
 
     def __init__(self, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
         self.max_frame_bytes = int(max_frame_bytes)
-        self._buf = bytearray()
+        self._head = bytearray()  # a partial header (< HEADER_SIZE bytes)
+        self._frame: bytearray | None = None  # the frame being assembled, header included
+        self._fill = 0  # bytes of _frame received so far
         self._error: str | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a complete frame."""
-        return len(self._buf)
+        return len(self._head) + (self._fill if self._frame is not None else 0)
 
     def _fail(self, why: str) -> FrameError:
         self._error = why
-        self._buf = bytearray()
+        self._head = bytearray()
+        self._frame = None
         return FrameError(why)
+
+    def _check_header(self, head, at: int) -> tuple[int, int, int]:
+        """Validate the 16-byte header at `head[at:]`; return (kind, flags, length)."""
+        magic, version, kind, flags, reserved, length = _HEAD.unpack_from(head, at)
+        if magic != MAGIC:
+            raise self._fail(f"bad magic {bytes(magic)!r} (not a kdsync peer?)")
+        if version != VERSION:
+            raise self._fail(f"unsupported frame version {version} (this member speaks {VERSION})")
+        if kind not in KINDS:
+            raise self._fail(f"unknown frame kind {kind}")
+        if flags or reserved:
+            raise self._fail(f"unknown frame flags {flags:#x}/{reserved:#x}")
+        if length > self.max_frame_bytes:
+            raise self._fail(f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        return kind, flags, length
+
+    def _verify(self, mv: memoryview, at: int, end: int, kind: int, flags: int) -> Frame:
+        (crc,) = _CRC.unpack_from(mv, at + 12)
+        body = mv[at + HEADER_SIZE : end]
+        if _crc32(body, _crc32(mv[at : at + 12])) != crc:
+            raise self._fail("frame checksum mismatch")
+        return Frame(kind, flags, body)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._error is not None:
             raise FrameError(f"stream already failed: {self._error}")
-        if self._buf:
-            self._buf += data
-            src: bytes | bytearray = self._buf
-        else:
-            # Fast path: parse straight from the caller's buffer, copy only the tail.
-            src = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        if not isinstance(data, bytes):
+            data = bytes(data)  # frames may alias `data`: it must be immutable
         frames: list[Frame] = []
         try:
-            pos = self._parse(src, frames)
+            self._feed(memoryview(data), frames)
         except FrameError as exc:
             exc.frames = frames
             raise
-        if src is self._buf:
-            if pos:
-                del self._buf[:pos]
-        elif pos < len(src):
-            self._buf = bytearray(src[pos:])
         return frames
 
-    def _parse(self, src: bytes | bytearray, frames: list[Frame]) -> int:
-        n = len(src)
+    def _feed(self, mv: memoryview, frames: list[Frame]) -> None:
+        n = len(mv)
         pos = 0
-        unpack = _HEAD.unpack_from
-        crc_unpack = _CRC.unpack_from
-        limit = self.max_frame_bytes
-        with memoryview(src) as mv:
-            while n - pos >= 12:
-                magic, version, kind, flags, reserved, length = unpack(src, pos)
-                if magic != MAGIC:
-                    raise self._fail(f"bad magic {bytes(magic)!r} (not a kdsync peer?)")
-                if version != VERSION:
-                    raise self._fail(f"unsupported frame version {version} (this member speaks {VERSION})")
-                if kind not in KINDS:
-                    raise self._fail(f"unknown frame kind {kind}")
-                if flags or reserved:
-                    raise self._fail(f"unknown frame flags {flags:#x}/{reserved:#x}")
-                if length > limit:
-                    raise self._fail(f"frame of {length} bytes exceeds max_frame_bytes={limit}")
+        while pos < n:
+            if self._frame is not None:  # finish the frame being assembled
+                frame = self._frame
+                take = min(len(frame) - self._fill, n - pos)
+                frame[self._fill : self._fill + take] = mv[pos : pos + take]
+                self._fill += take
+                pos += take
+                if self._fill < len(frame):
+                    return
+                self._frame = None
+                _, _, kind, flags, _, _ = _HEAD.unpack_from(frame, 0)
+                frames.append(self._verify(memoryview(frame), 0, len(frame), kind, flags))
+                continue
+            if self._head:  # complete a partial header
+                take = min(HEADER_SIZE - len(self._head), n - pos)
+                self._head += mv[pos : pos + take]
+                pos += take
+                if len(self._head) < HEADER_SIZE:
+                    return
+                self._start_frame(self._head)
+                self._head = bytearray()
+                continue
+            # Fast path: whole frames straight from `mv`, no copy.
+            while n - pos >= HEADER_SIZE:
+                kind, flags, length = self._check_header(mv, pos)
                 end = pos + HEADER_SIZE + length
                 if end > n:
                     break
-                (crc,) = crc_unpack(src, pos + 12)
-                body = mv[pos + HEADER_SIZE : end]
-                if _crc32(body, _crc32(mv[pos : pos + 12])) != crc:
-                    raise self._fail("frame checksum mismatch")
-                frames.append(Frame(kind, flags, bytes(body)))
+                frames.append(self._verify(mv, pos, end, kind, flags))
                 pos = end
-        return pos
+            if pos < n:
+                if n - pos >= HEADER_SIZE:
+                    self._start_frame(mv[pos : pos + HEADER_SIZE])
+                    pos += HEADER_SIZE
+                else:
+                    self._head = bytearray(mv[pos:])
+                    return
+
+    def _start_frame(self, head) -> None:
+        """Allocate the buffer of a frame whose 16-byte header is `head`."""
+        _, _, length = self._check_header(head, 0)
+        frame = bytearray(HEADER_SIZE + length)
+        frame[:HEADER_SIZE] = head
+        self._frame = frame
+        self._fill = HEADER_SIZE

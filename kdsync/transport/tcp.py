@@ -78,7 +78,7 @@ from kdsync.transport.framing import (
     FrameDecoder,
     FrameError,
     decode_batch,
-    encode_batch,
+    encode_batch_frame,
     encode_frame,
 )
 
@@ -110,7 +110,7 @@ def _parse_json(frame: Frame, kind: int, what: str) -> dict[str, Any]:
     if len(frame.body) > _MAX_HELLO:
         raise HandshakeError(f"{what} of {len(frame.body)} bytes is too large")
     try:
-        obj = json.loads(frame.body)
+        obj = json.loads(bytes(frame.body))
     except (UnicodeDecodeError, ValueError):
         raise HandshakeError(f"malformed {what} (not JSON)") from None
     if not isinstance(obj, dict):
@@ -592,7 +592,7 @@ class TcpTransport(Transport):
                 msgs.append(queue.popleft())
                 size += n
             link.queued -= size - 4 * len(msgs)
-            frame = encode_frame(BATCH, encode_batch(msgs))
+            frame = encode_batch_frame(msgs)
             writer.write(frame)
             st.frames_out += 1
             st.bytes_out += len(frame)
