@@ -143,7 +143,7 @@ class DerechoNode(NodeBase):
         self.joined_views = 0
         self.max_round = self.promised[0]
         self.mine_progress = {m: 0 for m in self.members}
-        self.rejoining = self.view.view_id > 0  # a restart: ask to be taken back
+        self.rejoining = kw.get("hard_state") is not None  # a restart: ask to be taken back
         if self.rejoining:
             self._send_join()
 
@@ -300,8 +300,8 @@ class DerechoNode(NodeBase):
         if len(msg) > 6:
             self.max_round = max(self.max_round, want_int(msg[6], "round"))
         self._on_ack_vector(msg[1], msg[4])
-        new = {m for m in sus if m in self.view.members} - self.suspected
-        if new and msg[1] not in self.suspected:
+        new = {m for m in sus if m in self.view.members and m != self.me} - self.suspected
+        if new and msg[1] not in self.suspected and self.has_data:
             self._suspect(new)
 
     def _suspect(self, who: set[str]) -> None:
@@ -462,8 +462,9 @@ class DerechoNode(NodeBase):
             prop = best[1]
         else:
             holders = [m for m in live if reps[m][1]]
-            if not holders and len(live) < len(self.view.members):
-                # nobody holds the old view's data: every member of it must report
+            if not holders and any(m not in reps and m not in self.joiners for m in self.view.members):
+                # nobody holds the old view's data: every member of it must report (or
+                # have rejoined, telling its position), so no durable position is reused
                 return
             members = sorted(set(live) | set(self.joiners), key=self.rank_of.__getitem__)
             incs = [reps[m][0] if m in reps else self.joiners[m][0] for m in members]
@@ -809,9 +810,16 @@ class DerechoNode(NodeBase):
         v = self.view
         # failure suspicion
         if self._is_member():
-            silent = {m for m in v.members if m != self.me and m not in self.suspected and now - self.last_heard[m] > cfg.suspect_ticks}
-            if silent:
-                self._suspect(silent)
+            silent = {m for m in v.members if m != self.me and now - self.last_heard[m] > cfg.suspect_ticks}
+            if not self.has_data:
+                # forming (no data of this view anywhere here): suspicion is just a
+                # timeout, not sticky — a restarted member is welcome back at once
+                if silent != self.suspected:
+                    self.suspected = silent
+                    if self.phase and self._leader() != self.me:
+                        self.phase = ""
+            elif silent - self.suspected:
+                self._suspect(silent - self.suspected)
         # heartbeats / acks
         if self._is_member():
             for p in v.members:

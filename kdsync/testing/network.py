@@ -41,6 +41,7 @@ class Network:
         self.dup_prob = 0.0
         self.reorder = False
         self.offsets: dict[tuple[str, int], int] = {}
+        self.sources: dict[str, list[Event]] = {}  # each origin's source topic
         self.log: list[str] = []  # human-readable trace for transcripts
         self.views: dict[str, list] = {i: [] for i in self.ids}
         self.bad_messages = 0
@@ -74,8 +75,21 @@ class Network:
         self.log.append(f"crash {i}")
 
     def restart(self, i: str) -> None:
+        """Restart from what survives: the global topic, the hard state, and the
+        source topic from the committed offset (events of this origin that are
+        not yet in its own global topic are consumed and submitted again)."""
         self._boot(i)
-        self.log.append(f"restart {i} at position {len(self.members[i].topic)}")
+        m = self.members[i]
+        self.log.append(f"restart {i} at position {len(m.topic)}")
+        if self.roles.get(i) == "witness":
+            return
+        committed: dict[int, int] = {}
+        for e in m.topic:
+            if e.origin == i:
+                committed[e.partition] = max(committed.get(e.partition, -1), e.offset)
+        again = [e for e in self.sources.get(i, []) if e.offset > committed.get(e.partition, -1)]
+        if again:
+            m.node.submit(again)
 
     def node(self, i: str):
         return self.members[i].node
@@ -85,7 +99,9 @@ class Network:
         k = (origin, partition)
         start = self.offsets.get(k, 0)
         self.offsets[k] = start + n
-        return [Event(origin, partition, start + j, b"%s:%d" % (origin.encode(), start + j), 0) for j in range(n)]
+        evs = [Event(origin, partition, start + j, b"%s:%d" % (origin.encode(), start + j), 0) for j in range(n)]
+        self.sources.setdefault(origin, []).extend(evs)
+        return evs
 
     def submit(self, i: str, n: int = 1, partition: int = 0) -> list[Event]:
         evs = self.make_events(i, n, partition)
