@@ -427,6 +427,7 @@ def make_certs(tmp_path, names):
     """A throwaway CA and one cert per name (openssl CLI); returns {name: TLSSettings}."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not installed")
+    tmp_path.mkdir(parents=True, exist_ok=True)
 
     def run(*cmd):
         subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
@@ -443,8 +444,10 @@ def make_certs(tmp_path, names):
     return out
 
 
-def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path):
+def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kdsync")
     certs = make_certs(tmp_path, ["a", "b"])
+    rogue = make_certs(tmp_path / "rogue", ["b"])["b"]  # signed by another CA
 
     @async_test
     async def body():
@@ -465,8 +468,21 @@ def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path):
             await until(lambda: len(inboxes["b"].got["a"]) == 300 and len(inboxes["a"].got["b"]) == 300, what="TLS msgs")
             assert inboxes["b"].got["a"] == [b"tls%d" % i for i in range(300)]
             assert ts["a"]._links["b"].writer.get_extra_info("ssl_object") is not None
+            await raw_exchange(ports[0], b"\x16\x03\x01garbage" * 50)  # whatever TLS alert comes back
+            # A member whose certificate comes from another CA is refused, even with the secret.
+            r = TcpTransport("b", ("127.0.0.1", 0), peers, Inbox(), tls=rogue, secret=b"k", **FAST)
+            await r.start()
             await asyncio.sleep(0.3)
             assert inboxes["a"].got["c"] == [] and not ts["c"].stats["a"].connected
+            assert not r.stats["a"].connected
+            await r.close()
+            warnings = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING]
+            tls_refusals = [w for w in warnings if "refused connection from 127.0.0.1:" in w and "TLS handshake failed" in w]
+            assert len(tls_refusals) >= 3, warnings  # plaintext c, garbage, rogue certificate
+            assert any("certificate verify failed" in w for w in warnings), warnings  # the rogue's own view
+            # The good pair still talks.
+            assert ts["a"].send("b", b"still")
+            await until(lambda: inboxes["b"].got["a"][-1:] == [b"still"], what="a->b after attacks")
         finally:
             await close_all(ts)
 

@@ -9,7 +9,8 @@ This avoids the classic race of "both sides dial at once, which connection
 wins?", needs no tie-breaking by member id, and lets each side reconnect on
 its own schedule: the dialer owns its link and reconnects it with exponential
 backoff plus jitter (`backoff_initial` doubling up to `backoff_max`, each delay
-scaled by a random factor in [0.5, 1)).  When a peer dials again (it
+scaled by a random factor in [0.5, 1)); the backoff starts over only after a
+link stayed up for 5 s, so a peer that accepts and drops us is not hammered.  When a peer dials again (it
 restarted, or its link broke), the older incoming connection from that peer is
 closed, so a half-open leftover never lingers.
 
@@ -86,6 +87,7 @@ __all__ = ["TcpTransport", "HandshakeError"]
 
 _READ_CHUNK = 1 << 20
 _MAX_HELLO = 4096
+_STABLE_LINK_S = 5.0
 _PING_FRAME = encode_frame(PING)
 
 
@@ -139,6 +141,24 @@ class _Link:
         self.task: asyncio.Task | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.last_error: str | None = None
+
+
+class _Accept(asyncio.Protocol):
+    """Protocol of a just-accepted socket: hold reading and let TcpTransport._accept take over."""
+
+    def __init__(self, owner: "TcpTransport") -> None:
+        self.owner = owner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        if self.owner._closing:
+            transport.abort()
+            return
+        asyncio.get_running_loop().create_task(self.owner._accept(transport))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
 
 
 class TcpTransport(Transport):
@@ -209,15 +229,10 @@ class TcpTransport(Transport):
         if self.tls is not None:
             self._server_ssl, self._client_ssl = self._ssl_contexts(self.tls)
         host, port = self.listen
+        loop = asyncio.get_running_loop()
         try:
-            self._server = await asyncio.start_server(
-                self._on_incoming,
-                host,
-                port,
-                ssl=self._server_ssl,
-                ssl_handshake_timeout=self.handshake_timeout if self._server_ssl else None,
-                limit=_READ_CHUNK,
-                reuse_address=True,
+            self._server = await loop.create_server(
+                lambda: _Accept(self), host, port, reuse_address=True
             )
         except OSError as exc:
             raise TransportError(
@@ -341,6 +356,50 @@ class TcpTransport(Transport):
                 raise FrameError(f"unexpected frame kind {f.kind} after handshake")
 
     # ------------------------------------------------------------ listener side
+
+    async def _accept(self, transport: asyncio.Transport) -> None:
+        """Upgrade a fresh connection to TLS (if configured) and hand it to _on_incoming.
+
+        asyncio.start_server(ssl=...) would hide TLS handshake failures (they are
+        logged at DEBUG at most); doing the upgrade here lets us log them as one
+        WARNING line like every other refusal.
+        """
+        task = asyncio.current_task()
+        if task is not None:
+            self._conn_tasks.add(task)
+        try:
+            addr = transport.get_extra_info("peername")
+            addr_s = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            reader = asyncio.StreamReader(limit=_READ_CHUNK)
+            proto = asyncio.StreamReaderProtocol(reader, self._on_incoming)
+            if self._server_ssl is not None:
+                try:
+                    transport = await asyncio.get_running_loop().start_tls(
+                        transport,
+                        proto,
+                        self._server_ssl,
+                        server_side=True,
+                        ssl_handshake_timeout=self.handshake_timeout,
+                    )
+                except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
+                    why = str(exc) or repr(exc)
+                    if isinstance(exc, ConnectionResetError):
+                        why = "connection reset by the peer (did it reject our certificate?)"
+                    self.log.warning("refused connection from %s: TLS handshake failed: %s", addr_s, why)
+                    transport.abort()
+                    return
+                if transport is None:  # closed during the handshake
+                    return
+                proto.connection_made(transport)
+            else:
+                transport.set_protocol(proto)
+                proto.connection_made(transport)
+                transport.resume_reading()
+        except asyncio.CancelledError:
+            transport.abort()
+        finally:
+            if task is not None:
+                self._conn_tasks.discard(task)
 
     async def _on_incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -472,19 +531,25 @@ class TcpTransport(Transport):
                     st.refused += 1
                     self._note_failure(link, f"handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
                     raise
-                attempt = 0
+                connected_at = asyncio.get_running_loop().time()
                 link.writer = writer
                 link.last_error = None
                 st.connected = True
                 self.log.info("connected to %s at %s:%s", link.peer, host, port)
                 reason = await self._pump(link, reader, writer, dec, pending)
+                # Back off afresh only after a link that held for a while, so a peer
+                # that accepts and then drops us at once is not hammered.
+                if asyncio.get_running_loop().time() - connected_at >= _STABLE_LINK_S:
+                    attempt = 0
             except asyncio.CancelledError:
                 raise
             except HandshakeError:
                 pass
             except asyncio.TimeoutError:
                 self._note_failure(link, f"connecting to {link.peer} at {host}:{port} timed out", logging.DEBUG)
-            except (OSError, ssl.SSLError, TransportError) as exc:
+            except ssl.SSLError as exc:
+                self._note_failure(link, f"TLS handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
+            except (OSError, TransportError) as exc:
                 self._note_failure(link, f"cannot reach {link.peer} at {host}:{port}: {exc}", logging.DEBUG)
             finally:
                 was_connected = st.connected
