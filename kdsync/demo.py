@@ -241,6 +241,46 @@ class LocalGroup:
         self.procs[i] = None
         return p.returncode
 
+    def metrics(self, i: int) -> dict[tuple[str, tuple], float]:
+        """Member i's Prometheus samples {(name, sorted label items): value};
+        empty when the endpoint does not answer (yet)."""
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        if not self.metrics_ports:
+            raise RuntimeError("LocalGroup(metrics=True) is needed to read metrics")
+        try:
+            with urlopen(f"http://127.0.0.1:{self.metrics_ports[i]}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def is_active(self, i: int) -> bool:
+        m = self.metrics(i)
+        return m.get(("kdsync_status", (("status", "active"), ("topic", self.topic)))) == 1.0
+
+    def wait_ready(self, timeout: float = 30.0, members: list[int] | None = None) -> None:
+        """Wait until every (listed) member reports status "active" for the topic.
+        Raises TimeoutError naming the ones that did not (and RuntimeError if one exited)."""
+        idx = list(range(self.n)) if members is None else members
+        deadline = time.monotonic() + timeout
+        waiting = list(idx)
+        while waiting:
+            for i in list(waiting):
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(f"member {self.names[i]} exited with {p.returncode}: "
+                                       f"{self.log_text(i).strip().splitlines()[-1:]}")
+                if self.is_active(i):
+                    waiting.remove(i)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"members not active after {timeout}s: {[self.names[i] for i in waiting]}")
+            if waiting:
+                time.sleep(0.05)
+
     def log_text(self, i: int) -> str:
         try:
             return self.logs[i].read_text(errors="replace")
@@ -297,13 +337,13 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
 
     console = Console(stderr=True)
     per = [events // clusters + (1 if i < events % clusters else 0) for i in range(clusters)]
-    with LocalGroup(clusters, workdir, protocol=protocol) as g:
+    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True) as g:
         with console.status(f"starting {clusters} embedded brokers"):
             g.start_brokers()
         console.log(f"brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
         with console.status(f"starting {clusters} kdsync members ({protocol})"):
             g.start_members()
-            # the first write waits for the group to form; members consume from offset 0 anyway
+            g.wait_ready(timeout=60)
         console.log(f"members: {', '.join(f'{n} pid {p.pid}' for n, p in zip(g.names, g.procs))}")
         t0 = time.time()
         errors: list[str] = []

@@ -399,6 +399,7 @@ class Member:
                     self._positions[(topic, p)] = off + 1
             self.groups[topic] = g
             self.metrics.delivered.labels(topic).set(start_seq)
+            self._note_status(g, getattr(node, "status", ""))
             log.info("topic ready", **_kv(topic=topic, global_topic=gt, start_seq=start_seq,
                                           origins=len(watermarks), hard_state=hs is not None))
             self._process(g)
@@ -522,16 +523,19 @@ class Member:
                 self.metrics.live_members.labels(g.topic).set(len(v.members))
                 log.info("view installed", **_kv(topic=g.topic, view=v.view_id, members=",".join(v.members),
                                                  start_seq=v.start_seq))
-            if rd.status and rd.status != g.status:
-                log.info("status", **_kv(topic=g.topic, status=rd.status, previous=g.status or "-"))
-                g.status = rd.status
-                self.metrics.set_status(g.topic, rd.status)
+            self._note_status(g, rd.status)
             for r in rd.reads:
                 asyncio.ensure_future(self._serve_read(g, r.start, r.stop))
             node.advance(rd)
             if self.witness and rd.deliveries:
                 node.durable(g.durable_end)
                 self.metrics.delivered.labels(g.topic).set(g.durable_end)
+
+    def _note_status(self, g: Group, status: str) -> None:
+        if status and status != g.status:
+            log.info("status", **_kv(topic=g.topic, status=status, previous=g.status or "-"))
+            g.status = status
+            self.metrics.set_status(g.topic, status)
 
     # ------------------------------------------------------------ Kafka out
     def _produce(self, g: Group, d) -> None:

@@ -1,0 +1,276 @@
+"""`kdsync run` end to end: three Tansu brokers and three member processes,
+all real processes started here.  Every test checks the global topics offset
+by offset (kdsync.demo.check_agreement): same event at the same offset in
+every cluster, seq == offset, no duplicate, nothing lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+class LinkCutter:
+    """A TCP proxy for one directed member link that the test can cut.
+
+    cut(): close every open connection and refuse new ones (accept + close);
+    heal(): forward again."""
+
+    def __init__(self, target_port: int):
+        self.target = ("127.0.0.1", target_port)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.cut_ = False
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.cut_:
+                c.close()
+                continue
+            try:
+                u = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                c.close()
+                continue
+            with self.lock:
+                self.conns += [c, u]
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data or self.cut_:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def cut(self) -> None:
+        self.cut_ = True
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def heal(self) -> None:
+        self.cut_ = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.cut()
+        self.sock.close()
+
+
+@pytest.fixture
+def group(tmp_path):
+    g = LocalGroup(3, tmp_path, topic="events", protocol="derecho", metrics=True, tick_ms=5,
+                   heartbeat_ms=20, suspect_ms=300, retransmit_ms=30)
+    try:
+        g.start_brokers()
+        yield g
+    finally:
+        g.close()
+
+
+def _logs(g: LocalGroup) -> str:
+    return "\n".join(f"--- {n}\n" + "\n".join(g.log_text(i).splitlines()[-25:]) for i, n in enumerate(g.names))
+
+
+def _assert_agree(g: LocalGroup, expected: int, timeout: float = 40.0, members=None):
+    got = g.wait_for(expected, timeout, members=members)
+    ok, detail = check_agreement(got, expected=expected)
+    assert ok, detail + "\n" + _logs(g)
+    return got
+
+
+def _write_all(g: LocalGroup, n: int, tag: str, rate: float | None = None, idx=None) -> int:
+    idx = range(g.n) if idx is None else idx
+    errors: list[Exception] = []
+
+    def w(i):
+        try:
+            write_events(g.bootstrap(i), g.topic, n, f"{tag}-{g.names[i]}", rate=rate)
+        except Exception as e:  # re-raised in the test thread below
+            errors.append(e)
+
+    ts = [threading.Thread(target=w, args=(i,)) for i in idx]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    return n * len(list(idx))
+
+
+def _wait(cond, timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def test_concurrent_writes_identical_global_topics(group):
+    g = group
+    g.start_members()
+    g.wait_ready()
+    total = _write_all(g, 400, "a")
+    got = _assert_agree(g, total)
+    # every event of every cluster is there once, with its key, value and origin headers
+    keys = {r.key for r in got["dc1"]}
+    assert keys == {f"a-{n}-{i}".encode() for n in g.names for i in range(400)}
+    origins = {r.origin for r in got["dc2"]}
+    assert origins == set(g.names)
+    # origin order: offsets of each origin partition increase along the global order
+    for name in g.names:
+        offs = [r.origin_offset for r in got["dc3"] if r.origin == name]
+        assert offs == sorted(offs) == list(range(400))
+    # metrics: positions, view, bytes per peer, latency histogram
+    m = g.metrics(0)
+    assert m[("kdsync_delivered_position", (("topic", "events"),))] == total
+    assert m[("kdsync_live_members", (("topic", "events"),))] == 3
+    assert m[("kdsync_peer_bytes_total", (("direction", "out"), ("peer", "dc2")))] > 0
+    assert m[("kdsync_e2e_latency_seconds_count", (("topic", "events"),))] == total
+
+
+def test_kill_9_mid_stream_then_restart(group):
+    g = group
+    g.start_members()
+    g.wait_ready()
+    writers = threading.Thread(target=_write_all, args=(g, 600, "k", 300.0))
+    writers.start()
+    _wait(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 150, 20, "dc2 to write some events")
+    g.signal_member(1, signal.SIGKILL)
+    assert g.wait_member(1) == -signal.SIGKILL
+    time.sleep(0.5)  # let the survivors notice the crash (suspect_ms=300) while writes go on
+    g.start_member(1)
+    writers.join()
+    _assert_agree(g, 1800, timeout=60)
+
+
+def test_isolated_member_delivers_nothing_then_catches_up(tmp_path):
+    proxies: dict[tuple[int, int], LinkCutter] = {}
+    g = LocalGroup(3, tmp_path, topic="events", metrics=True, tick_ms=5, heartbeat_ms=20, suspect_ms=300,
+                   peer_address=lambda i, j: f"127.0.0.1:{proxies[(i, j)].port}")
+    try:
+        for i in range(3):
+            for j in range(3):
+                if i != j:
+                    proxies[(i, j)] = LinkCutter(g.ports[j])
+        g.start_brokers()
+        g.start_members()
+        g.wait_ready()
+        _assert_agree(g, _write_all(g, 100, "before"))
+        for (i, j), p in proxies.items():  # isolate dc3
+            if 2 in (i, j):
+                p.cut()
+        _wait(lambda: not g.is_active(2), 10, "dc3 to notice it is cut off")
+        _write_all(g, 100, "during")
+        got = g.wait_for(500, 30, members=[0, 1])
+        ok, detail = check_agreement(got, expected=500)  # dc1, dc2: their own 200 plus dc3's 100 written before
+        assert ok, detail + _logs(g)
+        # the isolated member wrote nothing new: still the 300 ordered before the cut
+        time.sleep(0.5)
+        assert len(read_global(g.bootstrap(2), g.global_topic)) == 300
+        for p in proxies.values():
+            p.heal()
+        _assert_agree(g, 600, timeout=60)
+    finally:
+        g.close()
+        for p in proxies.values():
+            p.close()
+
+
+def test_broker_paused_nothing_lost(group):
+    g = group
+    g.start_members()
+    g.wait_ready()
+    writers = threading.Thread(target=_write_all, args=(g, 300, "p", 150.0, [0, 1]))
+    writers.start()
+    time.sleep(0.5)
+    g.clusters[2].pause()
+    try:
+        time.sleep(4)
+    finally:
+        g.clusters[2].resume()
+    writers.join()
+    _write_all(g, 100, "after")
+    _assert_agree(g, 900, timeout=60)
+    assert all(p.poll() is None for p in g.procs), _logs(g)
+
+
+def test_wrong_secret_refused_and_garbage_ignored(group):
+    import asyncio
+
+    from kdsync.transport import make_transport
+
+    g = group
+    g.start_members()
+    g.wait_ready()
+
+    async def impostor():
+        t = make_transport("tcp", "dc2", ("127.0.0.1", 0), {"dc1": ("127.0.0.1", g.ports[0]), "dc2": ("127.0.0.1", 0)},
+                           lambda p, d: None, secret=b"wrong secret")
+        await t.start()
+        try:
+            for _ in range(50):
+                t.send("dc1", b"\x06events" + os.urandom(20))
+                await asyncio.sleep(0.02)
+        finally:
+            await t.close()
+
+    asyncio.run(impostor())
+    _wait(lambda: g.metrics(0).get(("kdsync_peer_refused_total", (("peer", "dc2"),)), 0) >= 1, 10,
+          "dc1 to count the refused impostor")
+    for _ in range(20):  # garbage on the member port
+        with socket.create_connection(("127.0.0.1", g.ports[0])) as s:
+            s.sendall(os.urandom(512))
+    with socket.create_connection(("127.0.0.1", g.ports[1])) as s:
+        s.sendall(b"\x00" * 100_000)
+    _assert_agree(g, _write_all(g, 200, "g"))
+    assert all(g.is_active(i) for i in range(3))
+    assert "refused" in g.log_text(0).lower() or "handshake" in g.log_text(0).lower()
+
+
+def test_sigterm_clean_stop_and_restart(group):
+    g = group
+    g.start_members()
+    g.wait_ready()
+    _assert_agree(g, _write_all(g, 200, "s1"))
+    g.signal_member(0, signal.SIGTERM)
+    assert g.wait_member(0, timeout=30) == 0, _logs(g)
+    assert "member stopped" in g.log_text(0)
+    g.start_member(0)
+    g.wait_ready(members=[0], timeout=30)
+    _assert_agree(g, 600 + _write_all(g, 100, "s2"))
