@@ -73,6 +73,34 @@ Ballot = tuple[int, int]
 NO_BALLOT: Ballot = (0, -1)
 
 
+def ragged_trim(received_vectors) -> list[int]:
+    """Per sender, the number of slots every reporter holds (element-wise min)."""
+    vecs = list(received_vectors)
+    if not vecs:
+        raise ValueError("ragged trim of no reports")
+    return [min(col) for col in zip(*vecs)]
+
+
+def stable_counts(received_vectors) -> list[int]:
+    """Per sender, how many slots are stable: received by every member (the
+    same element-wise min, over the acks of the whole view)."""
+    return ragged_trim(received_vectors)
+
+
+def round_robin(limits, start_round: int = 0, start_k: int = 0):
+    """Slots (round, sender index) with round < limits[k], in delivery order,
+    starting at (start_round, start_k).  Global slot position = round*n + k."""
+    n = len(limits)
+    r, k = start_round, start_k
+    top = max(limits, default=0)
+    while n and r < top:
+        if r < limits[k]:
+            yield r, k
+        k += 1
+        if k == n:
+            k, r = 0, r + 1
+
+
 class Proposal:
     """The value a view change agrees on (encoded once, compared by bytes)."""
 
@@ -301,7 +329,7 @@ class DerechoNode(NodeBase):
             self.max_round = max(self.max_round, want_int(msg[6], "round"))
         self._on_ack_vector(msg[1], msg[4])
         new = {m for m in sus if m in self.view.members and m != self.me} - self.suspected
-        if new and msg[1] not in self.suspected and self.has_data:
+        if new and msg[1] not in self.suspected and self.has_data and not self.wedged:
             self._suspect(new)
 
     def _suspect(self, who: set[str]) -> None:
@@ -470,7 +498,7 @@ class DerechoNode(NodeBase):
             incs = [reps[m][0] if m in reps else self.joiners[m][0] for m in members]
             n = len(self.view.senders)
             if holders:
-                trim = [min(reps[m][2][k] for m in holders) for k in range(n)]
+                trim = ragged_trim(reps[m][2] for m in holders)
                 source = self.me if self.me in holders else holders[0]
                 base = -1
             else:
@@ -618,19 +646,13 @@ class DerechoNode(NodeBase):
         n = len(self.view.senders)
         if n == 0:
             return
-        r, k = self.deliver_round, self.deliver_k
-        limit = max(trim) if trim else 0
-        while r < limit:
-            if r < trim[k]:
-                evs = self.slots[k].pop(r, None)
-                if evs is None:
-                    raise LocalProtocolError(f"trim includes slot {r} of {self.view.senders[k]} that this member lacks")
-                if evs:
-                    self._deliver(evs)
-            k += 1
-            if k == n:
-                k, r = 0, r + 1
-        self.deliver_round, self.deliver_k = r, k
+        for r, k in round_robin(trim, self.deliver_round, self.deliver_k):
+            evs = self.slots[k].pop(r, None)
+            if evs is None:
+                raise LocalProtocolError(f"trim includes slot {r} of {self.view.senders[k]} that this member lacks")
+            if evs:
+                self._deliver(evs)
+        self.deliver_round, self.deliver_k = max(trim, default=0), 0
 
     def _resubmit_own(self) -> None:
         """Own events in slots not delivered here go back to the front of pending."""
@@ -811,9 +833,10 @@ class DerechoNode(NodeBase):
         # failure suspicion
         if self._is_member():
             silent = {m for m in v.members if m != self.me and now - self.last_heard[m] > cfg.suspect_ticks}
-            if not self.has_data:
-                # forming (no data of this view anywhere here): suspicion is just a
-                # timeout, not sticky — a restarted member is welcome back at once
+            if not self.has_data or self.wedged:
+                # once wedged (or forming) the view is over anyway: suspicion is just a
+                # timeout, not sticky, so members that hear each other again after a
+                # partition heals can form the next view together
                 if silent != self.suspected:
                     self.suspected = silent
                     if self.phase and self._leader() != self.me:

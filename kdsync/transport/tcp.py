@@ -190,6 +190,7 @@ class TcpTransport(Transport):
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
         connect_timeout: float = 5.0,
+        max_batch_bytes: int = 67108864,
     ) -> None:
         super().__init__(
             member_id,
@@ -210,6 +211,7 @@ class TcpTransport(Transport):
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.connect_timeout = connect_timeout
+        self.max_batch_bytes = int(max_batch_bytes)
         # Largest single message that fits in one BATCH frame.
         self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
         self.refused_unknown = 0  # refused connections that named no known member
@@ -636,7 +638,7 @@ class TcpTransport(Transport):
     async def _write_loop(self, link: _Link, writer: asyncio.StreamWriter) -> str:
         st = self.stats[link.peer]
         queue = link.queue
-        budget = self.max_frame_bytes - HEADER_SIZE
+        budget = min(self.max_frame_bytes, self.max_batch_bytes) - HEADER_SIZE
         while not self._closing:
             if not queue:
                 link.wakeup.clear()

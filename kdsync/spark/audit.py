@@ -1,0 +1,359 @@
+"""`kdsync audit`: prove that clusters agree (or that a simulated run did).
+
+    kdsync audit --cluster dc1=HOST:9092 --cluster dc2=HOST:9092 --topic T
+                 [--master URL] [--out DIR] [--global-suffix -global]
+    kdsync audit --trace RUN_DIR_OR_TRACE.parquet ... [--out DIR]
+
+Real clusters: every cluster's T (source) and T-global are read in parallel
+with the kdsync-kafka data source and turned into trace rows (member = the
+cluster name, seq = kdsync.seq, submit_ts = kdsync.origin.ts/1000,
+deliver_ts = the global record's timestamp/1000, event_id =
+"origin/partition/offset"); source records of cluster NAME are events
+"NAME/partition/offset".  Sim traces are read as they are (next to each a
+summary.json, when present, names scenario / protocol / seed).  Both go
+through `kdsync.spark.analysis.analyse`.
+
+Prints one JSON report to stdout; --out DIR also writes every table as
+Parquet (DIR/<table>/) and the report as DIR/report.json.
+Exit 0 when all invariants hold, 1 on a violation, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+MAX_EXAMPLES = 5
+MAX_RUNS_IN_JSON = 1000
+
+
+class UsageError(Exception):
+    """Bad arguments or input: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kdsync audit", description="Check agreement, loss, duplicates, order and latency.")
+    p.add_argument("--cluster", action="append", default=[], metavar="NAME=BROKERS",
+                   help="a cluster to audit (repeat; bootstrap servers comma-separated)")
+    p.add_argument("--topic", help="source topic T (the global topic is T + --global-suffix)")
+    p.add_argument("--global-suffix", default="-global")
+    p.add_argument("--trace", nargs="+", default=[], metavar="PATH",
+                   help="audit kdsync-sim trace.parquet files or run directories instead of clusters")
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    p.add_argument("--out", help="write the tables as Parquet and report.json here")
+    p.add_argument("--window-s", type=float, default=1.0, help="throughput window in seconds (default 1)")
+    p.add_argument("--approx", action="store_true", help="approximate latency percentiles (huge inputs)")
+    p.add_argument("--kafka-property", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra librdkafka property for every cluster (repeat)")
+    return p
+
+
+def parse_clusters(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, brokers = item.partition("=")
+        if not sep or not name.strip() or not brokers.strip():
+            raise UsageError(f"--cluster {item!r}: expected NAME=HOST:PORT[,HOST:PORT]")
+        if name in out:
+            raise UsageError(f"--cluster {name!r} given twice")
+        out[name.strip()] = brokers.strip()
+    return out
+
+
+def _kafka_props(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise UsageError(f"--kafka-property {item!r}: expected KEY=VALUE")
+        out[k] = v
+    return out
+
+
+def check_brokers(clusters: dict[str, str], props: dict[str, str], timeout: float = 10.0) -> None:
+    """UsageError naming the first cluster whose brokers do not answer."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    for name, brokers in clusters.items():
+        admin = AdminClient({"bootstrap.servers": brokers, "log_level": 0, **props})
+        try:
+            md = admin.list_topics(timeout=timeout)
+            if not md.brokers:
+                raise KafkaException("no brokers in metadata")
+        except KafkaException as e:
+            raise UsageError(f"--cluster {name}={brokers}: brokers do not answer ({e})") from None
+
+
+# ---------------------------------------------------------------- real clusters
+
+def kafka_tables(spark, clusters: dict[str, str], topic: str, global_suffix: str = "-global",
+                 props: dict | None = None):
+    """(trace, sources, malformed) DataFrames for real clusters.
+
+    trace: the interfaces.md trace rows of every cluster's global topic, plus
+    `global_partition`/`position` (where the record sits); sources: (run_id,
+    event_id) of every source record; malformed: global records without the
+    kdsync headers (run_id, member, global_partition, position)."""
+    from pyspark.sql import functions as F
+
+    from kdsync.spark.kafka_source import read_topic
+
+    run_id = topic
+    traces, sources = [], []
+    for name, brokers in clusters.items():
+        conf = {"bootstrap.servers": brokers, **(props or {})}
+        g = read_topic(spark, conf, topic + global_suffix)
+        h = F.map_from_entries(F.col("headers"))
+        hs = lambda k: F.cast("string", h[k])  # noqa: E731
+        traces.append(g.select(
+            F.lit(run_id).alias("run_id"), F.lit(name).alias("member"),
+            hs("kdsync.origin").alias("origin"),
+            hs("kdsync.origin.partition").cast("int").alias("origin_partition"),
+            hs("kdsync.origin.offset").cast("long").alias("origin_offset"),
+            hs("kdsync.seq").cast("long").alias("seq"),
+            (hs("kdsync.origin.ts").cast("double") / 1000.0).alias("submit_ts"),
+            (F.col("timestamp").cast("double") / 1000.0).alias("deliver_ts"),
+            F.col("partition").alias("global_partition"), F.col("offset").alias("position")))
+        s = read_topic(spark, conf, topic)
+        sources.append(s.select(F.lit(run_id).alias("run_id"),
+                                F.concat_ws("/", F.lit(name), F.col("partition"), F.col("offset")).alias("event_id")))
+    trace = traces[0]
+    for t in traces[1:]:
+        trace = trace.unionByName(t)
+    trace = trace.withColumn("event_id", F.concat_ws("/", "origin", "origin_partition", "origin_offset"))
+    ok = (F.col("origin").isNotNull() & F.col("origin_partition").isNotNull() & F.col("origin_offset").isNotNull()
+          & F.col("seq").isNotNull())
+    trace = trace.persist()
+    malformed = trace.where(~ok).select("run_id", "member", "global_partition", "position")
+    src = sources[0]
+    for s in sources[1:]:
+        src = src.unionByName(s)
+    return trace.where(ok), src, malformed
+
+
+# ---------------------------------------------------------------- sim traces
+
+def _trace_files(paths: list[str]) -> list[tuple[str, dict]]:
+    """(parquet path, attributes from a summary.json beside it) per input."""
+    out = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            raise UsageError(f"--trace {raw}: no such file or directory")
+        if p.is_dir() and (p / "trace.parquet").exists():
+            p = p / "trace.parquet"
+        elif p.is_dir() and not any(p.glob("*.parquet")) and any(p.rglob("trace.parquet")):
+            for sub in sorted(p.rglob("trace.parquet")):
+                out += _trace_files([str(sub)])
+            continue
+        summary = p.parent / "summary.json" if p.name.endswith(".parquet") else p / "summary.json"
+        attrs = {}
+        if summary.is_file():
+            try:
+                s = json.loads(summary.read_text())
+                attrs = {k: (None if s.get(k) is None else str(s.get(k))) for k in ("scenario", "protocol", "seed")}
+            except (ValueError, OSError) as e:
+                raise UsageError(f"{summary}: not valid JSON ({e})") from None
+        out.append((str(p.resolve()), attrs))
+    return out
+
+
+def trace_table(spark, paths: list[str]):
+    """One DataFrame of all trace files, with scenario/protocol/seed columns
+    taken from each run's summary.json (when the trace has none)."""
+    from pyspark.sql import functions as F
+
+    from kdsync.spark.analysis import ATTRIBUTE_COLUMNS, missing_columns
+
+    files = _trace_files(paths)
+    try:
+        df = spark.read.parquet(*[f for f, _ in files])
+    except Exception as e:  # AnalysisException: not parquet, unreadable
+        raise UsageError(f"--trace: cannot read as Parquet ({str(e).splitlines()[0][:200]})") from None
+    miss = missing_columns(df)
+    if miss:
+        raise UsageError(f"--trace: missing trace column(s) {', '.join(miss)} (see interfaces.md trace.parquet)")
+    rows = [(f, a.get("scenario"), a.get("protocol"), a.get("seed")) for f, a in files if a]
+    if rows:
+        meta = spark.createDataFrame(rows, "trace_root string, s_scenario string, s_protocol string, s_seed string")
+        path = F.url_decode(F.regexp_replace(F.input_file_name(), "^file:(//)?", ""))
+        # a trace is a file or a directory of part files: match either
+        df = df.withColumn("_file", path).withColumn(
+            "trace_root", F.when(F.col("_file").endswith("trace.parquet"), F.col("_file"))
+            .otherwise(F.regexp_extract("_file", r"^(.*trace\.parquet)/[^/]+$", 1)))
+        df = df.join(F.broadcast(meta), "trace_root", "left")
+        for c in ATTRIBUTE_COLUMNS:
+            base = F.col(c).cast("string") if c in df.columns else F.lit(None).cast("string")
+            df = df.withColumn(c, F.coalesce(base, F.col(f"s_{c}")))
+        df = df.drop("_file", "trace_root", *[f"s_{c}" for c in ATTRIBUTE_COLUMNS])
+    return df
+
+
+# ---------------------------------------------------------------- report
+
+def _num(x):
+    if x is None:
+        return None
+    if isinstance(x, float):
+        return None if math.isnan(x) else round(x, 3)
+    return x
+
+
+def build_report(tables, mode: str, malformed=None) -> dict:
+    """The JSON report (aggregates and a few examples only)."""
+    from pyspark.sql import functions as F
+
+    runs = tables.runs.orderBy("run_id").limit(MAX_RUNS_IN_JSON + 1).collect()
+    n_runs = tables.runs.count() if len(runs) > MAX_RUNS_IN_JSON else len(runs)
+    runs = runs[:MAX_RUNS_IN_JSON]
+    ids = [r["run_id"] for r in runs]
+    members = {}
+    for m in tables.members.where(F.col("run_id").isin(ids)).orderBy("run_id", "member").collect():
+        members.setdefault(m["run_id"], []).append(m)
+
+    def examples(df, cols, extra_filter=None):
+        out = {}
+        d = df.where(F.col("run_id").isin(ids))
+        # at most MAX_EXAMPLES per run and member, computed in Spark
+        from pyspark.sql import Window
+
+        keys = ["run_id"] + (["member"] if "member" in df.columns else [])
+        w = Window.partitionBy(*keys).orderBy(*cols)
+        for row in d.withColumn("_rn", F.row_number().over(w)).where(F.col("_rn") <= MAX_EXAMPLES).collect():
+            bucket = out.setdefault(row["run_id"], {})
+            k = row["member"] if "member" in row else "all"
+            bucket.setdefault(k, []).append({c: row[c] for c in cols})
+        return out
+
+    ex_dup = examples(tables.duplicates, ["event_id", "copies"])
+    ex_foreign = examples(tables.foreign, ["event_id"])
+    ex_lost = examples(tables.lost, ["event_id"])
+    ex_inv = examples(tables.inversions, ["origin", "origin_partition", "seq", "origin_offset", "prev_offset"])
+    ex_div = examples(tables.divergent, ["seq", "events", "members"])
+    bad = {}
+    if malformed is not None:
+        for row in malformed.groupBy("run_id", "member").count().collect():
+            bad.setdefault(row["run_id"], {})[row["member"]] = row["count"]
+
+    out_runs = []
+    all_ok = True
+    for r in runs:
+        rid = r["run_id"]
+        ms = members.get(rid, [])
+        by = lambda key: {m["member"]: _num(m[key]) for m in ms}  # noqa: E731
+        lat = lambda row, p="latency_ms_": {k: _num(row[f"{p}{k}"]) for k in ("p50", "p90", "p99", "max")}  # noqa: E731
+        violations = []
+        mirror = (r["protocol"] or "") == "mirror"
+        if r["differing_positions"]:
+            violations.append({"kind": "agreement", "fails": not mirror,
+                               "detail": f"{r['differing_positions']} position(s) differ, first at seq "
+                                         f"{r['first_divergent']}"})
+        for m in ms:
+            for kind, key, what in (("integrity", "duplicates", "duplicate deliveries"),
+                                    ("integrity", "foreign", "foreign events (in no source topic)"),
+                                    ("loss", "lost", "source events missing"),
+                                    ("origin_order", "inversions", "origin-order inversions")):
+                if m[key]:
+                    violations.append({"kind": kind, "member": m["member"], "fails": True,
+                                       "detail": f"{m['member']}: {m[key]} {what}"})
+        for member, n in sorted(bad.get(rid, {}).items()):
+            violations.append({"kind": "integrity", "member": member, "fails": True,
+                               "detail": f"{member}: {n} global record(s) without kdsync headers"})
+        ok = not any(v["fails"] for v in violations)
+        all_ok &= ok
+        out_runs.append({
+            "run_id": rid, "scenario": r["scenario"], "protocol": r["protocol"], "seed": r["seed"],
+            "members": list(r["member_list"]),
+            "events_submitted": r["events_submitted"] if mode == "kafka" else r["events_delivered_any"],
+            "events_delivered": by("distinct_events"),
+            "deliveries": by("delivered"),
+            "agreement": {"positions": r["positions"], "differing_positions": r["differing_positions"],
+                          "first_divergent": r["first_divergent"],
+                          "examples": ex_div.get(rid, {}).get("all", [])},
+            "integrity": {"duplicates": by("duplicates"), "foreign": by("foreign"),
+                          "malformed": bad.get(rid, {}),
+                          "duplicate_examples": ex_dup.get(rid, {}), "foreign_examples": ex_foreign.get(rid, {})},
+            "loss": {"lost": by("lost"), "examples": ex_lost.get(rid, {})},
+            "origin_order": {"inversions": by("inversions"), "examples": ex_inv.get(rid, {})},
+            "positions": {"first_seq": by("first_seq"), "last_seq": by("last_seq"),
+                          "missing_positions": by("missing_positions")},
+            "latency_ms": lat(r),
+            "latency_ms_by_member": {m["member"]: lat(m) for m in ms},
+            "throughput_eps": _num(r["throughput_eps"]),
+            "throughput_eps_by_member": by("throughput_eps"),
+            "violations": violations,
+            "ok": ok,
+        })
+    if n_runs > len(runs):
+        all_ok = all_ok and tables.runs.where(~F.col("ok")).limit(1).count() == 0
+    return {"mode": mode, "ok": all_ok, "runs_total": n_runs, "runs_shown": len(out_runs), "runs": out_runs}
+
+
+def write_tables(tables, out: str, report: dict, malformed=None) -> None:
+    for name, df in tables.items():
+        df.write.mode("overwrite").parquet(os.path.join(out, name))
+    if malformed is not None:
+        malformed.write.mode("overwrite").parquet(os.path.join(out, "malformed"))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def run(args) -> tuple[int, dict]:
+    """Run the audit described by parsed `args`; (exit code, report)."""
+    from kdsync.spark.analysis import analyse
+    from kdsync.spark.session import spark_session
+
+    if args.trace and args.cluster:
+        raise UsageError("give either --cluster/--topic or --trace, not both")
+    if not args.trace and not args.cluster:
+        raise UsageError("nothing to audit: give --cluster NAME=BROKERS ... --topic T, or --trace PATH ...")
+    if args.window_s <= 0:
+        raise UsageError("--window-s must be > 0")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    malformed = None
+    if args.cluster:
+        clusters = parse_clusters(args.cluster)
+        if not args.topic:
+            raise UsageError("--topic T is required with --cluster")
+        props = _kafka_props(args.kafka_property)
+        check_brokers(clusters, props)
+        spark = spark_session(args.master, "kdsync-audit")
+        trace, sources, malformed = kafka_tables(spark, clusters, args.topic, args.global_suffix, props)
+        mode = "kafka"
+    else:
+        spark = spark_session(args.master, "kdsync-audit")
+        trace, sources, mode = trace_table(spark, args.trace), None, "trace"
+    tables = analyse(trace, sources, window_s=args.window_s, approx=args.approx)
+    report = build_report(tables, mode, malformed)
+    if args.out:
+        write_tables(tables, args.out, report, malformed)
+    return (0 if report["ok"] else 1), report
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        code, report = run(args)
+    except UsageError as e:
+        print(f"kdsync audit: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    print(json.dumps(report, indent=2, default=str))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

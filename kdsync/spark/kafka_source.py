@@ -1,0 +1,283 @@
+"""A Spark 4 Python data source that reads Kafka topics with confluent-kafka.
+
+Spark's JVM connector (spark-sql-kafka) is not on every machine, so kdsync
+brings its own batch source::
+
+    spark.dataSource.register(KafkaDataSource)      # spark_session() does it
+    df = (spark.read.format("kdsync-kafka")
+          .option("bootstrap.servers", "127.0.0.1:9092")
+          .option("topic", "test-global")
+          .load())
+
+Columns: topic, partition, offset, timestamp (ms, long), key, value (binary),
+headers (array<struct<key string, value binary>>).
+
+Options (all optional except `topic` and a bootstrap):
+  bootstrap.servers      brokers; any other librdkafka property is passed as
+                         `kafka.<property>` (e.g. `kafka.security.protocol`)
+  topic                  the topic
+  partitions             comma list of partitions (default: all)
+  startingOffsets        JSON {"partition": offset} (default: low watermark)
+  endingOffsets          JSON {"partition": offset}, exclusive (default: EOF)
+  maxRecordsPerRange     split size of a partition into parallel ranges
+                         (default 500000)
+  timeoutSeconds         a range that sees neither its end nor EOF in this
+                         long fails the task (default 120)
+
+Theory of operation: the driver asks each partition for its watermarks and
+cuts [start, high) into ranges of at most maxRecordsPerRange offsets; each
+range is a Spark task that assigns one consumer to its start offset and
+stops at its end offset.  The *last* range of a partition (and any range when
+there is no endingOffsets) has no end: it reads until the broker reports
+partition EOF.  That keeps the result complete on brokers whose
+ListOffsets(latest) under-reports the tail (Tansu after multi-record batches),
+and skips offset gaps (transaction markers, compaction) naturally.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+FORMAT = "kdsync-kafka"
+
+HEADER_TYPE = ArrayType(StructType([StructField("key", StringType()), StructField("value", BinaryType())]))
+
+SCHEMA = StructType([
+    StructField("topic", StringType(), False),
+    StructField("partition", IntegerType(), False),
+    StructField("offset", LongType(), False),
+    StructField("timestamp", LongType(), True),
+    StructField("key", BinaryType(), True),
+    StructField("value", BinaryType(), True),
+    StructField("headers", HEADER_TYPE, True),
+])
+
+_OWN_OPTIONS = {"topic", "partitions", "startingoffsets", "endingoffsets", "maxrecordsperrange",
+                "timeoutseconds", "path"}
+
+
+class KafkaSourceError(ValueError):
+    """A bad option or an unreachable broker (a user error: one clear line)."""
+
+
+def kafka_conf(options) -> dict:
+    """librdkafka properties from data source options (`bootstrap.servers`
+    as is, every `kafka.X` as `X`)."""
+    conf = {}
+    for k, v in dict(options).items():
+        kl = k.lower()
+        if kl == "bootstrap.servers":
+            conf["bootstrap.servers"] = v
+        elif kl.startswith("kafka."):
+            conf[kl[len("kafka."):]] = v
+    if "bootstrap.servers" not in conf:
+        raise KafkaSourceError("kdsync-kafka: option bootstrap.servers is required")
+    return conf
+
+
+def _consumer(conf: dict):
+    from confluent_kafka import Consumer
+
+    c = dict(conf)
+    c.setdefault("group.id", "kdsync-spark")
+    c.update({"enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    c.setdefault("log_level", 3)
+    c.setdefault("fetch.max.bytes", 52428800)
+    return Consumer(c)
+
+
+class OffsetRange(InputPartition):
+    """Offsets [start, end) of one partition; end None = to partition EOF."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int | None
+
+    def __init__(self, topic: str, partition: int, start: int, end: int | None):
+        super().__init__((topic, partition, start, end))
+        self.topic, self.partition, self.start, self.end = topic, partition, start, end
+
+
+def _offsets_option(raw: str | None, name: str) -> dict[int, int]:
+    if not raw:
+        return {}
+    try:
+        return {int(k): int(v) for k, v in json.loads(raw).items()}
+    except (ValueError, AttributeError) as e:
+        raise KafkaSourceError(f"kdsync-kafka: option {name} must be JSON like {{\"0\": 42}}: {e}") from None
+
+
+def plan_ranges(topic: str, watermarks: dict[int, tuple[int, int]], starting: dict[int, int],
+                ending: dict[int, int], max_records: int) -> list[OffsetRange]:
+    """Cut each partition into ranges.  `watermarks` maps partition -> (low,
+    high) as the broker reported them; `high` may be too low, so unless an
+    explicit end is given the last range of each partition is open (reads to
+    EOF).  Pure function (tested without a broker)."""
+    out: list[OffsetRange] = []
+    for p in sorted(watermarks):
+        low, high = watermarks[p]
+        start = max(low, starting.get(p, low))
+        if p in ending:
+            end = ending[p]
+            s = start
+            while s < end:
+                e = min(end, s + max_records)
+                out.append(OffsetRange(topic, p, s, e))
+                s = e
+            continue
+        s = start
+        while high - s > max_records:
+            out.append(OffsetRange(topic, p, s, s + max_records))
+            s += max_records
+        out.append(OffsetRange(topic, p, s, None))
+    return out
+
+
+class KafkaDataSource(DataSource):
+    """`spark.read.format("kdsync-kafka")`: batch read of one Kafka topic."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self):
+        return SCHEMA
+
+    def reader(self, schema):
+        return KafkaReader(self.options)
+
+
+class KafkaReader(DataSourceReader):
+    def __init__(self, options):
+        opts = {k.lower(): v for k, v in dict(options).items()}
+        self.conf = kafka_conf(options)
+        self.topic = opts.get("topic") or ""
+        if not self.topic:
+            raise KafkaSourceError("kdsync-kafka: option topic is required")
+        self.partitions_opt = [int(x) for x in opts.get("partitions", "").split(",") if x.strip()]
+        self.starting = _offsets_option(opts.get("startingoffsets"), "startingOffsets")
+        self.ending = _offsets_option(opts.get("endingoffsets"), "endingOffsets")
+        self.max_records = int(opts.get("maxrecordsperrange", 500_000))
+        self.timeout = float(opts.get("timeoutseconds", 120))
+
+    def partitions(self):
+        from confluent_kafka import KafkaException, TopicPartition
+
+        c = _consumer(self.conf)
+        try:
+            try:
+                md = c.list_topics(topic=self.topic, timeout=15)
+            except KafkaException as e:
+                raise KafkaSourceError(f"kdsync-kafka: cannot reach {self.conf['bootstrap.servers']}: {e}") from None
+            t = md.topics.get(self.topic)
+            if t is None or t.error is not None or not t.partitions:
+                return [OffsetRange(self.topic, -1, 0, 0)]  # no such topic: an empty table
+            parts = sorted(t.partitions)
+            if self.partitions_opt:
+                parts = [p for p in parts if p in set(self.partitions_opt)]
+            marks = {}
+            for p in parts:
+                low, high = c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=15, cached=False)
+                marks[p] = (max(low, 0), max(high, 0))
+        finally:
+            c.close()
+        ranges = plan_ranges(self.topic, marks, self.starting, self.ending, self.max_records)
+        return ranges or [OffsetRange(self.topic, -1, 0, 0)]
+
+    def read(self, partition: OffsetRange):
+        import pyarrow as pa
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        r = partition
+        if r.partition < 0 or (r.end is not None and r.end <= r.start):
+            return
+        arrow_schema = pa.schema([
+            pa.field("topic", pa.string(), False),
+            pa.field("partition", pa.int32(), False),
+            pa.field("offset", pa.int64(), False),
+            pa.field("timestamp", pa.int64()),
+            pa.field("key", pa.binary()),
+            pa.field("value", pa.binary()),
+            pa.field("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
+        ])
+        c = _consumer(self.conf)
+        cols: dict[str, list] = {f.name: [] for f in arrow_schema}
+
+        def flush():
+            n = len(cols["offset"])
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array([r.topic] * n, pa.string()), pa.array([r.partition] * n, pa.int32()),
+                 pa.array(cols["offset"], pa.int64()), pa.array(cols["timestamp"], pa.int64()),
+                 pa.array(cols["key"], pa.binary()), pa.array(cols["value"], pa.binary()),
+                 pa.array(cols["headers"], arrow_schema.field("headers").type)],
+                schema=arrow_schema)
+            for v in cols.values():
+                v.clear()
+            return batch
+
+        try:
+            c.assign([TopicPartition(r.topic, r.partition, r.start)])
+            deadline = time.monotonic() + self.timeout
+            done = False
+            while not done:
+                msgs = c.consume(5000, timeout=0.5)
+                if not msgs and time.monotonic() > deadline:
+                    raise TimeoutError(f"kdsync-kafka: {r.topic}[{r.partition}] range {r.start}.."
+                                       f"{r.end if r.end is not None else 'EOF'} got no data for {self.timeout}s")
+                for m in msgs:
+                    err = m.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            if r.end is None or m.offset() >= r.end:
+                                done = True
+                                break
+                            # an explicit end beyond EOF: the records are not there (yet)
+                            raise KafkaSourceError(f"kdsync-kafka: {r.topic}[{r.partition}] ends at {m.offset()}, "
+                                                   f"before the requested end {r.end}")
+                        if err.fatal() or not err.retriable():
+                            raise KafkaException(err)
+                        continue
+                    off = m.offset()
+                    if r.end is not None and off >= r.end:
+                        done = True
+                        break
+                    deadline = time.monotonic() + self.timeout
+                    ts_type, ts = m.timestamp()
+                    cols["offset"].append(off)
+                    cols["timestamp"].append(ts if ts_type else None)
+                    cols["key"].append(m.key())
+                    cols["value"].append(m.value())
+                    hs = m.headers()
+                    cols["headers"].append([{"key": k, "value": v} for k, v in hs] if hs else [])
+                    if r.end is not None and off + 1 >= r.end:
+                        done = True
+                        break
+                if len(cols["offset"]) >= 20000:
+                    yield flush()
+            if cols["offset"]:
+                yield flush()
+        finally:
+            c.close()
+
+
+def read_topic(spark, conf: dict | str, topic: str, **options):
+    """DataFrame of `topic` (see module docstring for columns and options)."""
+    conf = {"bootstrap.servers": conf} if isinstance(conf, str) else conf
+    reader = spark.read.format(FORMAT).option("topic", topic)
+    for k, v in conf.items():
+        reader = reader.option(k if k == "bootstrap.servers" else f"kafka.{k}", str(v))
+    for k, v in options.items():
+        reader = reader.option(k, v if isinstance(v, str) else json.dumps(v) if isinstance(v, dict) else str(v))
+    return reader.load()

@@ -1,0 +1,1037 @@
+"""RDMA transport between kdsync members (rdma-core's pyverbs, RC queue pairs).
+
+Theory of operation.
+
+Where it runs.  Any RDMA device rdma_cm can reach a peer through: hardware
+RoCE/InfiniBand or soft-RoCE (`rdma link add rxe0 type rxe netdev eth0`).
+pyverbs comes from the distribution (Debian's `python3-pyverbs`); it is
+imported lazily, so a machine without it imports kdsync and runs TCP.
+`unavailable_reason()` says why RDMA cannot be used here (None when it can);
+`rdma_usable(host)` says whether rdma_cm resolves `host` to a local RDMA
+device, and which.
+
+Connections.  As in the TCP transport, every member dials one outgoing
+connection per peer and sends only on it; connections peers dial to us carry
+their messages in, and only flow-control credits go back on them.  Setup is
+rdma_cm (pyverbs.cmid) in asynchronous mode: the dialer resolves address and
+route, creates an RC QP, registers its buffers, pre-posts its receives and
+connects; the listener gets CONNECT_REQUEST, does the same and accepts.  Then
+the TCP handshake runs over the QP, frame for frame (HELLO / HELLO+proof /
+AUTH / AUTH ok, HMAC-SHA256 of the group secret over both nonces, see tcp.py),
+and only then BATCH frames flow.  The frames are exactly the TCP frames
+(`framing.py`): the sender writes the frame byte stream into its registered
+send buffers, the receiver feeds what arrives into a `FrameDecoder`.
+
+Large frames are fragmented, not RDMA-WRITTEN: a frame longer than one buffer
+simply continues in the next SEND (the frame stream is a byte stream, the
+decoder reassembles any split).  Fragmenting needs no extra registration
+rendezvous, keeps a single credit mechanism covering every byte on the wire,
+and pipelines a big frame through `recv_depth` buffers; an RDMA WRITE path
+would pay a round trip per large frame to learn a remote region, for frames
+(catch-up chunks) that are rare next to the small ordering traffic.
+
+Buffers and credits.  Each connection registers `recv_depth` receive and
+`send_depth` send buffers of `buf_size` bytes (one MR each: pyverbs' CMID
+posts a whole MR).  Every SEND starts with a 4-byte header: op (DATA or
+CREDIT) and the number of receive buffers the sender re-posted since it last
+said so.  A side starts with `recv_depth` credits (the peer pre-posts that
+many receives before the connection is established), spends one per SEND, and
+earns them back from the headers.  DATA needs 2 credits, a credit-only
+message needs 1: the last credit is kept for returning credits, so the two
+sides can never both be stuck at zero (whoever is at zero is owed a full
+window, and the other side always has a credit to say so).  A side returns
+credits by piggybacking on DATA, or with a CREDIT message once it owes half
+a window.  So a sender never overruns the receiver's posted buffers; QPs are
+created with rnr_retry=0 by default, which makes any overrun a loud error
+instead of a silent stall.  When credits or send buffers run out, messages
+wait in the per-peer queue (bounded by `max_queue_bytes`; `send()` returns
+False when full, like TCP).
+
+Completions are event-driven.  One completion channel and one CQ serve all
+QPs of the transport; the channel's fd is registered with the asyncio loop
+(`loop.add_reader`).  On readiness: get the CQ event, ack it, re-arm
+notification, then poll the CQ dry (re-arming before the last poll closes
+the race with a completion that lands in between).  Nothing polls while
+idle.  RC completes receives and signalled sends in posting order, so each
+connection finds its buffers by FIFO, keyed by the QP number in the WC.
+rdma_cm event channels are registered the same way (their fds are
+non-blocking, so a spurious wake-up costs one EAGAIN).  pyverbs 44 does not
+expose these fds; they are found as the new /proc/self/fd entries pointing at
+/dev/infiniband/rdma_cm or anon_inode:[infinibandevent] right after creation
+(everything runs in the loop thread, and pyverbs holds the GIL in its calls).
+
+Failures.  A send or receive completing in error (retry exceeded: the peer
+vanished; flush: the QP went to error), a DISCONNECTED event, a handshake
+failure or timeout, or a malformed frame closes that connection only; the
+dialer reconnects with exponential backoff and jitter.  Listener-side
+connections cannot be matched to their rdma_cm events in pyverbs, so on any
+DISCONNECTED seen by the listener we send a credit probe on every incoming
+connection: a dead one fails within the ACK timeout.  The ACK timeout is set
+short (`ack_timeout`, 4.096 us * 2**14 = 67 ms, `retry_count` 5 tries).
+
+Mixed groups.  With `tcp_fallback` (default), the transport also runs a TCP
+transport on the same host:port (rdma_cm ports are a separate port space).
+Per peer, messages go over RDMA while the RDMA link is up, else over TCP: a
+peer without RDMA (its rdma_cm rejects or cannot be resolved) is served by
+TCP with one log line saying why, and an RDMA peer whose link is down keeps
+talking over TCP while the dialer reconnects.
+
+Threading: everything runs in one asyncio loop; `send()` and `on_message`
+are used from that loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import os
+import random
+import select
+import socket
+import struct
+from typing import Any
+
+from kdsync.transport import OnMessage, PeerStats, TLSSettings, Transport, TransportError
+from kdsync.transport.framing import (
+    AUTH,
+    BATCH,
+    HEADER_SIZE,
+    HELLO,
+    PING,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    decode_batch,
+    encode_batch,
+    encode_frame,
+)
+
+__all__ = ["RdmaTransport", "rdma_usable", "unavailable_reason"]
+
+_OP_DATA = 1
+_OP_CREDIT = 2
+_HDR = struct.Struct(">BxH")  # op, pad, credits returned
+_CM_DEVICE = "/dev/infiniband/rdma_cm"
+_COMP_CHANNEL = "anon_inode:[infinibandevent]"
+_SYSFS = "/sys/class/infiniband"
+_WC_STATUS = {
+    1: "local length error",
+    2: "local QP operation error",
+    4: "local protection error",
+    5: "flushed (QP in error)",
+    9: "remote invalid request",
+    10: "remote access error",
+    11: "remote operation error",
+    12: "transport retry counter exceeded (peer gone?)",
+    13: "RNR retry counter exceeded (receiver overrun)",
+}
+
+
+class _PV:
+    """The pyverbs names this module uses, imported once, lazily."""
+
+    def __init__(self) -> None:
+        import pyverbs.cm_enums as ce
+        import pyverbs.enums as e
+        from pyverbs.cmid import CMID, AddrInfo, CMEvent, CMEventChannel, ConnParam
+        from pyverbs.cq import CQ, CompChannel
+        from pyverbs.mr import MR
+        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.qp import QPCap, QPInitAttr
+
+        self.ce, self.e = ce, e
+        self.CMID, self.AddrInfo, self.CMEvent, self.CMEventChannel, self.ConnParam = (
+            CMID,
+            AddrInfo,
+            CMEvent,
+            CMEventChannel,
+            ConnParam,
+        )
+        self.CQ, self.CompChannel, self.MR = CQ, CompChannel, MR
+        self.QPCap, self.QPInitAttr = QPCap, QPInitAttr
+        self.Error = PyverbsError
+
+
+_pv_cache: _PV | None = None
+
+
+def _pyverbs() -> _PV:
+    """Import pyverbs; raise TransportError saying what to install if missing."""
+    global _pv_cache
+    if _pv_cache is None:
+        try:
+            _pv_cache = _PV()
+        except ImportError as exc:
+            raise TransportError(
+                f"pyverbs is not importable ({exc}); install rdma-core's python3-pyverbs (Debian/Ubuntu package)"
+            ) from None
+    return _pv_cache
+
+
+def _devices() -> list[str]:
+    try:
+        return sorted(os.listdir(_SYSFS))
+    except OSError:
+        return []
+
+
+def _active_ports(dev: str) -> list[str]:
+    out = []
+    try:
+        ports = sorted(os.listdir(f"{_SYSFS}/{dev}/ports"))
+    except OSError:
+        return out
+    for p in ports:
+        try:
+            with open(f"{_SYSFS}/{dev}/ports/{p}/state") as f:
+                if "ACTIVE" in f.read():
+                    out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def unavailable_reason() -> str | None:
+    """Why RDMA cannot be used on this machine, or None when it can.
+
+    Checks that pyverbs imports and that some RDMA device has an ACTIVE port.
+    Whether a particular peer is reachable is `rdma_usable(host)`.
+    """
+    try:
+        _pyverbs()
+    except TransportError as exc:
+        return str(exc)
+    devs = _devices()
+    if not devs:
+        return f"no RDMA device ({_SYSFS} is empty: no RDMA NIC, and no soft-RoCE link added)"
+    if not any(_active_ports(d) for d in devs):
+        return f"no RDMA port is ACTIVE (devices: {', '.join(devs)})"
+    return None
+
+
+def _fd_set() -> dict[int, str]:
+    """{fd: link target} of this process (the listing's own fd shows up too,
+    and the next open may reuse its number, hence the targets)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+    return out
+
+
+def _created_fd(before: dict[int, str], target: str, what: str) -> int:
+    after = _fd_set()
+    for fd in sorted(after):
+        if after[fd] == target and before.get(fd) != target:
+            return fd
+    raise TransportError(f"cannot find the file descriptor of the new {what} in /proc/self/fd")
+
+
+def _new_cm_channel(pv: _PV) -> tuple[Any, int]:
+    """A CMEventChannel and its (now non-blocking) fd."""
+    before = _fd_set()
+    chan = pv.CMEventChannel()
+    fd = _created_fd(before, _CM_DEVICE, "rdma_cm event channel")
+    os.set_blocking(fd, False)
+    return chan, fd
+
+
+def _resolve_ipv4(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise TransportError(f"cannot resolve {host!r}: {exc}") from None
+
+
+def rdma_usable(peer_host: str, timeout: float = 1.0) -> tuple[bool, str]:
+    """Can this machine reach `peer_host` over RDMA?
+
+    Returns (True, device name) when rdma_cm resolves the address to a local
+    RDMA device, else (False, one-line reason).  Blocks for at most about
+    `timeout` seconds; never raises.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        return False, reason
+    pv = _pyverbs()
+    try:
+        ip = _resolve_ipv4(peer_host)
+    except TransportError as exc:
+        return False, str(exc)
+    chan = cmid = None
+    try:
+        chan, fd = _new_cm_channel(pv)
+        cmid = pv.CMID(creator=chan, port_space=pv.ce.RDMA_PS_TCP)
+        try:
+            cmid.resolve_addr(pv.AddrInfo(dst=ip, dst_service="1", port_space=pv.ce.RDMA_PS_TCP), int(timeout * 1000))
+        except pv.Error as exc:
+            return False, f"rdma_cm cannot resolve {ip}: {exc}"
+        ready, _, _ = select.select([fd], [], [], timeout + 0.5)
+        if not ready:
+            return False, f"rdma_cm address resolution of {ip} timed out"
+        ev = pv.CMEvent(chan)
+        kind, text = ev.event_type, ev.event_str()
+        ev.ack_cm_event()
+        if kind != pv.ce.RDMA_CM_EVENT_ADDR_RESOLVED:
+            return False, f"no RDMA route to {ip} ({text})"
+        return True, cmid.dev_name
+    except (pv.Error, TransportError, OSError) as exc:
+        return False, f"RDMA address resolution of {ip} failed: {exc}"
+    finally:
+        if cmid is not None:
+            cmid.close()
+        if chan is not None:
+            chan.close()
+
+
+class _Conn:
+    """One RC connection (either direction) and its buffers."""
+
+    def __init__(self, tr: "RdmaTransport", role: str, peer: str | None, cmid: Any = None) -> None:
+        self.tr = tr
+        self.role = role  # "dialer" (we send on it) | "listener" (peer sends to us)
+        self.peer = peer  # known from the start for dialers, after HELLO for listeners
+        self.cmid = cmid
+        self.chan: Any = None  # dialers own an event channel; listener conns share the listener's
+        self.chan_fd = -1
+        self.qpn: int | None = None
+        self.state = "connecting"  # -> handshake -> up -> dead
+        self.was_up = False
+        self.connected = False  # rdma_cm connection established (disconnect on close)
+        self.recv_posted: collections.deque = collections.deque()
+        self.send_free: list = []
+        self.send_busy: collections.deque = collections.deque()
+        self.credits = tr.recv_depth
+        self.owed = 0
+        self.out = bytearray()
+        self.out_pos = 0
+        self.decoder = FrameDecoder(tr.max_frame_bytes)
+        self.nonce = os.urandom(16).hex()
+        self.peer_nonce = ""
+        self.hs_step = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.finished: asyncio.Future = tr._loop.create_future()
+        self.addr_info: Any = None
+        self.fail_reason = ""
+
+    @property
+    def pending_out(self) -> int:
+        return len(self.out) - self.out_pos
+
+    def __repr__(self) -> str:
+        return f"<rdma {self.role} {self.peer} qpn={self.qpn} {self.state}>"
+
+
+class RdmaTransport(Transport):
+    """The Transport over RDMA (RC QPs, rdma_cm); see the module docstring.
+
+    Extra keyword options (all optional): `buf_size` (bytes per registered
+    buffer, default 64 KiB), `recv_depth` / `send_depth` (buffers per
+    connection, default 16 / 16), `max_queue_bytes` (per-peer send queue,
+    default max_frame_bytes), `batch_bytes` (target BATCH frame size, 1 MiB),
+    `handshake_timeout`, `connect_timeout`, `backoff_initial`, `backoff_max`
+    (s), `ack_timeout` (rdma_cm ACK timeout exponent, default 14),
+    `retry_count` (default 5), `rnr_retry` (default 0), `tcp_fallback`
+    (default True: serve peers without RDMA over an embedded TcpTransport),
+    `tcp_options` (dict of extra TcpTransport options).
+
+    Raises TransportError at construction when RDMA cannot serve the listen
+    address (pyverbs missing, no device behind it) or TLS is requested.
+    """
+
+    kind = "rdma"
+
+    def __init__(
+        self,
+        member_id: str,
+        listen: tuple[str, int],
+        peers: dict[str, tuple[str, int]],
+        on_message: OnMessage,
+        *,
+        secret: bytes | None = None,
+        tls: TLSSettings | None = None,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        logger: logging.Logger | None = None,
+        buf_size: int = 64 * 1024,
+        recv_depth: int = 16,
+        send_depth: int = 16,
+        max_queue_bytes: int | None = None,
+        batch_bytes: int = 1 << 20,
+        handshake_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+        ack_timeout: int = 14,
+        retry_count: int = 5,
+        rnr_retry: int = 0,
+        tcp_fallback: bool = True,
+        tcp_options: dict | None = None,
+    ) -> None:
+        super().__init__(
+            member_id,
+            listen,
+            peers,
+            on_message,
+            secret=secret,
+            tls=tls,
+            max_frame_bytes=max_frame_bytes,
+            logger=logger,
+        )
+        if isinstance(secret, str):
+            raise TypeError("secret must be bytes")
+        if tls is not None:
+            raise TransportError("TLS is not available over RDMA; set transport = \"tcp\" to use [tls]")
+        if buf_size < 256 or recv_depth < 2 or send_depth < 2:
+            raise TransportError("rdma buffers too small: need buf_size >= 256, recv_depth >= 2, send_depth >= 2")
+        self.buf_size = int(buf_size)
+        self.recv_depth = int(recv_depth)
+        self.send_depth = int(send_depth)
+        self.max_queue_bytes = int(max_queue_bytes if max_queue_bytes is not None else max_frame_bytes)
+        self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
+        self.batch_bytes = int(batch_bytes)
+        self.handshake_timeout = handshake_timeout
+        self.connect_timeout = connect_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.ack_timeout = int(ack_timeout)
+        self.retry_count = int(retry_count)
+        self.rnr_retry = int(rnr_retry)
+        self.tcp_fallback = tcp_fallback
+        self.tcp_options = dict(tcp_options or {})
+        self._pv = _pyverbs()
+        host = self.listen[0]
+        if host in ("", "0.0.0.0", "::"):
+            raise TransportError(
+                f"RDMA needs a specific listen address on an RDMA device, not {host!r}; set [member] listen"
+            )
+        ok, what = rdma_usable(host)
+        if not ok:
+            raise TransportError(f"no RDMA device serves the listen address {host}: {what}")
+        self.device = what
+        self.counters: collections.Counter = collections.Counter()
+        self.tcp: Transport | None = None
+        self._mode = {p: "probing" for p in self.peers}  # probing | rdma | tcp
+        self._queues: dict[str, collections.deque] = {p: collections.deque() for p in self.peers}
+        self._queued = {p: 0 for p in self.peers}
+        self._out: dict[str, _Conn | None] = {p: None for p in self.peers}
+        self._in: dict[str, _Conn] = {}
+        self._by_qpn: dict[int, _Conn] = {}
+        self._conns: set[_Conn] = set()
+        self._flush_due: set[str] = set()
+        self._flush_handle: asyncio.Handle | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self._started = False
+        self._rng = random.Random(os.urandom(16))
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._listener = self._lchan = None
+        self._lchan_fd = -1
+        self._cq = self._cc = None
+        self._cc_fd = -1
+        self.bound: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------ public API
+
+    async def start(self) -> None:
+        pv = self._pv
+        self._loop = asyncio.get_running_loop()
+        host, port = self.listen
+        try:
+            self._lchan, self._lchan_fd = _new_cm_channel(pv)
+            self._listener = pv.CMID(creator=self._lchan, port_space=pv.ce.RDMA_PS_TCP)
+            ai = pv.AddrInfo(src=host, src_service=str(port), port_space=pv.ce.RDMA_PS_TCP, flags=pv.ce.RAI_PASSIVE)
+            self._listener.bind_addr(ai)
+            ctx = self._listener.context
+            before = _fd_set()
+            self._cc = pv.CompChannel(ctx)
+            self._cc_fd = _created_fd(before, _COMP_CHANNEL, "completion channel")
+            os.set_blocking(self._cc_fd, False)
+            # Room for every WR of every connection we may hold (in + out per peer, plus one spare each).
+            cqe = max(256, 4 * max(1, len(self.peers)) * (self.recv_depth + self.send_depth))
+            self._cq = pv.CQ(ctx, cqe, None, self._cc, 0)
+            self._cq.req_notify()
+            self._listener.listen(64)
+        except (pv.Error, OSError) as exc:
+            await self._release()
+            raise TransportError(f"cannot listen for RDMA on {host}:{port}: {exc}; check [member] listen") from None
+        self._loop.add_reader(self._cc_fd, self._on_cq_event)
+        self._loop.add_reader(self._lchan_fd, self._on_listener_events)
+        self._started = True
+        self.bound = (host, port)
+        if self.tcp_fallback:
+            from kdsync.transport.tcp import TcpTransport
+
+            opts = dict(self.tcp_options)
+            opts.setdefault("max_queue_bytes", self.max_queue_bytes)
+            self.tcp = TcpTransport(
+                self.member_id,
+                self.listen,
+                {**self.peers, self.member_id: self.listen},
+                self.on_message,
+                secret=self.secret,
+                max_frame_bytes=self.max_frame_bytes,
+                logger=self.log,
+                **opts,
+            )
+            try:
+                await self.tcp.start()
+            except TransportError:
+                await self.close()
+                raise
+        for peer in sorted(self.peers):
+            self._tasks.append(asyncio.create_task(self._dial_loop(peer), name=f"kdsync-rdma-dial-{peer}"))
+        self.log.info(
+            "transport rdma listening on %s:%s via %s%s%s",
+            host,
+            port,
+            self.device,
+            " with group secret" if self.secret is not None else "",
+            ", TCP fallback on the same port" if self.tcp is not None else "",
+        )
+
+    def send(self, peer: str, data: bytes) -> bool:
+        if peer not in self._queues:
+            raise TransportError(f"cannot send to unknown member {peer!r}")
+        size = len(data)
+        if size > self.max_message_bytes:
+            raise TransportError(
+                f"message of {size} bytes does not fit in a frame (max_frame_bytes={self.max_frame_bytes})"
+            )
+        if self._closing:
+            self.stats[peer].dropped += 1
+            return False
+        conn = self._out[peer]
+        rdma_up = conn is not None and conn.state == "up"
+        if not rdma_up and self.tcp is not None:
+            # RDMA link down: TCP carries the message if it is up, or if this
+            # peer is served by TCP anyway; otherwise wait for RDMA.
+            if self.tcp.stats[peer].connected or self._mode[peer] == "tcp":
+                return self.tcp.send(peer, data)
+        if self._queued[peer] + size > self.max_queue_bytes:
+            self.stats[peer].dropped += 1
+            return False
+        self._queues[peer].append(data)
+        self._queued[peer] += size
+        if rdma_up:
+            self._flush_due.add(peer)
+            if self._flush_handle is None:
+                self._flush_handle = self._loop.call_soon(self._flush)
+        return True
+
+    def path(self, peer: str) -> str | None:
+        """"rdma" or "tcp": the link `send(peer)` uses now (None: neither is up)."""
+        conn = self._out.get(peer)
+        if conn is not None and conn.state == "up":
+            return "rdma"
+        if self.tcp is not None and self.tcp.stats[peer].connected:
+            return "tcp"
+        return None
+
+    def queued_bytes(self, peer: str) -> int:
+        """Bytes waiting in the RDMA send queue of `peer`."""
+        return self._queued[peer]
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for conn in sorted(self._conns, key=id):
+            self._fail(conn, "transport closed", quiet=True)
+        if self.tcp is not None:
+            await self.tcp.close()
+        await self._release()
+        for st in self.stats.values():
+            st.connected = False
+
+    async def _release(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            for fd in (self._cc_fd, self._lchan_fd):
+                if fd >= 0:
+                    loop.remove_reader(fd)
+        # QPs are gone (connections closed); now the CQ, its channel, the listener.
+        for obj in (self._cq, self._cc, self._listener, self._lchan):
+            if obj is not None:
+                try:
+                    obj.close()
+                except self._pv.Error as exc:
+                    self.log.warning("rdma: closing %s: %s", type(obj).__name__, exc)
+        self._cq = self._cc = self._listener = self._lchan = None
+        self._cc_fd = self._lchan_fd = -1
+
+    # ------------------------------------------------------------ dialing
+
+    async def _dial_loop(self, peer: str) -> None:
+        delay = self.backoff_initial
+        failures = 0
+        while not self._closing:
+            conn = self._dial(peer)
+            if conn is not None:
+                await asyncio.shield(conn.finished)
+                if self._closing:
+                    return
+                if conn.was_up:
+                    delay, failures = self.backoff_initial, 0
+                else:
+                    failures += 1
+                    if failures == 2 and self._mode[peer] == "probing" and self.tcp is not None:
+                        self._to_tcp(peer, conn.fail_reason)
+            else:
+                failures += 1
+            await asyncio.sleep(delay * (0.5 + 0.5 * self._rng.random()))
+            delay = min(delay * 2, self.backoff_max)
+
+    def _to_tcp(self, peer: str, why: str) -> None:
+        """Serve `peer` over TCP from now on (until an RDMA link comes up)."""
+        self._mode[peer] = "tcp"
+        self.log.info("peer %s: using TCP because RDMA connect failed: %s", peer, why)
+        q = self._queues[peer]
+        while q:
+            m = q.popleft()
+            self._queued[peer] -= len(m)
+            self.tcp.send(peer, m)
+
+    def _dial(self, peer: str) -> _Conn | None:
+        pv = self._pv
+        host, port = self.peers[peer]
+        conn = _Conn(self, "dialer", peer)
+        try:
+            ip = _resolve_ipv4(host)
+            conn.chan, conn.chan_fd = _new_cm_channel(pv)
+            conn.cmid = pv.CMID(creator=conn.chan, port_space=pv.ce.RDMA_PS_TCP)
+            self._conns.add(conn)
+            self._loop.add_reader(conn.chan_fd, self._on_dialer_events, conn)
+            conn.addr_info = pv.AddrInfo(
+                src=self.listen[0], dst=ip, dst_service=str(port), port_space=pv.ce.RDMA_PS_TCP
+            )
+            conn.cmid.resolve_addr(conn.addr_info, int(self.connect_timeout * 1000))
+        except (pv.Error, TransportError, OSError) as exc:
+            self._conns.add(conn)
+            self._fail(conn, f"cannot start RDMA connect to {host}:{port}: {exc}", quiet=True)
+            return conn
+        conn.timer = self._loop.call_later(self.connect_timeout * 2, self._timeout, conn, "connect timed out")
+        return conn
+
+    def _on_dialer_events(self, conn: _Conn) -> None:
+        pv = self._pv
+        ce = pv.ce
+        while conn.state != "dead":
+            try:
+                ev = pv.CMEvent(conn.chan)
+            except pv.Error:
+                return  # EAGAIN: drained
+            kind, text = ev.event_type, ev.event_str()
+            ev.ack_cm_event()
+            try:
+                if kind == ce.RDMA_CM_EVENT_ADDR_RESOLVED:
+                    conn.cmid.resolve_route(int(self.connect_timeout * 1000))
+                elif kind == ce.RDMA_CM_EVENT_ROUTE_RESOLVED:
+                    if conn.cmid.dev_name != self.device:
+                        self._fail(conn, f"route goes through {conn.cmid.dev_name}, not {self.device}")
+                        return
+                    self._setup_qp(conn)
+                    conn.cmid.connect(self._conn_param())
+                elif kind == ce.RDMA_CM_EVENT_ESTABLISHED:
+                    conn.connected = True
+                    conn.state = "handshake"
+                    self._restart_timer(conn, self.handshake_timeout, "handshake timed out")
+                    hello = {"v": 1, "id": self.member_id, "to": conn.peer, "nonce": conn.nonce}
+                    self._send_frame(conn, encode_frame(HELLO, json.dumps(hello).encode()))
+                elif kind == ce.RDMA_CM_EVENT_TIMEWAIT_EXIT:
+                    pass
+                else:  # ADDR/ROUTE/CONNECT errors, UNREACHABLE, REJECTED, DISCONNECTED, DEVICE_REMOVAL
+                    self._fail(conn, f"rdma_cm {text}")
+                    return
+            except pv.Error as exc:
+                self._fail(conn, f"rdma_cm setup failed after {text}: {exc}")
+                return
+
+    def _conn_param(self) -> Any:
+        return self._pv.ConnParam(resources=1, depth=1, retry=self.retry_count, rnr_retry=self.rnr_retry)
+
+    def _setup_qp(self, conn: _Conn) -> None:
+        """Create the QP on our CQ, register buffers, pre-post every receive."""
+        pv = self._pv
+        e = pv.e
+        cmid = conn.cmid
+        try:
+            cmid.set_option(pv.ce.RDMA_OPTION_ID, pv.ce.RDMA_OPTION_ID_ACK_TIMEOUT, self.ack_timeout, 1)
+        except (pv.Error, AttributeError) as exc:  # older kernels: keep the default timeout
+            self.log.debug("rdma: cannot set ACK timeout: %s", exc)
+        cap = pv.QPCap(
+            max_send_wr=self.send_depth, max_recv_wr=self.recv_depth, max_send_sge=1, max_recv_sge=1
+        )
+        cmid.create_qp(pv.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap, sq_sig_all=1))
+        conn.qpn = cmid.qpn
+        self._by_qpn[conn.qpn] = conn
+        for _ in range(self.recv_depth):
+            mr = pv.MR(cmid, self.buf_size, e.IBV_ACCESS_LOCAL_WRITE)
+            cmid.post_recv(mr, self.buf_size)
+            conn.recv_posted.append(mr)
+        conn.send_free = [pv.MR(cmid, self.buf_size, e.IBV_ACCESS_LOCAL_WRITE) for _ in range(self.send_depth)]
+
+    # ------------------------------------------------------------ listening
+
+    def _on_listener_events(self) -> None:
+        pv = self._pv
+        ce = pv.ce
+        while self._listener is not None:
+            try:
+                ev = pv.CMEvent(self._lchan)
+            except pv.Error:
+                return
+            kind = ev.event_type
+            if kind != ce.RDMA_CM_EVENT_CONNECT_REQUEST:
+                ev.ack_cm_event()
+                if kind == ce.RDMA_CM_EVENT_DISCONNECTED:
+                    self._probe_incoming()
+                continue
+            conn = _Conn(self, "listener", None)
+            try:
+                conn.cmid = pv.CMID(creator=ev, listen_id=self._listener)
+            except pv.Error as exc:
+                ev.ack_cm_event()
+                self.log.warning("rdma: cannot take a connection request: %s", exc)
+                continue
+            ev.ack_cm_event()
+            self._conns.add(conn)
+            try:
+                self._setup_qp(conn)
+                conn.cmid.accept(self._conn_param())
+            except pv.Error as exc:
+                self._fail(conn, f"cannot accept an RDMA connection: {exc}")
+                continue
+            conn.connected = True
+            conn.state = "handshake"
+            self._restart_timer(conn, self.handshake_timeout, "no valid handshake in time")
+
+    def _probe_incoming(self) -> None:
+        """Some incoming connection was disconnected; a credit message on each
+        finds which (a dead QP fails its send within the ACK timeout)."""
+        for conn in list(self._in.values()):
+            if conn.state == "up" and conn.credits >= 1 and conn.send_free:
+                self._post(conn, _OP_CREDIT, b"")
+
+    # ------------------------------------------------------------ completions
+
+    def _on_cq_event(self) -> None:
+        pv = self._pv
+        try:
+            self._cc.get_cq_event(self._cq)
+        except pv.Error:
+            return  # spurious wake-up (EAGAIN)
+        self.counters["cq_events"] += 1
+        self._cq.ack_events(1)
+        self._cq.req_notify()
+        self._drain_cq()
+
+    def _drain_cq(self) -> None:
+        touched: dict[int, _Conn] = {}
+        while self._cq is not None:
+            self.counters["cq_polls"] += 1
+            n, wcs = self._cq.poll(64)
+            for wc in wcs:
+                conn = self._by_qpn.get(wc.qp_num)
+                if conn is None or conn.state == "dead":
+                    continue  # a connection closed meanwhile
+                self._on_wc(conn, wc)
+                touched[id(conn)] = conn
+            if n < 64:
+                break
+        for conn in touched.values():
+            if conn.state != "dead":
+                self._pump(conn)
+
+    def _on_wc(self, conn: _Conn, wc: Any) -> None:
+        e = self._pv.e
+        if wc.status != e.IBV_WC_SUCCESS:
+            why = _WC_STATUS.get(wc.status, f"status {wc.status}")
+            self._fail(conn, f"work completion failed: {why}")
+            return
+        if wc.opcode & e.IBV_WC_RECV:
+            mr = conn.recv_posted.popleft()
+            data = mr.read(wc.byte_len, 0)
+            try:
+                conn.cmid.post_recv(mr, self.buf_size)
+            except self._pv.Error as exc:
+                self._fail(conn, f"cannot re-post a receive: {exc}")
+                return
+            conn.recv_posted.append(mr)
+            conn.owed += 1
+            self.counters["recvs"] += 1
+            if len(data) < _HDR.size:
+                self._fail(conn, "runt RDMA message")
+                return
+            op, credits = _HDR.unpack_from(data)
+            conn.credits += credits
+            if op == _OP_DATA:
+                self._on_bytes(conn, data[_HDR.size :])
+            elif op != _OP_CREDIT:
+                self._fail(conn, f"unknown RDMA message op {op}")
+        else:
+            conn.send_free.append(conn.send_busy.popleft())
+
+    # ------------------------------------------------------------ sending
+
+    def _post(self, conn: _Conn, op: int, payload: bytes) -> bool:
+        mr = conn.send_free.pop()
+        msg = _HDR.pack(op, conn.owed) + payload
+        try:
+            mr.write(msg, len(msg))
+            conn.cmid.post_send(mr, self._pv.e.IBV_SEND_SIGNALED, len(msg))
+        except self._pv.Error as exc:
+            conn.send_free.append(mr)
+            self._fail(conn, f"cannot post a send: {exc}")
+            return False
+        conn.send_busy.append(mr)
+        conn.owed = 0
+        conn.credits -= 1
+        self.counters["sends"] += 1
+        if op == _OP_CREDIT:
+            self.counters["credit_msgs"] += 1
+        return True
+
+    def _send_frame(self, conn: _Conn, frame: bytes) -> None:
+        if conn.out_pos and conn.out_pos == len(conn.out):
+            conn.out.clear()
+            conn.out_pos = 0
+        conn.out += frame
+        if conn.peer is not None and conn.peer in self.stats and conn.role == "dialer":
+            st = self.stats[conn.peer]
+            st.frames_out += 1
+            st.bytes_out += len(frame)
+        self._pump(conn)
+
+    def _pump(self, conn: _Conn) -> None:
+        """Post what credits and free buffers allow; return credits if owed."""
+        if conn.state == "dead":
+            return
+        chunk = self.buf_size - _HDR.size
+        while True:
+            if conn.pending_out == 0:
+                if conn.role == "dialer" and conn.state == "up" and self._queues[conn.peer]:
+                    self._refill_no_pump(conn)
+                if conn.pending_out == 0:
+                    break
+            if conn.credits < 2 or not conn.send_free:
+                if conn.credits < 2:
+                    self.counters["credit_waits"] += 1
+                break
+            end = min(len(conn.out), conn.out_pos + chunk)
+            payload = bytes(conn.out[conn.out_pos : end])
+            if not self._post(conn, _OP_DATA, payload):
+                return
+            conn.out_pos = end
+        if conn.owed >= max(1, self.recv_depth // 2) and conn.credits >= 1 and conn.send_free:
+            self._post(conn, _OP_CREDIT, b"")
+
+    def _refill_no_pump(self, conn: _Conn) -> None:
+        conn.out.clear()
+        conn.out_pos = 0
+        peer = conn.peer
+        q = self._queues[peer]
+        batch: list[bytes] = []
+        size = 0
+        limit = min(self.batch_bytes, self.max_frame_bytes - HEADER_SIZE)
+        while q and (not batch or size + 4 + len(q[0]) <= limit):
+            m = q.popleft()
+            batch.append(m)
+            size += 4 + len(m)
+            self._queued[peer] -= len(m)
+        frame = encode_frame(BATCH, encode_batch(batch))
+        conn.out += frame
+        st = self.stats[peer]
+        st.frames_out += 1
+        st.bytes_out += len(frame)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        due, self._flush_due = self._flush_due, set()
+        for peer in sorted(due):
+            conn = self._out.get(peer)
+            if conn is not None and conn.state == "up":
+                self._pump(conn)
+
+    # ------------------------------------------------------------ frames
+
+    def _on_bytes(self, conn: _Conn, data: bytes) -> None:
+        if conn.peer is not None and conn.state == "up" and conn.role == "listener":
+            self.stats[conn.peer].bytes_in += len(data)
+        try:
+            frames = conn.decoder.feed(data)
+        except FrameError as exc:
+            self._on_frames(conn, exc.frames)
+            self._refuse(conn, f"malformed frame: {exc}")
+            return
+        if frames:
+            self._on_frames(conn, frames)
+
+    def _on_frames(self, conn: _Conn, frames: list[Frame]) -> None:
+        for f in frames:
+            if conn.state == "dead":
+                return
+            if conn.state == "up":
+                if f.kind == BATCH and conn.role == "listener":
+                    st = self.stats[conn.peer]
+                    st.frames_in += 1
+                    try:
+                        msgs = decode_batch(f.body)
+                    except FrameError as exc:
+                        self._refuse(conn, f"malformed batch: {exc}")
+                        return
+                    for m in msgs:
+                        try:
+                            self.on_message(conn.peer, m)
+                        except Exception:  # the member's bug must not kill the link
+                            self.log.exception("on_message failed for a message from %s", conn.peer)
+                elif f.kind != PING:
+                    self._refuse(conn, f"unexpected frame kind {f.kind} after handshake")
+                    return
+                continue
+            try:
+                if conn.role == "listener":
+                    self._listener_handshake(conn, f)
+                else:
+                    self._dialer_handshake(conn, f)
+            except TransportError as exc:
+                self._refuse(conn, str(exc))
+                return
+
+    def _listener_handshake(self, conn: _Conn, f: Frame) -> None:
+        from kdsync.transport.tcp import HandshakeError, _field, _parse_json, _proof
+
+        if conn.hs_step == 0:
+            hello = _parse_json(f, HELLO, "HELLO")
+            claimed = _field(hello, "id", "HELLO")
+            if hello.get("v") != 1:
+                raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}")
+            if claimed not in self.peers:
+                raise HandshakeError(f"unknown member id {claimed!r}")
+            target = _field(hello, "to", "HELLO")
+            if target != self.member_id:
+                raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}")
+            conn.peer = claimed
+            conn.peer_nonce = _field(hello, "nonce", "HELLO")
+            proof = _proof(self.secret, "listener", conn.peer_nonce, conn.nonce, claimed, self.member_id)
+            reply = {"v": 1, "id": self.member_id, "nonce": conn.nonce, "proof": proof}
+            conn.hs_step = 1
+            self._send_frame(conn, encode_frame(HELLO, json.dumps(reply).encode()))
+        else:
+            auth = _parse_json(f, AUTH, "AUTH")
+            want = _proof(self.secret, "dialer", conn.peer_nonce, conn.nonce, conn.peer, self.member_id)
+            got = auth.get("proof")
+            if not isinstance(got, str) or not hmac.compare_digest(got, want):
+                raise HandshakeError(f"member {conn.peer!r} failed the group-secret proof")
+            self._send_frame(conn, encode_frame(AUTH, b'{"ok":true}'))
+            self._up(conn)
+            old = self._in.get(conn.peer)
+            self._in[conn.peer] = conn
+            if old is not None and old is not conn:
+                self._fail(old, "replaced by a new connection from the same peer", quiet=True)
+
+    def _dialer_handshake(self, conn: _Conn, f: Frame) -> None:
+        from kdsync.transport.tcp import HandshakeError, _field, _parse_json, _proof
+
+        if conn.hs_step == 0:
+            hello = _parse_json(f, HELLO, "HELLO")
+            if _field(hello, "id", "HELLO") != conn.peer:
+                raise HandshakeError(f"expected member {conn.peer!r}, reached {hello.get('id')!r}")
+            conn.peer_nonce = _field(hello, "nonce", "HELLO")
+            want = _proof(self.secret, "listener", conn.nonce, conn.peer_nonce, self.member_id, conn.peer)
+            got = hello.get("proof")
+            if not isinstance(got, str) or not hmac.compare_digest(got, want):
+                raise HandshakeError(f"member {conn.peer!r} failed the group-secret proof")
+            proof = _proof(self.secret, "dialer", conn.nonce, conn.peer_nonce, self.member_id, conn.peer)
+            conn.hs_step = 1
+            self._send_frame(conn, encode_frame(AUTH, json.dumps({"proof": proof}).encode()))
+        else:
+            auth = _parse_json(f, AUTH, "AUTH")
+            if auth.get("ok") is not True:
+                raise HandshakeError(f"member {conn.peer!r} did not accept our proof")
+            self._up(conn)
+            self._out[conn.peer] = conn
+            self.stats[conn.peer].connected = True
+            if self._mode[conn.peer] != "rdma":
+                self.log.info("peer %s: RDMA link up via %s", conn.peer, self.device)
+            self._mode[conn.peer] = "rdma"
+            self._pump(conn)
+
+    def _up(self, conn: _Conn) -> None:
+        conn.state = "up"
+        conn.was_up = True
+        if conn.timer is not None:
+            conn.timer.cancel()
+            conn.timer = None
+
+    # ------------------------------------------------------------ failure
+
+    def _restart_timer(self, conn: _Conn, delay: float, why: str) -> None:
+        if conn.timer is not None:
+            conn.timer.cancel()
+        conn.timer = self._loop.call_later(delay, self._timeout, conn, why)
+
+    def _timeout(self, conn: _Conn, why: str) -> None:
+        conn.timer = None
+        if conn.state != "up":
+            self._fail(conn, why)
+
+    def _refuse(self, conn: _Conn, why: str) -> None:
+        if conn.peer in self.stats:
+            self.stats[conn.peer].refused += 1
+        self.log.warning("rdma: closing connection %s %s: %s", conn.role, conn.peer or "(unidentified)", why)
+        self._fail(conn, why, quiet=True)
+
+    def _fail(self, conn: _Conn, why: str, quiet: bool = False) -> None:
+        """Close one connection and release its resources."""
+        if conn.state == "dead":
+            return
+        was_up = conn.state == "up"
+        conn.state = "dead"
+        conn.fail_reason = why
+        if conn.timer is not None:
+            conn.timer.cancel()
+            conn.timer = None
+        if conn.qpn is not None and self._by_qpn.get(conn.qpn) is conn:
+            del self._by_qpn[conn.qpn]
+        if conn.chan_fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(conn.chan_fd)
+        peer = conn.peer
+        if conn.role == "dialer" and peer is not None and self._out.get(peer) is conn:
+            self._out[peer] = None
+            self.stats[peer].connected = False
+        if conn.role == "listener" and peer is not None and self._in.get(peer) is conn:
+            del self._in[peer]
+        if was_up or not quiet:
+            log = self.log.debug if (quiet or self._closing) else self.log.info
+            log("rdma: %s link %s closed: %s", conn.role, peer, why)
+        pv = self._pv
+        if conn.cmid is not None:
+            if conn.connected:
+                try:
+                    conn.cmid.disconnect()
+                except pv.Error:
+                    pass
+            try:
+                conn.cmid.close()
+            except pv.Error as exc:
+                self.log.debug("rdma: closing cm id: %s", exc)
+        if conn.chan is not None:
+            try:
+                conn.chan.close()
+            except pv.Error:
+                pass
+        conn.cmid = conn.chan = None
+        conn.recv_posted.clear()
+        conn.send_free.clear()
+        conn.send_busy.clear()
+        self._conns.discard(conn)
+        if not conn.finished.done():
+            conn.finished.set_result(was_up)
