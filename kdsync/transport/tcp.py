@@ -17,9 +17,12 @@ closed, so a half-open leftover never lingers.
 Framing and batching.  Both directions carry frames (`framing.py`).  Each
 peer has a bounded queue (in bytes, `max_queue_bytes`) filled by `send()`.
 One writer task per outgoing connection takes *everything* queued when it
-runs (up to one frame) and writes it as a single BATCH frame, then awaits
-`drain()`; while the socket is busy, new messages accumulate and go out
-together in the next frame.  When the queue is full `send()` returns False and
+runs and writes it as one BATCH frame, then awaits `drain()`; while the
+socket is busy, new messages accumulate and go out together in the next
+frame.  A batch is cut at `max_batch_bytes` (4 MiB; a bigger single message
+still goes alone, up to `max_frame_bytes`): frames of tens of MB cost more in
+buffer allocation and copying than they save, and smaller ones let the
+receiver decode one batch while the next is on the wire.  When the queue is full `send()` returns False and
 drops the message (the core retransmits); memory per peer is therefore bounded
 by `max_queue_bytes` plus one frame in the socket buffer.  Queued messages
 survive a reconnect.  An idle sender emits a PING every `ping_interval`
@@ -167,7 +170,8 @@ class TcpTransport(Transport):
     Extra keyword options (all optional): `max_queue_bytes` (per-peer send
     queue bound, default = max_frame_bytes), `handshake_timeout` (s),
     `ping_interval` (s), `idle_timeout` (s), `backoff_initial` and
-    `backoff_max` (s, reconnect delays), `connect_timeout` (s).
+    `backoff_max` (s, reconnect delays), `connect_timeout` (s),
+    `max_batch_bytes` (soft cap of one BATCH frame, default 4 MiB).
     """
 
     kind = "tcp"
@@ -190,7 +194,7 @@ class TcpTransport(Transport):
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
         connect_timeout: float = 5.0,
-        max_batch_bytes: int = 67108864,
+        max_batch_bytes: int = 4 << 20,
     ) -> None:
         super().__init__(
             member_id,
@@ -650,15 +654,20 @@ class TcpTransport(Transport):
                     st.bytes_out += len(_PING_FRAME)
                     await writer.drain()
                 continue
-            msgs: list[bytes] = []
-            size = 0
-            while queue:
-                n = len(queue[0]) + 4
-                if msgs and size + n > budget:
-                    break
-                msgs.append(queue.popleft())
-                size += n
-            link.queued -= size - 4 * len(msgs)
+            if link.queued + 4 * len(queue) <= budget:  # common case: take everything
+                msgs = list(queue)
+                queue.clear()
+                link.queued = 0
+            else:
+                msgs = []
+                size = 0
+                while queue:
+                    n = len(queue[0]) + 4
+                    if msgs and size + n > budget:
+                        break
+                    msgs.append(queue.popleft())
+                    size += n
+                link.queued -= size - 4 * len(msgs)
             frame = encode_batch_frame(msgs)
             writer.write(frame)
             st.frames_out += 1
