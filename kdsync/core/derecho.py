@@ -191,6 +191,7 @@ class DerechoNode(NodeBase):
         self.last_sent = {m: -10**9 for m in v.members}
         self.acked_sent = {m: None for m in v.members}
         self.suspected: set[str] = set()
+        self.unresponsive: set[str] = set()  # heard from, but not answering our COLLECT
         self.deliver_round, self.deliver_k = 0, 0
         self.my_k = v.senders.index(self.me) if self.me in v.senders else -1
         self.cut_upto = 0  # own slots multicast
@@ -210,12 +211,12 @@ class DerechoNode(NodeBase):
 
     def _leader(self) -> str | None:
         for m in self.view.members:
-            if m not in self.suspected:
+            if m not in self.suspected and m not in self.unresponsive:
                 return m
         return None
 
     def _live(self) -> list[str]:
-        return [m for m in self.view.members if m not in self.suspected]
+        return [m for m in self.view.members if m not in self.suspected and m not in self.unresponsive]
 
     def _majority(self, count: int) -> bool:
         return 2 * count > len(self.view.members)
@@ -328,9 +329,13 @@ class DerechoNode(NodeBase):
         if len(msg) > 6:
             self.max_round = max(self.max_round, want_int(msg[6], "round"))
         self._on_ack_vector(msg[1], msg[4])
-        new = {m for m in sus if m in self.view.members and m != self.me} - self.suspected
-        if new and msg[1] not in self.suspected and self.has_data and not self.wedged:
-            self._suspect(new)
+        peer_wedged = len(msg) > 7 and msg[7] is True
+        if (sus or peer_wedged) and msg[1] not in self.suspected and self.has_data and not self.wedged:
+            new = {m for m in sus if m in self.view.members and m != self.me} - self.suspected
+            if new:
+                self._suspect(new)
+            else:
+                self._wedge()  # someone suspects us: this view is over, go and form the next
 
     def _suspect(self, who: set[str]) -> None:
         who = who - self.suspected
@@ -437,6 +442,7 @@ class DerechoNode(NodeBase):
         acc_b = _want_ballot(msg[10])
         acc = Proposal.decode(msg[11], self.member_set) if msg[11] else None
         self.last_heard[s] = self.now
+        self.unresponsive.discard(s)
         self.reports[s] = [msg[2], bool(msg[6]), recv, want_int(msg[8], "durable"), want_int(msg[9], "next"), tuple(acc_b), acc]
         self._leader_progress()
 
@@ -873,6 +879,10 @@ class DerechoNode(NodeBase):
                 self.status = "minority"
             elif self.status == "minority":
                 self.status = "wedged" if v.view_id > 0 else "forming"
+            if lead == self.me and self.phase == "collect" and now - self.vc_started >= cfg.suspect_ticks:
+                # heard from but not reporting (an asymmetric link): leave them out
+                self.unresponsive |= {m for m in live if m not in self.reports}
+                live = self._live()
             if lead == self.me and self._majority(len(live)):
                 if self.phase == "" or now - self.vc_started >= cfg.suspect_ticks * 2:
                     self._start_collect()  # first attempt, or a higher ballot may be blocking us
@@ -895,7 +905,7 @@ class DerechoNode(NodeBase):
         self.last_sent[p] = self.now
         self._send(
             p,
-            codec.pack((ACK, self.me, self.incarnation, self.view.view_id, list(self.received), sorted(self.suspected), self.promised[0])),
+            codec.pack((ACK, self.me, self.incarnation, self.view.view_id, list(self.received), sorted(self.suspected), self.promised[0], self.wedged)),
         )
         self.acked_sent[p] = tuple(self.received)
 
