@@ -336,14 +336,18 @@ class TcpTransport(Transport):
             pending.extend(dec.feed(data))
         return pending.pop(0)
 
-    @staticmethod
-    def _set_sockopts(writer: asyncio.StreamWriter) -> None:
+    def _set_sockopts(self, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         if sock is None:
             return
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if hasattr(socket, "TCP_USER_TIMEOUT"):
+                # Data unacknowledged for idle_timeout (a partition, a dead host) breaks the
+                # connection, so we redial promptly after healing instead of waiting out
+                # TCP's retransmission backoff (minutes).
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.idle_timeout * 1000))
         except OSError:
             pass
 
@@ -370,6 +374,9 @@ class TcpTransport(Transport):
         logged at DEBUG at most); doing the upgrade here lets us log them as one
         WARNING line like every other refusal.
         """
+        if self._closing:
+            transport.abort()
+            return
         task = asyncio.current_task()
         if task is not None:
             self._conn_tasks.add(task)
@@ -408,6 +415,9 @@ class TcpTransport(Transport):
                 self._conn_tasks.discard(task)
 
     async def _on_incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:
+            writer.close()
+            return
         task = asyncio.current_task()
         if task is not None:
             self._conn_tasks.add(task)
@@ -552,11 +562,11 @@ class TcpTransport(Transport):
             except HandshakeError:
                 pass
             except asyncio.TimeoutError:
-                self._note_failure(link, f"connecting to {link.peer} at {host}:{port} timed out", logging.DEBUG)
+                self._note_failure(link, f"connecting to {link.peer} at {host}:{port} timed out", logging.INFO)
             except ssl.SSLError as exc:
                 self._note_failure(link, f"TLS handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
             except (OSError, TransportError) as exc:
-                self._note_failure(link, f"cannot reach {link.peer} at {host}:{port}: {exc}", logging.DEBUG)
+                self._note_failure(link, f"cannot reach {link.peer} at {host}:{port}: {exc}", logging.INFO)
             finally:
                 was_connected = st.connected
                 st.connected = False
