@@ -45,6 +45,7 @@ class Network:
         self.log: list[str] = []  # human-readable trace for transcripts
         self.views: dict[str, list] = {i: [] for i in self.ids}
         self.bad_messages = 0
+        self.reads_served = 0
         for i in self.ids:
             self.members[i] = Member(i, None)
             self._boot(i)
@@ -70,6 +71,8 @@ class Network:
 
     def crash(self, i: str) -> None:
         m = self.members[i]
+        if m.durable_lag and m.node is not None:
+            del m.topic[m.node.durable_seq :]  # unflushed writes die with the process
         m.node, m.up = None, False
         self.queue = [q for q in self.queue if q[1] != i and q[0] != i]
         self.log.append(f"crash {i}")
@@ -160,6 +163,7 @@ class Network:
             if rd.deliveries and not m.durable_lag:
                 n.durable(len(m.topic))
             for r in rd.reads:
+                self.reads_served += 1
                 n.step(LogChunk(r.start, tuple(m.topic[r.start : r.stop])))
             n.advance(rd)
         return progressed
