@@ -495,3 +495,29 @@ def test_tls_bad_certificate_paths_give_one_line_error(tmp_path):
     with pytest.raises(TransportError, match="cannot load TLS certificates") as info:
         asyncio.run(t.start())
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------ liveness of idle links
+
+
+@async_test
+async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
+    caplog.set_level(logging.INFO, logger="kdsync")
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    opts = {**FAST, "idle_timeout": 0.4}
+    # a pings every 0.1 s; b never pings (interval 30 s) so a drops b's silent link.
+    a = TcpTransport("a", peers["a"], peers, Inbox(), **{**opts, "ping_interval": 0.1})
+    b = TcpTransport("b", peers["b"], peers, Inbox(), **{**opts, "ping_interval": 30})
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.stats["b"].connected and b.stats["a"].connected, what="links up")
+        await until(lambda: any("closing silent connection from b" in r.getMessage() for r in caplog.records), 5, "a closes b's silent link")
+        assert not any("closing silent connection from a" in r.getMessage() for r in caplog.records)
+        assert b.stats["a"].frames_in >= 3  # pings from a
+        await until(lambda: b.stats["a"].connected, what="b redials")  # and the link comes back
+    finally:
+        await a.close()
+        await b.close()

@@ -445,22 +445,26 @@ class TcpTransport(Transport):
             try:
                 if pending:
                     self._deliver(peer, pending)
-                while not self._closing:
-                    try:
-                        data = await asyncio.wait_for(reader.read(_READ_CHUNK), self.idle_timeout)
-                    except asyncio.TimeoutError:
-                        self.log.info("closing silent connection from %s at %s (nothing for %.0fs)", peer, addr_s, self.idle_timeout)
-                        return
-                    if not data:
-                        return
-                    st.bytes_in += len(data)
-                    try:
-                        frames = dec.feed(data)
-                    except FrameError as exc:
-                        self._deliver(peer, exc.frames)
-                        raise
-                    if frames:
-                        self._deliver(peer, frames)
+                loop = asyncio.get_running_loop()
+                try:
+                    # One rescheduled timer rather than a wait_for (a task) per read.
+                    async with asyncio.timeout(self.idle_timeout) as idle:
+                        while not self._closing:
+                            data = await reader.read(_READ_CHUNK)
+                            if not data:
+                                return
+                            st.bytes_in += len(data)
+                            try:
+                                frames = dec.feed(data)
+                            except FrameError as exc:
+                                self._deliver(peer, exc.frames)
+                                raise
+                            if frames:
+                                self._deliver(peer, frames)
+                            idle.reschedule(loop.time() + self.idle_timeout)
+                except TimeoutError:
+                    self.log.info("closing silent connection from %s at %s (nothing for %.0fs)", peer, addr_s, self.idle_timeout)
+                    return
             except FrameError as exc:
                 self.log.warning("closed connection from %s at %s: malformed frame: %s", peer, addr_s, exc)
             finally:
@@ -657,8 +661,9 @@ class TcpTransport(Transport):
             if not queue:
                 link.wakeup.clear()
                 try:
-                    await asyncio.wait_for(link.wakeup.wait(), self.ping_interval)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.ping_interval):
+                        await link.wakeup.wait()
+                except TimeoutError:
                     writer.write(_PING_FRAME)
                     st.frames_out += 1
                     st.bytes_out += len(_PING_FRAME)
