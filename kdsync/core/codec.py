@@ -55,27 +55,23 @@ def encode_events(events: Sequence[Event]) -> list:
 
 
 def decode_events(flat: Any) -> tuple[Event, ...]:
+    """Flat 5-per-event array → Events; checks every field's type (in C-speed
+    passes over the columns rather than a Python loop per field)."""
     if not isinstance(flat, list) or len(flat) % 5:
         raise RemoteProtocolError("events field is not a flat array of 5-tuples")
-    try:
-        out = []
-        app = out.append
-        for i in range(0, len(flat), 5):
-            origin, part, off, payload, ts = flat[i : i + 5]
-            if (
-                type(origin) is not str
-                or type(part) is not int
-                or type(off) is not int
-                or type(payload) is not bytes
-                or type(ts) is not int
-            ):
-                raise RemoteProtocolError("bad event fields")
-            app(Event(origin, part, off, payload, ts))
-        return tuple(out)
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:
-        raise RemoteProtocolError(f"bad events: {exc}") from None
+    if not flat:
+        return ()
+    if (
+        set(map(type, flat[0::5])) != {str}
+        or set(map(type, flat[1::5])) != {int}
+        or set(map(type, flat[2::5])) != {int}
+        or set(map(type, flat[3::5])) != {bytes}
+        or set(map(type, flat[4::5])) != {int}
+    ):
+        raise RemoteProtocolError("bad event fields")
+    it = iter(flat)
+    new = tuple.__new__
+    return tuple([new(Event, t) for t in zip(it, it, it, it, it)])
 
 
 def want_int(v: Any, what: str, lo: int = 0) -> int:

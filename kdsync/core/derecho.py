@@ -453,6 +453,7 @@ class DerechoNode(NodeBase):
         self.ballot = (rnd, self.rank_of[self.me])
         self._promise(self.ballot)
         self.phase = "collect"
+        self.unresponsive.clear()  # everyone gets another chance with each ballot
         self.reports = {}
         self.accepts = set()
         self.proposal = None
