@@ -126,7 +126,7 @@ def _cmd_swarm(args) -> int:
     with _progress(args.seeds, "swarm (seeds)") as tick:
         for i, seed in enumerate(range(args.first, args.first + args.seeds)):
             scenario = swarm_scenario(seed, args.protocol)
-            result = run_scenario(scenario, seed)
+            result = run_scenario(scenario, seed, stop_when_settled=True)
             events += result.summary["events_submitted"]
             if result.failing:  # (mirror's tolerated agreement/split-brain counts are in its summary)
                 out = Path(args.out)

@@ -77,6 +77,7 @@ class Member:
         self.paused_until = -1.0
         self._buffer: list[Callable[[], None]] = []  # inputs held during a clock pause
         self.flush_pending = False
+        self.poll_pending = False
         self.positions: list[int] = []  # consumer position per source partition
         self.status = ""
         self.views = 0
@@ -110,6 +111,7 @@ class Member:
         self.up = False
         self.node = None
         self.epoch += 1
+        self.poll_pending = False
         self._buffer.clear()
         self.paused_until = -1.0
         self.status = "down"
@@ -171,7 +173,17 @@ class Member:
         if self.up and self.paused_until < 0:
             self.node.tick()
 
+    def fetched(self) -> None:
+        """The consumer has new source events: hand them over now, or at the
+        end of the poll interval (kafka.poll_ms) so that they form one batch."""
+        if self.sim.poll_s <= 0.0:
+            self.poll()
+        elif not self.poll_pending and self.up:
+            self.poll_pending = True
+            self.sim.after(self.sim.poll_s, self._poll_cb, self.epoch)
+
     def _poll_cb(self, epoch: int) -> None:
+        self.poll_pending = False
         if epoch == self.epoch:
             self.poll()
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import simpy
+from simpy.events import Timeout
 
 from sim.scenario import LinkSpec, NetworkSpec
 
@@ -163,6 +164,7 @@ class Network:
             else:
                 # reordered copy / duplicate: held back, overtaken by later traffic
                 arrive += rng.random() * 2 * p.latency_s
-            delay = arrive - now
-            ev = self.env.timeout(delay)
-            ev.callbacks.append(lambda _e, s=src, d=dst, b=data: self._deliver(s, d, b))
+            Timeout(self.env, arrive - now, (src, dst, data)).callbacks.append(self._arrive)
+
+    def _arrive(self, ev) -> None:
+        self._deliver(*ev._value)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import simpy
+from simpy.events import Timeout
 
 from kdsync.core import Event, NodeConfig, make_node
 from sim.checkers import MIRROR_TOLERATED, Checker, Violation
@@ -33,6 +34,7 @@ from sim.network import Network
 from sim.scenario import Scenario
 
 TICK_S = 0.010  # one node tick = 10 ms of simulated time
+GRACE_S = 0.5  # stop_when_settled: how long to keep running after convergence
 # Node counts (ticks): NodeConfig defaults — heartbeat 2 (20 ms), suspect 10
 # (100 ms), retransmit 3 (30 ms).  Scenarios with WAN latencies above ~80 ms
 # RTT get suspect_ticks scaled to stay above 3 RTTs (see node_config()).
@@ -88,6 +90,11 @@ class RunResult:
 NodeFactory = Callable[..., Any]
 
 
+def _call(ev) -> None:
+    fn, arg = ev._value
+    fn(arg)
+
+
 class Simulation:
     def __init__(self, scenario: Scenario, seed: int, node_factory: NodeFactory | None = None) -> None:
         self.scenario = scenario
@@ -95,6 +102,7 @@ class Simulation:
         self.env = simpy.Environment()
         self.produce_s = scenario.kafka.produce_ms / 1000.0
         self.consume_s = scenario.kafka.consume_ms / 1000.0
+        self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.node_factory = node_factory or make_node
         self.checker = Checker()
         self.witness_disk: dict = {}
@@ -113,16 +121,15 @@ class Simulation:
 
     # ----------------------------------------------------------- scheduling
     def after(self, delay: float, fn: Callable[[Any], None], arg: Any) -> None:
-        ev = self.env.timeout(delay)
-        ev.callbacks.append(lambda _e: fn(arg))
+        """Call fn(arg) `delay` seconds from now."""
+        Timeout(self.env, delay, (fn, arg)).callbacks.append(_call)
 
     def request_flush(self, m: Member) -> None:
         m.flush_pending = True
         self._flush_list.append(m)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            ev = self.env.timeout(0.0)
-            ev.callbacks.append(self._run_flushes)
+            Timeout(self.env, 0.0).callbacks.append(self._run_flushes)
 
     def _run_flushes(self, _e) -> None:
         self._flush_scheduled = False
@@ -198,7 +205,7 @@ class Simulation:
             k = (origin, p, off)
             submitted[k] = e
             submit_ts[k] = ack
-        member.poll()
+        member.fetched()
 
     def _workload(self, spec, member: Member, rng: random.Random):
         lag = self.produce_s + self.consume_s
@@ -278,7 +285,24 @@ class Simulation:
             yield env.timeout(TICK_S)
 
     # ------------------------------------------------------------------ run
-    def run(self, progress: Callable[[float], None] | None = None) -> None:
+    def _settled(self) -> bool:
+        n = len(self.submitted)
+        return all(m.up and (m.cluster is None or len(m.cluster.global_events) >= n) for m in self.order)
+
+    def _watch_settle(self):
+        """Liveness phase shortcut (swarm): once every member is up and every
+        cluster holds as many events as were acknowledged, run GRACE_S more
+        (late wrong deliveries still show) and stop."""
+        env = self.env
+        yield env.timeout(self.scenario.duration_s)
+        while env.now + GRACE_S < self.end_s:
+            if self._settled():
+                self.end_s = env.now + GRACE_S
+                Timeout(env, GRACE_S).callbacks.append(simpy.core.StopSimulation.callback)
+                return
+            yield env.timeout(0.1)
+
+    def run(self, progress: Callable[[float], None] | None = None, stop_when_settled: bool = False) -> None:
         phase_rng = random.Random(f"{self.seed}/tick-phase")
         for m in self.order:
             m.start()
@@ -286,15 +310,16 @@ class Simulation:
         self._setup_workload()
         self.env.process(self._faults())
         self.env.process(self._settle())
-        if progress is None:
-            self.env.run(until=self.end_s)
-            return
-        step = max(self.end_s / 200.0, TICK_S)
+        if stop_when_settled:
+            self.env.process(self._watch_settle())
+        step = max(self.end_s / 200.0, TICK_S) if progress else 0.5
         t = 0.0
         while t < self.end_s:
             t = min(self.end_s, t + step)
             self.env.run(until=t)
-            progress(t)
+            if progress:
+                progress(t)
+            t = self.env.now  # the settle watcher may have stopped the run early
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:
@@ -312,16 +337,19 @@ def run_scenario(
     *,
     node_factory: NodeFactory | None = None,
     progress: Callable[[float], None] | None = None,
+    stop_when_settled: bool = False,
 ) -> RunResult:
     """Run `scenario` with `seed` (default: the scenario's own) and judge it.
 
     `node_factory` replaces `kdsync.core.make_node` (tests use it to plant a
-    broken node).  Raises nothing for a bad run: violations are in the result.
+    broken node); `stop_when_settled` ends the liveness phase GRACE_S after
+    every member converged instead of at settle_s (the swarm uses it).
+    Raises nothing for a bad run: violations are in the result.
     """
     seed = scenario.seed if seed is None else seed
     t0 = time.perf_counter()
     sim = Simulation(scenario, seed, node_factory)
-    sim.run(progress)
+    sim.run(progress, stop_when_settled)
     wall = time.perf_counter() - t0
 
     s = scenario

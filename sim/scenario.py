@@ -52,6 +52,9 @@ class NetworkSpec(_Strict):
 class KafkaSpec(_Strict):
     produce_ms: float = Field(default=2.0, ge=0)
     consume_ms: float = Field(default=1.0, ge=0)
+    # extension: the member's consume loop hands what it fetched to the node
+    # at most every poll_ms (a batch); 0 = each fetch as soon as it arrives
+    poll_ms: float = Field(default=0.0, ge=0, le=10_000)
 
 
 class WorkloadSpec(_Strict):

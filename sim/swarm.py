@@ -16,7 +16,7 @@ import random
 from sim.scenario import Scenario
 
 SAFETY_S = 3.0
-LIVENESS_S = 5.0
+LIVENESS_S = 4.0
 
 
 def swarm_scenario(seed: int, protocol: str = "derecho") -> Scenario:
@@ -50,7 +50,7 @@ def swarm_scenario(seed: int, protocol: str = "derecho") -> Scenario:
     workload = [
         {
             "member": "all",
-            "rate_eps": float(rng.choice([10, 20, 40, 80])),
+            "rate_eps": float(rng.choice([5, 10, 20, 40])),
             "partitions": rng.randint(1, 3),
             "payload_bytes": rng.choice([16, 100, 512]),
             "start_s": 0.0,
@@ -104,7 +104,11 @@ def swarm_scenario(seed: int, protocol: str = "derecho") -> Scenario:
             "settle_s": LIVENESS_S,
             "members": members,
             "network": {"default": default, "links": links},
-            "kafka": {"produce_ms": float(rng.choice([1, 2, 5])), "consume_ms": float(rng.choice([1, 2]))},
+            "kafka": {
+                "produce_ms": float(rng.choice([1, 2, 5])),
+                "consume_ms": float(rng.choice([1, 2])),
+                "poll_ms": float(rng.choice([0, 2, 10])),
+            },
             "workload": workload,
             "faults": faults,
         }
