@@ -874,6 +874,8 @@ class DerechoNode(NodeBase):
             self._ask_catchup()
         # view change
         if self.wedged and self._is_member():
+            if self.unresponsive and not self._majority(len(self._live())):
+                self.unresponsive.clear()  # they may answer a higher ballot
             lead = self._leader()
             live = self._live()
             if not self._majority(len(live)):
