@@ -166,6 +166,9 @@ async def test_messages_queued_while_peer_down_are_sent_when_it_comes_up():
         for i in range(10):
             assert ts["a"].send("b", b"m%d" % i)
         assert ts["a"].queued_bytes("b") > 0
+        # While b is down only max_offline_queue_bytes are kept: no stale backlog.
+        assert not ts["a"].send("b", b"x" * ts["a"].max_offline_queue_bytes)
+        assert ts["a"].stats["b"].dropped == 1
         await ts["b"].start()
         await until(lambda: len(inboxes["b"].got["a"]) == 10, what="queued messages")
         assert inboxes["b"].got["a"] == [b"m%d" % i for i in range(10)]

@@ -24,8 +24,11 @@ still goes alone, up to `max_frame_bytes`): frames of tens of MB cost more in
 buffer allocation and copying than they save, and smaller ones let the
 receiver decode one batch while the next is on the wire.  When the queue is full `send()` returns False and
 drops the message (the core retransmits); memory per peer is therefore bounded
-by `max_queue_bytes` plus one frame in the socket buffer.  Queued messages
-survive a reconnect.  An idle sender emits a PING every `ping_interval`
+by `max_queue_bytes` plus one frame in the socket buffer.  While the link to a
+peer is down, the queue only takes `max_offline_queue_bytes` (1 MiB): enough
+to carry what was sent just before the link came up or across a short blip
+(queued messages survive a reconnect), without piling up a backlog of stale
+retransmissions for a peer that is gone.  An idle sender emits a PING every `ping_interval`
 seconds; a receiver closes an incoming connection that stays silent for
 `idle_timeout` seconds (a vanished peer, a half-open socket).
 
@@ -171,7 +174,8 @@ class TcpTransport(Transport):
     queue bound, default = max_frame_bytes), `handshake_timeout` (s),
     `ping_interval` (s), `idle_timeout` (s), `backoff_initial` and
     `backoff_max` (s, reconnect delays), `connect_timeout` (s),
-    `max_batch_bytes` (soft cap of one BATCH frame, default 4 MiB).
+    `max_batch_bytes` (soft cap of one BATCH frame, default 4 MiB),
+    `max_offline_queue_bytes` (queue bound while the peer's link is down, 1 MiB).
     """
 
     kind = "tcp"
@@ -195,6 +199,7 @@ class TcpTransport(Transport):
         backoff_max: float = 2.0,
         connect_timeout: float = 5.0,
         max_batch_bytes: int = 4 << 20,
+        max_offline_queue_bytes: int = 1 << 20,
     ) -> None:
         super().__init__(
             member_id,
@@ -216,6 +221,7 @@ class TcpTransport(Transport):
         self.backoff_max = backoff_max
         self.connect_timeout = connect_timeout
         self.max_batch_bytes = int(max_batch_bytes)
+        self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
         # Largest single message that fits in one BATCH frame.
         self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
         self.refused_unknown = 0  # refused connections that named no known member
@@ -265,7 +271,8 @@ class TcpTransport(Transport):
             raise TransportError(
                 f"message of {size} bytes does not fit in a frame (max_frame_bytes={self.max_frame_bytes})"
             )
-        if self._closing or link.queued + size > self.max_queue_bytes:
+        limit = self.max_queue_bytes if link.writer is not None else self.max_offline_queue_bytes
+        if self._closing or link.queued + size > limit:
             self.stats[peer].dropped += 1
             return False
         link.queue.append(data)
