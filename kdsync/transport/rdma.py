@@ -630,6 +630,7 @@ class RdmaTransport(Transport):
                 return  # EAGAIN: drained
             kind, text = ev.event_type, ev.event_str()
             ev.ack_cm_event()
+            self.log.debug("rdma: dialer %s: %s", conn.peer, text)
             try:
                 if kind == ce.RDMA_CM_EVENT_ADDR_RESOLVED:
                     conn.cmid.resolve_route(int(self.connect_timeout * 1000))
