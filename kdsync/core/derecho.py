@@ -192,6 +192,7 @@ class DerechoNode(NodeBase):
         self.acked_sent = {m: None for m in v.members}
         self.suspected: set[str] = set()
         self.unresponsive: set[str] = set()  # heard from, but not answering our COLLECT
+        self.rejoined: dict[str, int] = {}  # view member -> its new incarnation
         self.deliver_round, self.deliver_k = 0, 0
         self.my_k = v.senders.index(self.me) if self.me in v.senders else -1
         self.cut_upto = 0  # own slots multicast
@@ -255,6 +256,10 @@ class DerechoNode(NodeBase):
         if known == 0 or known == inc:
             self.last_heard[s] = self.now
             return True
+        if self.rejoined.get(s) == inc:
+            # a restarted member: alive (it may vote in the view change, with its
+            # persisted promises) but it holds none of this view's data
+            self.last_heard[s] = self.now
         return False  # another incarnation: a late message of a dead one, or a restart (JOIN handles it)
 
     def _stale_reply(self, peer: str, view_id: int) -> None:
@@ -693,6 +698,9 @@ class DerechoNode(NodeBase):
             if known != 0 and self._is_member():
                 self._suspect({s})  # its previous incarnation is gone
         self.joiners[s] = (inc, durable, nxt)
+        if s in v.members:
+            self.rejoined[s] = inc
+            self.last_heard[s] = self.now
         if self._is_member() and self.status == "active" and self._leader() != self.me:
             self._stale_reply(s, -1)
 
