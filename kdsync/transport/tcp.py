@@ -1,4 +1,4 @@
-"""TCP transport between kdsync members (asyncio streams, optional TLS).
+"""TCP transport between kdsync members (asyncio, optional TLS).
 
 Theory of operation.
 
@@ -7,30 +7,39 @@ uses it only to send; the connections peers dial to us are used only to
 receive.  So a pair of members holds two TCP connections, one per direction.
 This avoids the classic race of "both sides dial at once, which connection
 wins?", needs no tie-breaking by member id, and lets each side reconnect on
-its own schedule: the dialer owns its link and reconnects it with exponential
+its own schedule: the dialer owns its link and redials it with exponential
 backoff plus jitter (`backoff_initial` doubling up to `backoff_max`, each delay
 scaled by a random factor in [0.5, 1)); the backoff starts over only after a
-link stayed up for 5 s, so a peer that accepts and drops us is not hammered.  When a peer dials again (it
-restarted, or its link broke), the older incoming connection from that peer is
-closed, so a half-open leftover never lingers.
+link stayed up for 5 s, so a peer that accepts and then drops us is not
+hammered.  When a peer dials again (it restarted, or its link broke), the
+older incoming connection from that peer is closed, so a half-open leftover
+never lingers.  TCP_USER_TIMEOUT (= `idle_timeout`) breaks a link whose data
+stays unacknowledged (partition, dead host), so we redial promptly after
+healing instead of waiting out TCP's retransmission backoff.
 
-Framing and batching.  Both directions carry frames (`framing.py`).  Each
-peer has a bounded queue (in bytes, `max_queue_bytes`) filled by `send()`.
-One writer task per outgoing connection takes *everything* queued when it
-runs and writes it as one BATCH frame, then awaits `drain()`; while the
-socket is busy, new messages accumulate and go out together in the next
-frame.  A batch is cut at `max_batch_bytes` (4 MiB; a bigger single message
-still goes alone, up to `max_frame_bytes`): frames of tens of MB cost more in
-buffer allocation and copying than they save, and smaller ones let the
-receiver decode one batch while the next is on the wire.  When the queue is full `send()` returns False and
-drops the message (the core retransmits); memory per peer is therefore bounded
-by `max_queue_bytes` plus one frame in the socket buffer.  While the link to a
+Sending: batching and back-pressure.  Each peer has a bounded queue (bytes,
+`max_queue_bytes`) filled by `send()`.  One writer task per outgoing
+connection takes *everything* queued when it runs and writes it as one BATCH
+frame (`framing.py`), then awaits `drain()`; while the socket is busy, new
+messages accumulate and go out together in the next frame.  A batch is cut at
+`max_batch_bytes` (4 MiB; a bigger single message still goes alone, up to
+`max_frame_bytes`): frames of tens of MB cost more in allocation and copying
+than they save, and smaller ones let the receiver decode one batch while the
+next is on the wire.  When the queue is full, `send()` returns False and drops
+the message (the core retransmits); memory per peer is bounded by
+`max_queue_bytes` plus one frame in the socket buffer.  While the link to a
 peer is down, the queue only takes `max_offline_queue_bytes` (1 MiB): enough
-to carry what was sent just before the link came up or across a short blip
-(queued messages survive a reconnect), without piling up a backlog of stale
-retransmissions for a peer that is gone.  An idle sender emits a PING every `ping_interval`
-seconds; a receiver closes an incoming connection that stays silent for
-`idle_timeout` seconds (a vanished peer, a half-open socket).
+for what was sent just before the link came up or across a short blip
+(queued messages survive a reconnect), without a backlog of stale
+retransmissions piling up for a peer that is gone.  An idle writer sends a
+PING every `ping_interval` seconds; a receiver closes an incoming connection
+that stays silent for `idle_timeout` seconds.
+
+Receiving.  The handshake runs on asyncio streams; once it succeeds, the
+socket is handed to a plain `asyncio.Protocol` (`_Inbound`) that feeds each
+chunk straight into the frame decoder and calls `on_message` for each
+message, in the loop callback itself (no stream-buffer copies, no task switch
+per read).  A malformed frame closes that connection only.
 
 Handshake (over the framed stream, before any BATCH)::
 
@@ -39,25 +48,29 @@ Handshake (over the framed stream, before any BATCH)::
     dialer   -> AUTH  {"proof": P_dialer}
     listener -> AUTH  {"ok": true, "proof": P_listener}
 
-With a group secret, P_role = HMAC-SHA256(secret, "kdsync-v1/" + role, nonce_dialer,
-nonce_listener, dialer_id, listener_id) in hex, role being "dialer" or
-"listener" so that one side's proof can never be replayed as the other's.  The
-secret itself never crosses the wire; both nonces are fresh, so a recorded
-handshake cannot be replayed.  The dialer proves first: a listener never
-computes a proof for a stranger, and it is the listener (the member being
-contacted) that logs the precise reason when a peer has the wrong secret.
-Without a secret the proofs are empty.  A peer that claims an unknown member
-id, cannot prove the secret, times out (`handshake_timeout`) or sends anything
-malformed is logged as one WARNING line naming its address and the reason, and
-only that connection is closed.
+With a group secret, P_role = HMAC-SHA256(secret, "kdsync-v1/" + role,
+nonce_dialer, nonce_listener, dialer_id, listener_id) in hex; the role label
+("dialer" / "listener") keeps one side's proof from being replayed as the
+other's.  The secret never crosses the wire, and both nonces are fresh, so a
+recorded handshake cannot be replayed.  The dialer proves first: a listener
+never computes a proof for a stranger, and the member being contacted logs the
+precise reason when a peer has the wrong secret.  (A proof is an HMAC over
+public values, so use a long random secret: a short one could be guessed
+offline from a captured handshake.)  Without a secret the proofs are empty.
+A peer that claims an unknown member id, cannot prove the secret, fails TLS,
+times out (`handshake_timeout`) or sends anything malformed is logged as one
+WARNING line naming its address and the reason, and only that connection is
+closed.
 
-TLS.  With `TLSSettings`, both the listener and the dialer wrap their sockets
-with stdlib `ssl` (TLS 1.2+).  With `cafile` set, both sides require a
-certificate signed by that CA (mutual TLS).  Hostnames are not checked: members
-are addressed by IP and are identified by the handshake above.
+TLS.  With `TLSSettings`, the listener upgrades each accepted socket itself
+(`loop.start_tls`, so that a failed TLS handshake is logged like any other
+refusal) and the dialer connects with stdlib `ssl`; TLS 1.2 or newer.  With
+`cafile` set, both sides require a certificate signed by that CA (mutual TLS).
+Hostnames are not checked: members are addressed by IP and identify
+themselves in the handshake above.
 
 Threading.  Everything runs in one asyncio event loop; `send()` and
-`on_message` must be used from that loop's thread.
+`on_message` run in that loop's thread.
 """
 
 from __future__ import annotations
@@ -74,7 +87,7 @@ import socket
 import ssl
 from typing import Any
 
-from kdsync.transport import OnMessage, PeerStats, TLSSettings, Transport, TransportError
+from kdsync.transport import OnMessage, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
     AUTH,
     BATCH,
