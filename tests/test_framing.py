@@ -1,4 +1,4 @@
-"""Framing: unit tests and a hypothesis fuzz of FrameDecoder.
+"""Framing and handshake: unit tests and hypothesis fuzz of FrameDecoder and the handshake machines.
 
 The fuzz tests together feed well over 100 000 generated frames per run
 (valid, mutated, truncated, random bytes, split at random points); the count
@@ -23,13 +23,17 @@ from kdsync.transport.framing import (
     HELLO,
     KINDS,
     PING,
+    DialerHandshake,
     Frame,
     FrameDecoder,
     FrameError,
+    HandshakeError,
+    ListenerHandshake,
     decode_batch,
     encode_batch,
     encode_batch_frame,
     encode_frame,
+    handshake_proof,
 )
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -290,6 +294,119 @@ def test_fuzz_batch_round_trip(msgs):
         try:
             decode_batch(body[:cut])
         except FrameError:
+            pass
+
+
+# ---------------------------------------------------------------- handshake (sans-I/O)
+
+
+def frame_of(data: bytes) -> Frame:
+    (f,) = FrameDecoder().feed(data)
+    return f
+
+
+def shuttle(d: DialerHandshake, lst: ListenerHandshake) -> None:
+    """Run both halves against each other through real frames until both are done."""
+    to_listener = d.hello()
+    while True:
+        reply = lst.receive(frame_of(to_listener))
+        assert reply is not None
+        back = d.receive(frame_of(reply))
+        if back is None:
+            break
+        to_listener = back
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret", bytes(range(256))])
+def test_handshake_succeeds_with_the_same_secret(secret):
+    d = DialerHandshake("a", "b", secret)
+    lst = ListenerHandshake("b", {"a", "b", "c"}, secret)
+    shuttle(d, lst)
+    assert d.done and lst.done and lst.peer == "a"
+
+
+@pytest.mark.parametrize("dialer_secret, listener_secret", [(b"x", b"y"), (None, b"y"), (b"x", None)])
+def test_handshake_listener_refuses_a_dialer_without_the_secret(dialer_secret, listener_secret):
+    d = DialerHandshake("a", "b", dialer_secret)
+    lst = ListenerHandshake("b", {"a", "b"}, listener_secret)
+    auth = d.receive(frame_of(lst.receive(frame_of(d.hello()))))
+    assert d.awaiting_accept
+    with pytest.raises(HandshakeError, match="'a' could not prove it knows the group secret"):
+        lst.receive(frame_of(auth))
+    assert not lst.done and lst.peer == "a"
+
+
+def test_handshake_dialer_refuses_a_listener_without_the_secret():
+    d = DialerHandshake("a", "b", b"k")
+    fake = ListenerHandshake("b", {"a"}, None)
+    fake.receive(frame_of(d.hello()))
+    d.receive(frame_of(encode_frame(HELLO, b'{"v":1,"id":"b","nonce":"' + fake.nonce.encode() + b'"}')))
+    # The fake listener accepts blindly but cannot produce the listener proof.
+    with pytest.raises(HandshakeError, match="peer could not prove"):
+        d.receive(frame_of(encode_frame(AUTH, b'{"ok":true,"proof":""}')))
+
+
+def test_handshake_resists_reflection_and_replay():
+    secret = b"k"
+    d = DialerHandshake("a", "b", secret)
+    lst = ListenerHandshake("b", {"a"}, secret)
+    lst.receive(frame_of(d.hello()))
+    # Reflection: the listener-role proof over the same nonces is not a dialer proof.
+    forged = handshake_proof(secret, "listener", d.nonce, lst.nonce, "a", "b")
+    with pytest.raises(HandshakeError, match="could not prove"):
+        lst.receive(frame_of(encode_frame(AUTH, ('{"proof":"%s"}' % forged).encode())))
+    # Replay: a genuine AUTH recorded from one session fails against a fresh listener nonce.
+    d1, l1 = DialerHandshake("a", "b", secret), ListenerHandshake("b", {"a"}, secret)
+    recorded_auth = d1.receive(frame_of(l1.receive(frame_of(d1.hello()))))
+    l2 = ListenerHandshake("b", {"a"}, secret)
+    l2.receive(frame_of(d1.hello()))  # same dialer nonce replayed, new listener nonce
+    with pytest.raises(HandshakeError, match="could not prove"):
+        l2.receive(frame_of(recorded_auth))
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (b'{"v":1,"id":"mallory","to":"b","nonce":"1"}', "unknown member id 'mallory'"),
+        (b'{"v":1,"id":"b","to":"b","nonce":"1"}', "unknown member id 'b'"),  # our own id
+        (b'{"v":1,"id":"a","to":"zz","nonce":"1"}', "meant to reach 'zz'"),
+        (b'{"v":2,"id":"a","to":"b","nonce":"1"}', "unsupported handshake version 2"),
+        (b'{"v":1,"id":"a","to":"b"}', "field 'nonce' missing"),
+        (b'{"v":1,"id":7,"to":"b","nonce":"1"}', "field 'id' missing or not a string"),
+        (b"[1,2]", "not an object"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[" * 1000, "not JSON"),  # nesting past the recursion limit
+        (b"[" * 5000, "too large"),
+    ],
+)
+def test_handshake_listener_rejects_bad_hello(body, match):
+    lst = ListenerHandshake("b", {"a", "b"}, None)
+    with pytest.raises(HandshakeError, match=match):
+        lst.receive(frame_of(encode_frame(HELLO, body)))
+
+
+def test_handshake_rejects_wrong_frame_kind_and_non_ascii_proof():
+    lst = ListenerHandshake("b", {"a"}, b"k")
+    with pytest.raises(HandshakeError, match="expected HELLO"):
+        lst.receive(frame_of(encode_frame(PING)))
+    lst = ListenerHandshake("b", {"a"}, b"k")
+    lst.receive(frame_of(DialerHandshake("a", "b", b"k").hello()))
+    with pytest.raises(HandshakeError, match="could not prove"):
+        lst.receive(frame_of(encode_frame(AUTH, '{"proof":"é☃"}'.encode())))
+
+
+@FUZZ
+@given(body=st.binary(max_size=300), kind=st.sampled_from(sorted(KINDS)), step=st.integers(0, 1))
+def test_fuzz_handshake_only_handshake_error(body, kind, step):
+    lst = ListenerHandshake("b", {"a"}, b"k")
+    d = DialerHandshake("a", "b", b"k")
+    if step:
+        lst.receive(frame_of(d.hello()))
+        d.receive(frame_of(encode_frame(HELLO, ('{"v":1,"id":"b","nonce":"%s"}' % lst.nonce).encode())))
+    for machine in (lst, d):
+        try:
+            machine.receive(Frame(kind, 0, body))
+        except HandshakeError:
             pass
 
 

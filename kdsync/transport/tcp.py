@@ -77,73 +77,46 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import hmac
-import json
 import logging
 import os
 import random
 import socket
 import ssl
-from typing import Any
 
 from kdsync.transport import OnMessage, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
-    AUTH,
     BATCH,
     HEADER_SIZE,
-    HELLO,
     PING,
+    DialerHandshake,
     Frame,
     FrameDecoder,
     FrameError,
+    HandshakeError,
+    ListenerHandshake,
     decode_batch,
     encode_batch_frame,
     encode_frame,
+    handshake_field,
+    handshake_proof,
+    parse_handshake,
 )
 
 __all__ = ["TcpTransport", "HandshakeError"]
 
 _READ_CHUNK = 1 << 20
-_MAX_HELLO = 4096
 _STABLE_LINK_S = 5.0
 _PING_FRAME = encode_frame(PING)
-
-
-class HandshakeError(TransportError):
-    """The handshake with a peer failed; the message says why."""
 
 
 class _ClosedDuringHandshake(HandshakeError):
     pass
 
 
-def _proof(secret: bytes | None, role: str, n_dialer: str, n_listener: str, dialer: str, listener: str) -> str:
-    if secret is None:
-        return ""
-    msg = "\x00".join(("kdsync-v1/" + role, n_dialer, n_listener, dialer, listener)).encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
-
-
-def _parse_json(frame: Frame, kind: int, what: str) -> dict[str, Any]:
-    if frame.kind != kind:
-        raise HandshakeError(f"expected {what}, got frame kind {frame.kind}")
-    if len(frame.body) > _MAX_HELLO:
-        raise HandshakeError(f"{what} of {len(frame.body)} bytes is too large")
-    try:
-        obj = json.loads(bytes(frame.body))
-    except (UnicodeDecodeError, ValueError):
-        raise HandshakeError(f"malformed {what} (not JSON)") from None
-    if not isinstance(obj, dict):
-        raise HandshakeError(f"malformed {what} (not an object)")
-    return obj
-
-
-def _field(obj: dict[str, Any], key: str, what: str) -> str:
-    val = obj.get(key)
-    if not isinstance(val, str) or len(val) > 256:
-        raise HandshakeError(f"malformed {what}: field {key!r} missing or not a string")
-    return val
+# Older names, kept for modules that imported them from here.
+_proof = handshake_proof
+_parse_json = parse_handshake
+_field = handshake_field
 
 
 class _Link:
@@ -547,49 +520,37 @@ class TcpTransport(Transport):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dec: FrameDecoder, pending: list[Frame]
     ) -> "_Inbound":
         """Run the listener half of the handshake; return the protocol now receiving from the peer."""
-        claimed: str | None = None
+        hs = ListenerHandshake(self.member_id, self.peers, self.secret)
+        sent = 0
         try:
-            hello = _parse_json(await self._next_frame(reader, dec, pending), HELLO, "HELLO")
-            claimed = _field(hello, "id", "HELLO")
-            if hello.get("v") != 1:
-                raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}")
-            if claimed not in self.peers:
-                self.refused_unknown += 1
-                raise HandshakeError(f"unknown member id {claimed!r}")
-            target = _field(hello, "to", "HELLO")
-            if target != self.member_id:
-                raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}")
-            n_dialer = _field(hello, "nonce", "HELLO")
-            n_listener = os.urandom(16).hex()
-            frame = encode_frame(HELLO, json.dumps({"v": 1, "id": self.member_id, "nonce": n_listener}).encode())
-            writer.write(frame)
-            await writer.drain()
-            auth = _parse_json(await self._next_frame(reader, dec, pending), AUTH, "AUTH")
-            want = _proof(self.secret, "dialer", n_dialer, n_listener, claimed, self.member_id)
-            got = auth.get("proof")
-            if not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
-                raise HandshakeError(f"member {claimed!r} could not prove it knows the group secret")
-            proof = _proof(self.secret, "listener", n_dialer, n_listener, claimed, self.member_id)
-            accept = encode_frame(AUTH, json.dumps({"ok": True, "proof": proof}).encode())
-            writer.write(accept)
+            while True:
+                reply = hs.receive(await self._next_frame(reader, dec, pending))
+                if reply is not None:
+                    writer.write(reply)
+                    sent += len(reply)
+                if hs.done:
+                    break
+                await writer.drain()
             # The dialer sends nothing until it has our accept, so the stream reader
             # holds no unread bytes now: hand the socket to a plain protocol, with no
             # await in between (no StreamReader copies on the hot receive path).
-            inbound = _Inbound(self, claimed, writer.transport, dec)
+            assert hs.peer is not None
+            inbound = _Inbound(self, hs.peer, writer.transport, dec)
             writer.transport.set_protocol(inbound)
             inbound.handle(list(pending))  # frames that came with AUTH (a well-behaved dialer sends none)
             pending.clear()
-        except FrameError as exc:
-            if claimed in self.stats:
-                self.stats[claimed].refused += 1
-            raise HandshakeError(f"malformed frame: {exc}") from None
-        except HandshakeError:
-            if claimed in self.stats:
-                self.stats[claimed].refused += 1
+        except (FrameError, HandshakeError) as exc:
+            if hs.unknown_member:
+                self.refused_unknown += 1
+            elif hs.peer in self.stats:
+                self.stats[hs.peer].refused += 1
+            if isinstance(exc, FrameError):
+                raise HandshakeError(f"malformed frame: {exc}") from None
             raise
-        st = self.stats[claimed]
+        st = self.stats[hs.peer]
         st.frames_out += 2
-        st.bytes_out += len(frame) + len(accept)
+        st.bytes_out += sent
+        st.frames_in += 2
         return inbound
 
     # ------------------------------------------------------------ dialer side
@@ -670,33 +631,27 @@ class TcpTransport(Transport):
         pending: list[Frame],
     ) -> None:
         st = self.stats[link.peer]
-        n_dialer = os.urandom(16).hex()
-        hello = encode_frame(HELLO, json.dumps({"v": 1, "id": self.member_id, "to": link.peer, "nonce": n_dialer}).encode())
+        hs = DialerHandshake(self.member_id, link.peer, self.secret)
+        hello = hs.hello()
         writer.write(hello)
-        await writer.drain()
+        sent = len(hello)
         try:
-            reply = _parse_json(await self._next_frame(reader, dec, pending), HELLO, "HELLO")
-            answered = _field(reply, "id", "HELLO")
-            if answered != link.peer:
-                raise HandshakeError(f"answered as member {answered!r}")
-            n_listener = _field(reply, "nonce", "HELLO")
-            auth = encode_frame(
-                AUTH, json.dumps({"proof": _proof(self.secret, "dialer", n_dialer, n_listener, self.member_id, link.peer)}).encode()
-            )
-            writer.write(auth)
-            await writer.drain()
-            try:
-                ok = _parse_json(await self._next_frame(reader, dec, pending), AUTH, "AUTH")
-            except _ClosedDuringHandshake:
-                raise HandshakeError("peer closed the connection: it refused our proof (wrong group secret?)") from None
-            want = _proof(self.secret, "listener", n_dialer, n_listener, self.member_id, link.peer)
-            got = ok.get("proof")
-            if ok.get("ok") is not True or not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
-                raise HandshakeError("peer could not prove it knows the group secret")
+            while not hs.done:
+                try:
+                    frame = await self._next_frame(reader, dec, pending)
+                except _ClosedDuringHandshake:
+                    if hs.awaiting_accept:
+                        raise HandshakeError("peer closed the connection: it refused our proof (wrong group secret?)") from None
+                    raise
+                reply = hs.receive(frame)
+                if reply is not None:
+                    writer.write(reply)
+                    sent += len(reply)
+                    await writer.drain()
         except FrameError as exc:
             raise HandshakeError(f"malformed frame: {exc}") from None
         st.frames_out += 2
-        st.bytes_out += len(hello) + len(auth)
+        st.bytes_out += sent
         st.frames_in += 2
 
     async def _pump(
