@@ -385,6 +385,53 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
         return 0 if ok else 1
 
 
+def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000, rate: float = 300.0,
+            paced: int = 1500, timeout: float = 180.0, **group_kw) -> dict:
+    """End-to-end figures of one protocol on `clusters` local clusters.
+
+    throughput: `backlog` events per cluster are written while the members are
+    down, then the members start; events/s = all events / (time from the group
+    being active to the last record in the last global topic).
+    latency: with the group running, `paced` events in total written at `rate`
+    events/s across the clusters; p50/p99 of (global record timestamp - source
+    timestamp) over every cluster's global topic.
+    """
+    out: dict = {"protocol": protocol, "clusters": clusters, "backlog_per_cluster": backlog, "rate_eps": rate}
+    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True, **group_kw) as g:
+        g.start_brokers()
+        threads = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, backlog, f"b{i}"))
+                   for i in range(clusters)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        g.start_members()
+        g.wait_ready(timeout=60)
+        t0 = time.time()
+        total = backlog * clusters
+        got = g.wait_for(total, timeout, poll=0.05)
+        ok, detail = check_agreement(got, expected=total) if protocol != "mirror" else (
+            all(len(v) == total for v in got.values()), "counts only (mirror does not agree on order)")
+        last = max(r.write_ts for rs in got.values() for r in rs) / 1000.0
+        out["throughput_eps"] = total / max(1e-3, last - t0)
+        out["throughput_ok"] = ok
+        per = paced // clusters
+        threads = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, per, f"p{i}"),
+                                    kwargs={"rate": rate / clusters}) for i in range(clusters)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = g.wait_for(total + per * clusters, timeout, poll=0.1)
+        lat = [max(0, r.write_ts - r.origin_ts) for rs in got.values() for r in rs[total:]]
+        out["latency_p50_ms"] = _percentile(lat, 50)
+        out["latency_p99_ms"] = _percentile(lat, 99)
+        out["latency_samples"] = len(lat)
+        out["agreement"] = ok and (protocol == "mirror" or check_agreement(got, expected=total + per * clusters)[0])
+        out["detail"] = detail
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kdsync demo", description="Embedded brokers, one member per cluster, "
                                  "concurrent writes, agreement check.")

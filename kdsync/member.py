@@ -78,6 +78,7 @@ log = logging.getLogger("kdsync.member")
 
 H_SEQ, H_ORIGIN, H_OPART, H_OOFF, H_OTS = (
     "kdsync.seq", "kdsync.origin", "kdsync.origin.partition", "kdsync.origin.offset", "kdsync.origin.ts")
+EARLY_MESSAGES = 10_000  # peer messages kept per topic while its group starts
 MAX_INFLIGHT = 50_000  # own events consumed but not yet durable before the consumer pauses
 
 
@@ -247,6 +248,7 @@ class Member:
         self._positions: dict[tuple[str, int], int] = {}  # start offsets for the consumer
         self._bad_logged = 0.0
         self._stopping = False
+        self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its group was ready
         self.rng = random.Random()
 
     # ------------------------------------------------------------ helpers
@@ -400,6 +402,11 @@ class Member:
             self.groups[topic] = g
             self.metrics.delivered.labels(topic).set(start_seq)
             self._note_status(g, getattr(node, "status", ""))
+            for peer, body in self._early.pop(topic, ()):
+                try:
+                    node.receive(peer, body)
+                except RemoteProtocolError:
+                    self.metrics.bad_messages.labels(peer).inc()
             log.info("topic ready", **_kv(topic=topic, global_topic=gt, start_seq=start_seq,
                                           origins=len(watermarks), hard_state=hs is not None))
             self._process(g)
@@ -469,9 +476,13 @@ class Member:
             topic, body = split_channel(data)
             g = self.groups.get(topic)
             if g is None:
-                if topic not in self.starting and self._topic_allowed(topic):
+                if not self._topic_allowed(topic):
+                    return
+                # kept until the group is ready (bounded; beyond that the peer retransmits)
+                self._early.setdefault(topic, deque(maxlen=EARLY_MESSAGES)).append((peer, body))
+                if topic not in self.starting:
                     asyncio.ensure_future(self._start_group(topic))
-                return  # dropped; the peer retransmits
+                return
             g.node.receive(peer, body)
         except RemoteProtocolError as e:
             self.metrics.bad_messages.labels(peer).inc()
