@@ -281,7 +281,8 @@ async def test_wrong_secret_refused_and_logged_others_keep_going(caplog):
             ts["a"].send("b", b"%d" % i)
             ts["c"].send("a", b"intruder")
         await until(lambda: len(inboxes["b"].got["a"]) == 50, what="a->b with secret")
-        await asyncio.sleep(0.3)  # give the intruder's dialer several retries
+        r0 = ts["a"].stats["c"].refused
+        await until(lambda: ts["a"].stats["c"].refused >= r0 + 2, what="the intruder retries and is refused again")
         assert inboxes["a"].got["c"] == [] and inboxes["b"].got["c"] == []
         assert not ts["c"].stats["a"].connected and not ts["a"].stats["c"].connected
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -475,7 +476,8 @@ def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path, caplog):
             # A member whose certificate comes from another CA is refused, even with the secret.
             r = TcpTransport("b", ("127.0.0.1", 0), peers, Inbox(), tls=rogue, secret=b"k", **FAST)
             await r.start()
-            await asyncio.sleep(0.3)
+            await until(lambda: r.stats["a"].refused >= 1 and ts["c"].stats["a"].refused >= 2, what="rogue and plaintext refused")
+            await until(lambda: ts["a"].refused_unknown >= 3, what="a counts the TLS refusals")
             assert inboxes["a"].got["c"] == [] and not ts["c"].stats["a"].connected
             assert not r.stats["a"].connected
             await r.close()
@@ -509,7 +511,7 @@ async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
     ids = ["a", "b"]
     ports = free_ports(2)
     peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
-    opts = {**FAST, "idle_timeout": 0.4}
+    opts = {**FAST, "idle_timeout": 1.0}
     # a pings every 0.1 s; b never pings (interval 30 s) so a drops b's silent link.
     a = TcpTransport("a", peers["a"], peers, Inbox(), **{**opts, "ping_interval": 0.1})
     b = TcpTransport("b", peers["b"], peers, Inbox(), **{**opts, "ping_interval": 30})

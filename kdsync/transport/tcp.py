@@ -275,7 +275,7 @@ class TcpTransport(Transport):
         self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
         # Largest single message that fits in one BATCH frame.
         self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
-        self.refused_unknown = 0  # refused connections that named no known member
+        self.refused_unknown = 0  # refused connections that named no known member (or failed TLS)
         self._links = {p: _Link(p, a) for p, a in sorted(self.peers.items())}
         self._inbound: dict[str, asyncio.StreamWriter] = {}
         self._conn_tasks: set[asyncio.Task] = set()
@@ -456,6 +456,7 @@ class TcpTransport(Transport):
                     why = str(exc) or repr(exc)
                     if isinstance(exc, ConnectionResetError):
                         why = "connection reset by the peer (did it reject our certificate?)"
+                    self.refused_unknown += 1
                     self.log.warning("refused connection from %s: TLS handshake failed: %s", addr_s, why)
                     transport.abort()
                     return
@@ -599,6 +600,7 @@ class TcpTransport(Transport):
             except asyncio.TimeoutError:
                 self._note_failure(link, f"connecting to {link.peer} at {host}:{port} timed out", logging.INFO)
             except ssl.SSLError as exc:
+                st.refused += 1
                 self._note_failure(link, f"TLS handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
             except (OSError, TransportError) as exc:
                 self._note_failure(link, f"cannot reach {link.peer} at {host}:{port}: {exc}", logging.INFO)
