@@ -88,7 +88,7 @@ def run_schedule(n, witness, seed, ops):
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not os.environ.get("KDSYNC_RANDOM"), phases=None if os.environ.get("KDSYNC_SHRINK") else [Phase.explicit, Phase.reuse, Phase.generate])
-@given(n=st.integers(3, 5), witness=st.booleans(), seed=st.integers(0, 2**16), ops=st.lists(op, max_size=25))
+@given(n=st.integers(3, 5), witness=st.booleans(), seed=st.integers(0, 2**16), ops=st.lists(op, max_size=int(os.environ.get("KDSYNC_PROPERTY_OPS", "25"))))
 def test_random_fault_schedules(n, witness, seed, ops):
     RUNS["count"] += 1
     run_schedule(n, witness, seed, ops)
