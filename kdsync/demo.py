@@ -126,6 +126,8 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
 
 
 def _toml_str(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_str(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -144,8 +146,10 @@ class LocalGroup:
                  secret: str | None = "demo-secret", tick_ms: float = 5, heartbeat_ms: float = 20,
                  suspect_ms: float = 300, retransmit_ms: float = 30, names: list[str] | None = None,
                  peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
-                 metrics: bool = False):
+                 metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset()):
         self.n = n
+        self.witnesses = set(witnesses)  # indices of members with role "witness" (no cluster)
+        self.data = [i for i in range(n) if i not in self.witnesses]
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.topic = topic
@@ -164,9 +168,9 @@ class LocalGroup:
 
     # -------------------------------------------------------------- brokers
     def start_brokers(self) -> None:
-        for c in self.clusters:
-            c.start()
-            ensure_topic(c.bootstrap, self.topic)
+        for i in self.data:
+            self.clusters[i].start()
+            ensure_topic(self.clusters[i].bootstrap, self.topic)
 
     def bootstrap(self, i: int) -> str:
         return self.clusters[i].bootstrap
@@ -177,12 +181,15 @@ class LocalGroup:
         # state_dir is a top-level key: it comes before the first table
         lines = [f"state_dir = {_toml_str(str(self.dir / ('state-' + name)))}", "",
                  "[member]", f"id = {_toml_str(name)}", f"listen = {_toml_str(f'127.0.0.1:{self.ports[i]}')}",
-                 "", "[peers]"]
+                 f"role = {_toml_str('witness' if i in self.witnesses else 'member')}", "", "[peers]"]
         for j, other in enumerate(self.names):
             addr = f"127.0.0.1:{self.ports[j]}" if j == i else self.peer_address(i, j)
-            lines.append(f"{other} = {_toml_str(addr)}")
+            if j in self.witnesses:
+                lines.append(f"{other} = {{ address = {_toml_str(addr)}, role = \"witness\" }}")
+            else:
+                lines.append(f"{other} = {_toml_str(addr)}")
         sections = {
-            "kafka": {"bootstrap.servers": self.clusters[i].bootstrap},
+            "kafka": {"bootstrap.servers": self.clusters[i].bootstrap if i not in self.witnesses else "127.0.0.1:1"},
             "topics": {"source": self.topic, "global_suffix": "-global"},
             "transport": {"kind": "tcp", **({"secret": self.secret} if self.secret else {})},
             "protocol": {"name": self.protocol, **self.timing},
@@ -289,13 +296,13 @@ class LocalGroup:
 
     # -------------------------------------------------------------- checks
     def read_globals(self, timeout: float = 30.0) -> dict[str, list[GlobalRecord]]:
-        return {name: read_global(c.bootstrap, self.global_topic, timeout) for name, c in zip(self.names, self.clusters)}
+        return {self.names[i]: read_global(self.clusters[i].bootstrap, self.global_topic, timeout) for i in self.data}
 
     def wait_for(self, expected: int, timeout: float, members: list[int] | None = None,
                  poll: float = 0.25) -> dict[str, list[GlobalRecord]]:
         """Poll until every (listed) global topic holds `expected` records or
         the deadline passes; returns the last reading either way."""
-        idx = list(range(self.n)) if members is None else members
+        idx = self.data if members is None else members
         deadline = time.monotonic() + timeout
         while True:
             got = {self.names[i]: read_global(self.clusters[i].bootstrap, self.global_topic) for i in idx}
@@ -314,7 +321,7 @@ class LocalGroup:
                 self.stop_member(i, timeout=10)
         for c in self.clusters:
             with contextlib.suppress(Exception):
-                c.stop()
+                c.close()
 
     def __enter__(self) -> LocalGroup:
         return self

@@ -352,7 +352,7 @@ class Member:
                     await asyncio.wait_for(self._stop.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, 2.0)
         raise asyncio.CancelledError
 
     async def _start_kafka(self) -> None:
@@ -417,7 +417,7 @@ class Member:
         from kdsync.kafka.topic import ensure_topic
 
         want = self.cfg.topics.global_partitions
-        have = ensure_topic(self._consumer_conf(), gt, want)
+        have = ensure_topic(self._consumer_conf(), gt, want, timeout=3.0)
         if have != want:
             raise FatalError(f"topics.global_partitions = {want} but {gt} already has {have} partitions")
         return have

@@ -1,0 +1,174 @@
+"""More `kdsync run` behaviour with real processes: broker down at start,
+the original positional form with derecho.cfg, several source topics, a
+witness member, metrics of input lag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
+from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
+from kdsync.kafka.topic import ensure_topic
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _wait(cond, timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def _spawn(args, cwd, log_path, env=None):
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "kdsync.cli", *args], cwd=cwd, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                preexec_fn=_die_with_parent, start_new_session=True)
+    finally:
+        log.close()
+
+
+def _stop(p: subprocess.Popen) -> int:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return p.returncode
+
+
+def test_broker_down_at_start_is_retried(tmp_path):
+    """The member starts before its broker, logs the retries, and works once
+    the broker is up (a one-member group)."""
+    port, listen = free_port(), f"127.0.0.1:{free_port()}"
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f"""
+state_dir = "{tmp_path / 'state'}"
+[member]
+id = "solo"
+listen = "{listen}"
+[peers]
+solo = "{listen}"
+[kafka]
+"bootstrap.servers" = "127.0.0.1:{port}"
+[topics]
+source = "in"
+[protocol]
+tick_ms = 5
+""")
+    log = tmp_path / "member.log"
+    p = _spawn(["run", "--config", str(cfg)], tmp_path, log)
+    broker = EmbeddedCluster("late", port=port, log_dir=tmp_path)
+    try:
+        _wait(lambda: "retrying" in log.read_text(), 30, "a retry to be logged")
+        assert p.poll() is None
+        broker.start()
+        ensure_topic(broker.bootstrap, "in")
+        write_events(broker.bootstrap, "in", 50, "late")
+        _wait(lambda: len(read_global(broker.bootstrap, "in-global")) == 50, 40, "50 records in in-global")
+        got = read_global(broker.bootstrap, "in-global")
+        assert [r.seq for r in got] == list(range(50)) and [r.origin_offset for r in got] == list(range(50))
+        assert _stop(p) == 0
+    finally:
+        _stop(p)
+        broker.close()
+
+
+def test_original_positional_form_with_derecho_cfg(tmp_path):
+    """`kdsync run 1 BROKERS TOPIC` with DERECHO_CONF_FILE: member m0, leader = itself."""
+    gms = free_port()
+    (tmp_path / "my.cfg").write_text(f"""[DERECHO]
+leader_ip = 127.0.0.1
+leader_gms_port = {gms}
+local_id = 0
+local_ip = 127.0.0.1
+gms_port = {gms}
+""")
+    with EmbeddedCluster("legacy", log_dir=tmp_path) as c:
+        ensure_topic(c.bootstrap, "test")
+        write_events(c.bootstrap, "test", 30, "old")
+        p = _spawn(["run", "1", c.bootstrap, "test"], tmp_path, tmp_path / "m.log",
+                   env={"DERECHO_CONF_FILE": str(tmp_path / "my.cfg")})
+        try:
+            _wait(lambda: len(read_global(c.bootstrap, "test-global")) == 30, 40, "30 records in test-global")
+            got = read_global(c.bootstrap, "test-global")
+            assert {r.origin for r in got} == {"m0"} and [r.seq for r in got] == list(range(30))
+            p.send_signal(signal.SIGINT)
+            assert p.wait(20) == 0
+        finally:
+            _stop(p)
+        # the state of the member lives next to the derecho.cfg it was configured by
+        assert (tmp_path / ".kdsync-state" / "m0").is_dir()
+
+
+def test_several_source_topics_each_get_their_own_order(tmp_path):
+    g = LocalGroup(2, tmp_path, topic="orders", metrics=True, tick_ms=5, suspect_ms=300,
+                   extra={"topics": {"source": ["orders", "payments"]}})
+    try:
+        g.start_brokers()
+        for i in g.data:
+            ensure_topic(g.bootstrap(i), "payments")
+        g.start_members()
+        g.wait_ready()
+        ts = [threading.Thread(target=write_events, args=(g.bootstrap(i), t, 150, f"{t}-{i}"))
+              for i in g.data for t in ("orders", "payments")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for topic in ("orders-global", "payments-global"):
+            deadline = time.monotonic() + 40
+            while True:
+                got = {g.names[i]: read_global(g.bootstrap(i), topic) for i in g.data}
+                if all(len(v) >= 300 for v in got.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            ok, detail = check_agreement(got, expected=300)
+            assert ok, f"{topic}: {detail}"
+            assert all(r.key.decode().startswith(topic.split("-")[0]) for r in got["dc1"])
+        m = g.metrics(0)
+        assert m[("kdsync_delivered_position", (("topic", "payments"),))] == 300
+        assert ("kdsync_input_lag", (("partition", "0"), ("topic", "orders"))) in m
+    finally:
+        g.close()
+
+
+def test_witness_keeps_a_two_cluster_group_going(tmp_path):
+    """dc1, dc2 with a witness: dc2 crashes, dc1 + witness are a majority and go on."""
+    g = LocalGroup(3, tmp_path, topic="events", metrics=True, tick_ms=5, suspect_ms=300,
+                   names=["dc1", "dc2", "arb"], witnesses={2})
+    try:
+        g.start_brokers()
+        g.start_members()
+        g.wait_ready()
+        ts = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, 100, f"w{i}")) for i in g.data]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        got = g.wait_for(200, 30)
+        ok, detail = check_agreement(got, expected=200)
+        assert ok, detail
+        assert not (tmp_path / "tansu-arb.log").exists()  # the witness has no cluster
+        g.signal_member(1, signal.SIGKILL)
+        g.wait_member(1)
+        write_events(g.bootstrap(0), g.topic, 100, "after")
+        got = g.wait_for(300, 30, members=[0])
+        assert len(got["dc1"]) == 300, g.log_text(0)[-3000:]
+        g.start_member(1)
+        got = g.wait_for(300, 40)
+        ok, detail = check_agreement(got, expected=300)
+        assert ok, detail
+    finally:
+        g.close()
