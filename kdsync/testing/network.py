@@ -266,6 +266,13 @@ def check_invariants(net: Network, *, agreement=True, submitted=None, live=None)
             unknown = set(ks) - submitted
             if unknown:
                 problems.append(f"integrity: {i} holds events never submitted: {sorted(unknown)[:3]}")
+    # no split brain: one view id means one membership and one start position everywhere
+    seen: dict[int, tuple] = {}
+    for i in net.ids:
+        for v in net.views[i]:
+            sig = (v.members, v.incarnations, v.start_seq)
+            if seen.setdefault(v.view_id, sig) != sig:
+                problems.append(f"split brain: view {v.view_id} installed as {seen[v.view_id]} and as {sig}")
     if submitted is not None:
         for i in live if live is not None else keys:
             missing = submitted - set(keys[i])
