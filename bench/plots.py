@@ -1,0 +1,129 @@
+"""matplotlib figures of the report (Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"derecho": "#1f77b4", "sequencer": "#ff7f0e", "mirror": "#7f7f7f"}
+PROTOCOLS = ("derecho", "sequencer", "mirror")
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def sim_latency(agg: list[dict], p, out: Path) -> list[tuple[str, str]]:
+    """p50 and p99 against RTT, one panel per loss rate."""
+    losses = sorted({a["loss"] for a in agg})
+    fig, axes = plt.subplots(1, len(losses), figsize=(5.5 * len(losses), 4.2), squeeze=False)
+    for ax, loss in zip(axes[0], losses):
+        for proto in PROTOCOLS:
+            rs = sorted((a for a in agg if a["protocol"] == proto and a["loss"] == loss), key=lambda a: a["rtt_ms"])
+            if not rs:
+                continue
+            x = [a["rtt_ms"] for a in rs]
+            ax.plot(x, [a["p50_ms"] for a in rs], "o-", color=COLORS[proto], label=f"{proto} p50")
+            ax.plot(x, [a["p99_ms"] for a in rs], "s--", color=COLORS[proto], alpha=0.7, label=f"{proto} p99")
+            ax.fill_between(x, [a["p50_ms_min"] for a in rs], [a["p50_ms_max"] for a in rs], color=COLORS[proto],
+                            alpha=0.12)
+        ax.set_xlabel("WAN round-trip time (ms)")
+        ax.set_ylabel("latency to every global topic (ms)")
+        ax.set_title(f"simulated, loss {loss:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return [(_save(fig, out, "sim_latency_vs_rtt.png"),
+             "Simulated latency (source ack -> global topic) against WAN RTT; shaded: p50 range over seeds")]
+
+
+def sim_violations(agg: list[dict], p, out: Path) -> list[tuple[str, str]]:
+    """Ordering-guarantee violations per protocol and kind (summed over the sweep)."""
+    kinds = ["agreement", "integrity", "loss", "origin_order", "split_brain"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.25
+    for i, proto in enumerate(PROTOCOLS):
+        vals = [sum(a[f"v_{k}"] for a in agg if a["protocol"] == proto) for k in kinds]
+        ax.bar([j + (i - 1) * width for j in range(len(kinds))], vals, width, color=COLORS[proto], label=proto)
+    ax.set_xticks(range(len(kinds)), kinds, rotation=15)
+    ax.set_ylabel("violations reported (all runs)")
+    ax.set_title("invariant violations by kind")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    labels, vals, cols = [], [], []
+    for proto in PROTOCOLS:
+        for a in sorted((a for a in agg if a["protocol"] == proto), key=lambda a: (a["loss"], a["rtt_ms"])):
+            labels.append(f"{proto[:3]} {a['rtt_ms']:g}ms/{a['loss']:g}")
+            v = a["disagreeing_pct"]
+            vals.append(0 if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+            cols.append(COLORS[proto])
+    ax2.bar(range(len(vals)), vals, color=cols)
+    ax2.set_xticks(range(len(vals)), labels, rotation=70, fontsize=7)
+    ax2.set_ylabel("% of positions that differ between clusters")
+    ax2.set_title("agreement: positions holding different events")
+    ax2.grid(axis="y", alpha=0.3)
+    return [(_save(fig, out, "sim_violations.png"),
+             "Left: violations the simulator's checkers report, summed over every run. "
+             "Right: share of global-topic positions where clusters hold different events (from trace.parquet)")]
+
+
+def latency_cdf(samples: dict[str, list[float]], title: str, out: Path, name: str) -> list[tuple[str, str]]:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for proto, xs in samples.items():
+        if not xs:
+            continue
+        xs = sorted(xs)
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], color=COLORS.get(proto), label=proto)
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("fraction of deliveries")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return [(_save(fig, out, name), title)]
+
+
+def bars(rows: list[dict], metrics: list[tuple[str, str]], title: str, out: Path, name: str,
+         label_key: str = "protocol") -> list[tuple[str, str]]:
+    """One panel per metric, one bar per row (colour by protocol)."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
+    for ax, (key, ylabel) in zip(axes[0], metrics):
+        labels = [str(r[label_key]) for r in rows]
+        vals = [r.get(key) if isinstance(r.get(key), (int, float)) else 0 for r in rows]
+        ax.bar(range(len(rows)), vals, color=[COLORS.get(r.get("protocol"), "#2ca02c") for r in rows])
+        ax.set_xticks(range(len(rows)), labels, rotation=20, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        for i, v in enumerate(vals):
+            ax.annotate(f"{v:,.3g}" if v < 1000 else f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(title)
+    return [(_save(fig, out, name), title)]
+
+
+def sim_vs_real(rows: list[dict], out: Path) -> list[tuple[str, str]]:
+    """p50/p99 of the same paced workload, simulator next to real brokers."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    protos = [p for p in PROTOCOLS if any(r["protocol"] == p for r in rows)]
+    width = 0.2
+    for j, (src, key, hatch) in enumerate([("sim", "p50_ms", ""), ("real", "p50_ms", "//"),
+                                           ("sim", "p99_ms", ".."), ("real", "p99_ms", "xx")]):
+        vals = []
+        for p in protos:
+            r = next((r for r in rows if r["protocol"] == p and r["source"] == src), None)
+            v = r.get(key) if r else None
+            vals.append(v if isinstance(v, (int, float)) and not math.isnan(v) else 0)
+        ax.bar([i + (j - 1.5) * width for i in range(len(protos))], vals, width, hatch=hatch,
+               color=[COLORS[p] for p in protos], edgecolor="black", alpha=0.55 if src == "sim" else 0.9,
+               label=f"{src} {key[:3]}")
+    ax.set_xticks(range(len(protos)), protos)
+    ax.set_ylabel("latency (ms)")
+    ax.set_title("same paced workload: simulator (loopback links) vs real brokers")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return [(_save(fig, out, "sim_vs_real.png"), "Simulator (loopback-like links) next to three real local clusters")]
