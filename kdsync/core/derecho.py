@@ -149,10 +149,11 @@ class DerechoNode(NodeBase):
         self.promised: Ballot = tuple(hs.promised)  # type: ignore[assignment]
         self.accepted: tuple[Ballot, Proposal] | None = None
         if hs.accepted:
-            try:
-                self.accepted = (tuple(hs.promised), Proposal.decode(hs.accepted, self.member_set))  # type: ignore[assignment]
-            except RemoteProtocolError:
-                self.accepted = None
+            try:  # [ballot, proposal] as written by _hard_state
+                ballot, data = codec._unpackb(hs.accepted, raw=False)
+                self.accepted = (_want_ballot(ballot), Proposal.decode(data, self.member_set))
+            except Exception:
+                raise LocalProtocolError("hard state holds an unreadable accepted proposal") from None
         self.status = "forming"
         self._hard_dirty = True  # the new incarnation
         self._reset_view_state()
@@ -170,7 +171,6 @@ class DerechoNode(NodeBase):
         self._hint_sent: dict[str, int] = {}
         self.joined_views = 0
         self.max_round = self.promised[0]
-        self.mine_progress = {m: 0 for m in self.members}
         self.rejoining = kw.get("hard_state") is not None  # a restart: ask to be taken back
         if self.rejoining:
             self._send_join()
@@ -205,7 +205,6 @@ class DerechoNode(NodeBase):
         self.proposal: Proposal | None = None
         self.vc_sent = -10**9
         self.vc_started = 0
-        self.report_sent: dict[str, int] = {}
 
     def _is_member(self) -> bool:
         return self.me in self.view.members and not self.excluded
@@ -376,8 +375,6 @@ class DerechoNode(NodeBase):
                 break
             evs = self.slots[k].pop(r)
             if evs:
-                if k == self.my_k:
-                    pass
                 self._deliver(evs)
             k += 1
             if k == n:
@@ -993,7 +990,7 @@ class DerechoNode(NodeBase):
             view_id=self.view.view_id if self.caught_up and not self.excluded else self.hard.view_id,
             members=self.view.members if self.caught_up and not self.excluded else self.hard.members,
             promised=self.promised,
-            accepted=self.accepted[1].data if self.accepted else b"",
+            accepted=codec.pack([list(self.accepted[0]), self.accepted[1].data]) if self.accepted else b"",
         )
 
     def ready(self):

@@ -178,3 +178,24 @@ def test_baselines_copy_everything_under_loss(protocol):
     if protocol == "mirror":
         # the baseline's weakness: concurrent writes interleave differently per cluster
         assert check_invariants(net, submitted=sub)
+
+
+def test_persisted_votes_survive_a_restart():
+    net = formed(("a", "b", "c", "d", "e"))
+    net.crash("e")
+    net.tick(8)
+    for _ in range(12):  # step the view change by hand until b has accepted a proposal
+        for i in net.ids:
+            if net.node(i) is not None:
+                net.node(i).tick()
+        net._process_ready()
+        net.deliver_msgs()
+        net._process_ready()
+        if net.node("b").accepted is not None:
+            break
+    ballot, prop = net.node("b").accepted
+    hs = net.members["b"].hard
+    assert hs is not None and hs.accepted
+    again = make_node(net.config("b"), rng=random.Random(9), hard_state=hs)
+    assert again.accepted[0] == ballot and again.accepted[1].data == prop.data
+    assert again.incarnation == hs.incarnation + 1
