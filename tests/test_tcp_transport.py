@@ -512,7 +512,7 @@ async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
     ports = free_ports(2)
     peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
     opts = {**FAST, "idle_timeout": 1.0}
-    # a pings every 0.1 s; b never pings (interval 30 s) so a drops b's silent link.
+    # a pings every 0.1 s (as writer and as listener); b never does (interval 30 s).
     a = TcpTransport("a", peers["a"], peers, Inbox(), **{**opts, "ping_interval": 0.1})
     b = TcpTransport("b", peers["b"], peers, Inbox(), **{**opts, "ping_interval": 30})
     await a.start()
@@ -520,6 +520,8 @@ async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
     try:
         await until(lambda: a.stats["b"].connected and b.stats["a"].connected, what="links up")
         await until(lambda: any("closing silent connection from b" in r.getMessage() for r in caplog.records), 5, "a closes b's silent link")
+        # b's listener pings as rarely as its writer, so a's dialer sees a silent listener and redials.
+        await until(lambda: any("link to b lost: nothing from the peer" in r.getMessage() for r in caplog.records), 5, "a drops a silent listener")
         assert not any("closing silent connection from a" in r.getMessage() for r in caplog.records)
         assert b.stats["a"].frames_in >= 3  # pings from a
         await until(lambda: b.stats["a"].connected, what="b redials")  # and the link comes back

@@ -31,9 +31,12 @@ the message (the core retransmits); memory per peer is bounded by
 peer is down, the queue only takes `max_offline_queue_bytes` (1 MiB): enough
 for what was sent just before the link came up or across a short blip
 (queued messages survive a reconnect), without a backlog of stale
-retransmissions piling up for a peer that is gone.  An idle writer sends a
-PING every `ping_interval` seconds; a receiver closes an incoming connection
-that stays silent for `idle_timeout` seconds.
+retransmissions piling up for a peer that is gone.
+
+Liveness of links.  An idle writer sends a PING every `ping_interval` seconds,
+and so does the listener on each incoming connection (its only traffic): each
+side closes a connection on which nothing arrived for `idle_timeout` seconds,
+and middleboxes never see a flow that is silent one way.
 
 Receiving.  The handshake runs on asyncio streams; once it succeeds, the
 socket is handed to a plain `asyncio.Protocol` (`_Inbound`) that feeds each
@@ -174,6 +177,7 @@ class _Inbound(asyncio.Protocol):
         self.done: asyncio.Future[None] = loop.create_future()
         self.last_rx = loop.time()
         self._idle = loop.call_later(owner.idle_timeout / 2, self._check_idle)
+        self._ping = loop.call_later(owner.ping_interval, self._send_ping)
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
@@ -212,8 +216,20 @@ class _Inbound(asyncio.Protocol):
             return
         self._idle = self.loop.call_later(max(0.01, self.last_rx + idle - self.loop.time()), self._check_idle)
 
+    def _send_ping(self) -> None:
+        """Keep the listener -> dialer direction alive too: the dialer notices a dead
+        listener, and middleboxes (NAT, proxies) do not expire a one-way-silent flow."""
+        if self.done.done():
+            return
+        if self.transport.get_write_buffer_size() == 0:  # never pile pings up
+            self.transport.write(_PING_FRAME)
+            self.stats.frames_out += 1
+            self.stats.bytes_out += len(_PING_FRAME)
+        self._ping = self.loop.call_later(self.owner.ping_interval, self._send_ping)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._idle.cancel()
+        self._ping.cancel()
         if not self.done.done():
             self.done.set_result(None)
 
@@ -718,14 +734,21 @@ class TcpTransport(Transport):
         return "closing"
 
     async def _watch_loop(self, link: _Link, reader: asyncio.StreamReader, dec: FrameDecoder, pending: list[Frame]) -> str:
-        """The listener sends nothing after accepting; read only to notice EOF and errors."""
+        """The listener only sends PINGs after accepting: read them to notice EOF,
+        errors, and a listener that went silent (dead host, half-open socket)."""
         st = self.stats[link.peer]
-        while True:
-            data = await reader.read(_READ_CHUNK)
-            if not data:
-                return "peer closed the connection"
-            st.bytes_in += len(data)
-            for f in dec.feed(data):
-                st.frames_in += 1
-                if f.kind != PING:
-                    raise FrameError(f"unexpected frame kind {f.kind} from listener")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.idle_timeout) as idle:
+                while True:
+                    data = await reader.read(_READ_CHUNK)
+                    if not data:
+                        return "peer closed the connection"
+                    st.bytes_in += len(data)
+                    for f in dec.feed(data):
+                        st.frames_in += 1
+                        if f.kind != PING:
+                            raise FrameError(f"unexpected frame kind {f.kind} from listener")
+                    idle.reschedule(loop.time() + self.idle_timeout)
+        except TimeoutError:
+            return f"nothing from the peer for {self.idle_timeout:.0f}s"
