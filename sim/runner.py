@@ -76,15 +76,47 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
 
 
 @dataclass
+class _TraceSource:
+    run_id: str
+    clusters: list[tuple[str, Cluster]]
+    submit_ts: dict[tuple[str, int, int], float]
+
+    def columns(self) -> dict[str, list]:
+        t: dict[str, list] = {c: [] for c in TRACE_COLUMNS}
+        nan = float("nan")
+        for mid, c in self.clusters:
+            evs = c.global_events
+            n = len(evs)
+            t["run_id"].extend([self.run_id] * n)
+            t["member"].extend([mid] * n)
+            t["event_id"].extend(f"{e[0]}:{e[1]}:{e[2]}" for e in evs)
+            t["origin"].extend(e[0] for e in evs)
+            t["origin_partition"].extend(e[1] for e in evs)
+            t["origin_offset"].extend(e[2] for e in evs)
+            t["seq"].extend(range(n))
+            t["submit_ts"].extend(self.submit_ts.get((e[0], e[1], e[2]), nan) for e in evs)
+            t["deliver_ts"].extend(c.global_ts)
+        return t
+
+
+@dataclass
 class RunResult:
     summary: dict[str, Any]
-    trace: dict[str, list]  # column -> values (TRACE_COLUMNS)
     violations: list[Violation]
     failing: list[Violation]  # the violations that make the exit code 1
+    _trace_source: _TraceSource
+    _trace: dict[str, list] | None = None
 
     @property
     def exit_code(self) -> int:
         return 1 if self.failing else 0
+
+    @property
+    def trace(self) -> dict[str, list]:
+        """column -> values (TRACE_COLUMNS): one row per (member, event in its global topic)."""
+        if self._trace is None:
+            self._trace = self._trace_source.columns()
+        return self._trace
 
 
 NodeFactory = Callable[..., Any]
@@ -357,29 +389,13 @@ def run_scenario(
     live = [m.id for m in sim.order if m.up and m.cluster is not None]
     violations = sim.checker.finish(topics, sim.submitted, live)
 
-    run_id = f"{s.name}:{seed}"
-    trace: dict[str, list] = {c: [] for c in TRACE_COLUMNS}
     lat: list[float] = []
     submit_ts = sim.submit_ts
     for m in sim.order:
         c = m.cluster
-        if c is None:
-            continue
-        n = len(c.global_events)
-        trace["run_id"].extend([run_id] * n)
-        trace["member"].extend([m.id] * n)
-        trace["seq"].extend(range(n))
-        trace["deliver_ts"].extend(c.global_ts)
-        for e, dts in zip(c.global_events, c.global_ts):
-            k = (e.origin, e.partition, e.offset)
-            trace["event_id"].append(f"{e.origin}:{e.partition}:{e.offset}")
-            trace["origin"].append(e.origin)
-            trace["origin_partition"].append(e.partition)
-            trace["origin_offset"].append(e.offset)
-            sts = submit_ts.get(k, float("nan"))
-            trace["submit_ts"].append(sts)
-            if sts == sts:
-                lat.append((dts - sts) * 1000.0)
+        if c is not None:
+            lat.extend((dts - submit_ts[(e[0], e[1], e[2])]) * 1000.0 for e, dts in zip(c.global_events, c.global_ts)
+                       if (e[0], e[1], e[2]) in submit_ts)
     lat.sort()
     delivered = {mid: len(t) for mid, t in topics.items()}
     n_sub = len(sim.submitted)
@@ -439,4 +455,5 @@ def run_scenario(
             for m in sim.order
         },
     }
-    return RunResult(summary, trace, violations, failing)
+    clusters = [(m.id, m.cluster) for m in sim.order if m.cluster is not None]
+    return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", clusters, submit_ts))

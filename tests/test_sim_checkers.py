@@ -147,7 +147,7 @@ def test_integrity_duplicate():
 
 def test_integrity_never_submitted():
     need_protocol("mirror")
-    forge = lambda evs: [dataclasses.replace(e, payload=b"forged") if e.offset == 3 else e for e in evs]
+    forge = lambda evs: [e._replace(payload=b"forged") if e.offset == 3 else e for e in evs]
     r = run_scenario(ONE, node_factory=rewriting(forge))
     assert kinds(r) == {"integrity"}
     assert "never submitted" in r.violations[0].detail

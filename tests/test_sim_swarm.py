@@ -17,9 +17,9 @@ CHUNK = 25
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("first", range(0, SEEDS, CHUNK))
-def test_swarm_has_no_violations(first, capsys):
+def test_swarm_has_no_violations(first, capsys, tmp_path):
     need_protocol("derecho")
-    rc = main(["swarm", "--seeds", str(CHUNK), "--first", str(first)])
+    rc = main(["swarm", "--seeds", str(CHUNK), "--first", str(first), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"swarm: {CHUNK} runs" in out and " 0 failed" in out
