@@ -248,6 +248,8 @@ class Member:
         self._positions: dict[tuple[str, int], int] = {}  # start offsets for the consumer
         self._bad_logged = 0.0
         self._stopping = False
+        self._kafka_err_logged: dict = {}
+        self._committed: dict[tuple[str, int], int] = {}  # source offsets committed (durably ordered below)
         self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its group was ready
         self.rng = random.Random()
 
@@ -665,8 +667,11 @@ class Member:
             msg = f"kafka: {err.str()}"
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.fatal, msg)
-        else:
-            log.debug("kafka", **_kv(error=err.str()))
+            return
+        now = time.monotonic()
+        if now - self._kafka_err_logged.get(err.code(), -1e9) > 5.0:  # broker down: one line per 5 s
+            self._kafka_err_logged[err.code()] = now
+            log.warning("kafka client error (retrying)", **_kv(error=err.str()))
 
     def _consume_loop(self) -> None:
         from confluent_kafka import Consumer, KafkaError, TopicPartition
@@ -675,7 +680,6 @@ class Member:
         assigned: dict[tuple[str, int], bool] = {}
         last_meta = 0.0
         last_lag = 0.0
-        positions: dict[tuple[str, int], int] = {}
 
         def refresh() -> None:
             new = []
@@ -701,6 +705,7 @@ class Member:
             for tp in committed:
                 start = max(tp.offset if tp.offset >= 0 else 0, self._positions.get((tp.topic, tp.partition), 0))
                 tp.offset = start
+                self._committed.setdefault((tp.topic, tp.partition), start)
                 assigned[(tp.topic, tp.partition)] = True
                 log.info("consuming", **_kv(topic=tp.topic, partition=tp.partition, offset=start))
             c.incremental_assign(committed)
@@ -717,6 +722,9 @@ class Member:
                 if not assigned:
                     self._consumer_stop.wait(0.1)
                     continue
+                if now - last_lag > 1.0:
+                    last_lag = now
+                    self._update_lag(c, assigned, TopicPartition)
                 msgs = c.consume(self.consume_batch, timeout=0.05)
                 if not msgs:
                     continue
@@ -733,12 +741,8 @@ class Member:
                     batch.setdefault(m.topic(), []).append(
                         Event(self.me, m.partition(), m.offset(), pack_payload(m.key(), m.value(), m.headers()),
                               ts if ts > 0 else int(time.time() * 1000)))
-                    positions[(m.topic(), m.partition())] = m.offset() + 1
                 if batch:
                     self.loop.call_soon_threadsafe(self._on_source_batch, batch)
-                if now - last_lag > 1.0:
-                    last_lag = now
-                    self._update_lag(c, positions, TopicPartition)
         except Exception as e:  # a bug or an unexpected client error: stop with one line
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.fatal, f"kafka consumer: {e}")
@@ -746,14 +750,16 @@ class Member:
             self._drain_commits(c, final=True)
             c.close()
 
-    def _update_lag(self, c, positions, TopicPartition) -> None:
-        for (t, p), pos in list(positions.items()):
+    def _update_lag(self, c, assigned, TopicPartition) -> None:
+        """input_lag = source high watermark (from fetch responses, which Tansu
+        reports right) - offset below which every event is durably ordered."""
+        for (t, p) in list(assigned):
             try:
                 lo, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
             except Exception:
                 continue
-            if hi >= 0:
-                self.metrics.input_lag.labels(t, str(p)).set(max(0, hi - pos) + 0)
+            if hi is not None and hi >= 0:
+                self.metrics.input_lag.labels(t, str(p)).set(max(0, hi - self._committed.get((t, p), 0)))
 
     def _drain_commits(self, c, final: bool = False) -> None:
         from confluent_kafka import KafkaException, TopicPartition
@@ -769,6 +775,8 @@ class Member:
         if not merged:
             return
         tps = [TopicPartition(t, p, off) for (t, p), off in sorted(merged.items())]
+        for (t, p), off in merged.items():
+            self._committed[(t, p)] = max(off, self._committed.get((t, p), 0))
         try:
             c.commit(offsets=tps, asynchronous=not final)
         except KafkaException as e:
