@@ -19,7 +19,7 @@ from collections import defaultdict
 import pytest
 
 from kdsync.transport import TLSSettings, Transport, TransportError, make_transport
-from kdsync.transport.framing import AUTH, HELLO, FrameDecoder, encode_frame
+from kdsync.transport.framing import AUTH, HELLO, DialerHandshake, FrameDecoder, encode_frame
 from kdsync.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -528,3 +528,58 @@ async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
     finally:
         await a.close()
         await b.close()
+
+
+# ------------------------------------------------------------------ more edges
+
+
+@async_test
+async def test_new_connection_from_a_peer_replaces_its_stale_one():
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, ports, inboxes)
+    await ts["b"].start()
+    # A leftover connection that authenticated as "a" (e.g. from a's previous run).
+    reader, writer = await asyncio.open_connection("127.0.0.1", ports[1])
+    hs = DialerHandshake("a", "b", None)
+    writer.write(hs.hello())
+    dec = FrameDecoder()
+    while not hs.done:
+        for f in dec.feed(await asyncio.wait_for(reader.read(65536), 5)):
+            reply = hs.receive(f)
+            if reply:
+                writer.write(reply)
+    try:
+        await ts["a"].start()  # the real a dials b
+        await until(lambda: ts["a"].stats["b"].connected, what="a -> b")
+        # b closed the stale connection: it reads (maybe some PINGs, then) EOF.
+        async def drained() -> bool:
+            while await reader.read(65536):
+                pass
+            return True
+        assert await asyncio.wait_for(drained(), 5)
+        assert ts["a"].send("b", b"fresh")
+        await until(lambda: inboxes["b"].got["a"] == [b"fresh"], what="message over the new link")
+    finally:
+        writer.close()
+        await close_all(ts)
+
+
+@async_test
+async def test_messages_bigger_than_a_batch_go_alone_and_arrive_whole():
+    ids = ["a", "b"]
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, free_ports(2), inboxes, max_batch_bytes=1 << 20, max_frame_bytes=8 << 20, max_queue_bytes=16 << 20)
+    await start_all(ts)
+    try:
+        await all_connected(ts)
+        big = [bytes([i]) * (3 << 20) for i in range(3)]  # 3 MiB each, batch cap 1 MiB
+        frames0 = ts["a"].stats["b"].frames_out
+        for m in big:
+            assert ts["a"].send("b", m)
+        await until(lambda: len(inboxes["b"].got["a"]) == 3, what="big messages")
+        assert inboxes["b"].got["a"] == big
+        assert ts["a"].stats["b"].frames_out - frames0 >= 3  # one frame each (plus any PINGs)
+    finally:
+        await close_all(ts)
