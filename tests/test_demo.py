@@ -1,0 +1,95 @@
+"""`kdsync demo`: passes on embedded brokers, reports the baseline's
+disagreement, and leaves no process behind, also on Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _demo(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "kdsync.cli", "demo", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_demo_agrees_and_cleans_up():
+    p = _demo("--clusters", "3", "--events", "900")
+    out, err = p.communicate(timeout=140)
+    assert p.returncode == 0, out + err
+    assert "agreement   YES: 900 records identical in 3 clusters" in out
+    assert "latency     p50" in out and "throughput" in out
+    assert not _children(p.pid)
+
+
+def test_demo_mirror_baseline_disagrees():
+    p = _demo("--clusters", "3", "--events", "900", "--rate", "600", "--protocol", "mirror")
+    out, err = p.communicate(timeout=140)
+    # concurrent writes interleave differently in each cluster without agreement
+    assert p.returncode == 1, out + err
+    assert "agreement   NO" in out
+
+
+def test_demo_ctrl_c_stops_every_process():
+    p = _demo("--clusters", "3", "--events", "100000", "--rate", "200")
+    try:
+        deadline = time.monotonic() + 60
+        kids: set[int] = set()
+        while len(kids) < 6 or not all(_cmdline(k) for k in kids):  # 3 brokers + 3 members
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else ""
+            kids = _children(p.pid)
+            time.sleep(0.1)
+        names = sorted(_cmdline(k) for k in kids)
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+        assert p.returncode == 130
+        assert sum("tansu" in n for n in names) == 3 and sum("kdsync.cli run" in n for n in names) == 3, names
+        assert not [k for k in kids if _alive(k)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_demo_bad_arguments_exit_2():
+    p = _demo("--clusters", "0")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and err.strip() == "kdsync demo: --clusters must be between 1 and 16"
+    p = _demo("--bogus")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "Traceback" not in err
