@@ -346,6 +346,7 @@ async def test_unknown_member_garbage_and_silence_close_only_that_connection(cap
             b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # garbage
             encode_frame(HELLO, b"{not json"),  # malformed HELLO
             encode_frame(HELLO, b"x" * 10)[:8] + b"\xff\xff\xff\xff" + b"\x00" * 4,  # oversized length
+            encode_frame(HELLO, b"x" * 10)[:8] + (1 << 20).to_bytes(4, "big") + b"\x00" * 4,  # 1 MiB before auth
             encode_frame(HELLO, json.dumps({"v": 1, "id": "b", "to": "zz", "nonce": "1"}).encode()),  # wrong target
             b"",  # silence: handshake timeout
         ]
@@ -358,7 +359,15 @@ async def test_unknown_member_garbage_and_silence_close_only_that_connection(cap
         await until(lambda: len(inboxes["a"].got["b"]) == 200, what="b->a after attacks")
         assert ts["a"].stats["b"].connected and ts["b"].stats["a"].connected
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        for needle in ("unknown member id 'mallory'", "bad magic", "malformed HELLO", "exceeds max_frame_bytes", "meant to reach 'zz'", "no valid handshake"):
+        for needle in (
+            "unknown member id 'mallory'",
+            "bad magic",
+            "malformed HELLO",
+            "frame of 4294967295 bytes exceeds max_frame_bytes",
+            "frame of 1048576 bytes exceeds max_frame_bytes=65536",  # strangers get no big buffers
+            "meant to reach 'zz'",
+            "no valid handshake",
+        ):
             assert any(needle in w and "refused connection from 127.0.0.1:" in w for w in warnings), (needle, warnings)
         assert ts["a"].refused_unknown == 1
     finally:

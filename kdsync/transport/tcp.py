@@ -109,6 +109,7 @@ __all__ = ["TcpTransport", "HandshakeError"]
 
 _READ_CHUNK = 1 << 20
 _STABLE_LINK_S = 5.0
+_HANDSHAKE_FRAME_BYTES = 64 * 1024  # largest frame accepted before authentication
 _PING_FRAME = encode_frame(PING)
 
 
@@ -501,7 +502,9 @@ class TcpTransport(Transport):
         peer: str | None = None
         try:
             self._set_sockopts(writer)
-            dec = FrameDecoder(self.max_frame_bytes)
+            # Until the peer is authenticated it may only send small handshake frames:
+            # a stranger must not make us allocate a max_frame_bytes buffer.
+            dec = FrameDecoder(_HANDSHAKE_FRAME_BYTES)
             pending: list[Frame] = []
             try:
                 inbound = await asyncio.wait_for(
@@ -552,6 +555,7 @@ class TcpTransport(Transport):
             # holds no unread bytes now: hand the socket to a plain protocol, with no
             # await in between (no StreamReader copies on the hot receive path).
             assert hs.peer is not None
+            dec.max_frame_bytes = self.max_frame_bytes  # authenticated: full-size frames from now on
             inbound = _Inbound(self, hs.peer, writer.transport, dec)
             writer.transport.set_protocol(inbound)
             inbound.handle(list(pending))  # frames that came with AUTH (a well-behaved dialer sends none)
@@ -591,7 +595,7 @@ class TcpTransport(Transport):
                     self.connect_timeout,
                 )
                 self._set_sockopts(writer)
-                dec = FrameDecoder(self.max_frame_bytes)
+                dec = FrameDecoder(_HANDSHAKE_FRAME_BYTES)  # a listener only ever sends small frames
                 pending: list[Frame] = []
                 try:
                     await asyncio.wait_for(self._dialer_handshake(link, reader, writer, dec, pending), self.handshake_timeout)
