@@ -157,6 +157,13 @@ class Simulation:
         Timeout(self.env, delay, (fn, arg)).callbacks.append(_call)
 
     def request_flush(self, m: Member) -> None:
+        """Flush `m` once at this instant, after every input of the instant.
+
+        When nothing else is scheduled for this instant the flush runs at once;
+        otherwise one shared zero-delay event flushes everyone who asked."""
+        if not self._flush_scheduled and self.env.peek() > self.env.now:
+            m.flush()
+            return
         m.flush_pending = True
         self._flush_list.append(m)
         if not self._flush_scheduled:
@@ -307,14 +314,12 @@ class Simulation:
         self.topology_changed()
 
     # ---------------------------------------------------------------- ticks
-    def _ticker(self, m: Member, phase: float):
-        env = self.env
-        yield env.timeout(phase)
-        while True:
-            if m.up:
-                m.tick()
-                m.flush()
-            yield env.timeout(TICK_S)
+    def _tick(self, ev) -> None:
+        m = ev._value
+        Timeout(self.env, TICK_S, m).callbacks.append(self._tick)
+        if m.up:
+            m.tick()
+            m.flush()
 
     # ------------------------------------------------------------------ run
     def _settled(self) -> bool:
@@ -338,7 +343,7 @@ class Simulation:
         phase_rng = random.Random(f"{self.seed}/tick-phase")
         for m in self.order:
             m.start()
-            self.env.process(self._ticker(m, phase_rng.random() * TICK_S))
+            Timeout(self.env, phase_rng.random() * TICK_S, m).callbacks.append(self._tick)
         self._setup_workload()
         self.env.process(self._faults())
         self.env.process(self._settle())
