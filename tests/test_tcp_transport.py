@@ -592,3 +592,30 @@ async def test_messages_bigger_than_a_batch_go_alone_and_arrive_whole():
         assert ts["a"].stats["b"].frames_out - frames0 >= 3  # one frame each (plus any PINGs)
     finally:
         await close_all(ts)
+
+
+@async_test
+async def test_connection_flood_is_capped_and_members_get_in_once_it_clears(caplog):
+    caplog.set_level(logging.INFO, logger="kdsync")
+    ids = ["a", "b"]
+    ports = free_ports(2)
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, ports, inboxes, max_pending_handshakes=3, handshake_timeout=5.0)
+    await ts["a"].start()
+    silent = [await asyncio.open_connection("127.0.0.1", ports[0]) for _ in range(3)]
+    try:
+        await until(lambda: len(ts["a"]._unauthenticated) == 3, what="3 pending handshakes")
+        # The 4th connection is closed at once (long before the 5 s handshake timeout).
+        assert await asyncio.wait_for(raw_exchange(ports[0], b"", timeout=3), 3) == b""
+        assert any("connections already awaiting their handshake" in r.getMessage() for r in caplog.records)
+        for _, w in silent:
+            w.close()
+        await until(lambda: not ts["a"]._unauthenticated, what="slots freed")
+        await ts["b"].start()
+        await all_connected(ts)
+        assert ts["b"].send("a", b"in")
+        await until(lambda: inboxes["a"].got["b"] == [b"in"], what="b -> a")
+    finally:
+        for _, w in silent:
+            w.close()
+        await close_all(ts)

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import random
@@ -243,7 +244,10 @@ class TcpTransport(Transport):
     `ping_interval` (s), `idle_timeout` (s), `backoff_initial` and
     `backoff_max` (s, reconnect delays), `connect_timeout` (s),
     `max_batch_bytes` (soft cap of one BATCH frame, default 4 MiB),
-    `max_offline_queue_bytes` (queue bound while the peer's link is down, 1 MiB).
+    `max_offline_queue_bytes` (queue bound while the peer's link is down, 1 MiB),
+    `max_pending_handshakes` (incoming connections allowed to be mid-handshake
+    at once, 64; more are closed at once, so a connection flood cannot exhaust
+    file descriptors).
     """
 
     kind = "tcp"
@@ -268,6 +272,7 @@ class TcpTransport(Transport):
         connect_timeout: float = 5.0,
         max_batch_bytes: int = 4 << 20,
         max_offline_queue_bytes: int = 1 << 20,
+        max_pending_handshakes: int = 64,
     ) -> None:
         super().__init__(
             member_id,
@@ -290,6 +295,9 @@ class TcpTransport(Transport):
         self.connect_timeout = connect_timeout
         self.max_batch_bytes = int(max_batch_bytes)
         self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
+        self.max_pending_handshakes = int(max_pending_handshakes)
+        self._unauthenticated: set[object] = set()
+        self._flood_logged = float("-inf")
         # Largest single message that fits in one BATCH frame.
         self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
         self.refused_unknown = 0  # refused connections that named no known member (or failed TLS)
@@ -452,14 +460,30 @@ class TcpTransport(Transport):
         if self._closing:
             transport.abort()
             return
+        addr = transport.get_extra_info("peername")
+        addr_s = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        if len(self._unauthenticated) >= self.max_pending_handshakes:
+            # A flood of connections that never finish the handshake must not exhaust
+            # file descriptors; drop newcomers (one log line per 10 s) until they time out.
+            now = asyncio.get_running_loop().time()
+            if now - self._flood_logged >= 10.0:
+                self._flood_logged = now
+                self.log.warning(
+                    "refused connection from %s: %d connections already awaiting their handshake "
+                    "(max_pending_handshakes); further refusals are not logged for 10s",
+                    addr_s,
+                    len(self._unauthenticated),
+                )
+            transport.abort()
+            return
+        slot = object()  # this connection's place among the unauthenticated
+        self._unauthenticated.add(slot)
         task = asyncio.current_task()
         if task is not None:
             self._conn_tasks.add(task)
         try:
-            addr = transport.get_extra_info("peername")
-            addr_s = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             reader = asyncio.StreamReader(limit=_READ_CHUNK)
-            proto = asyncio.StreamReaderProtocol(reader, self._on_incoming)
+            proto = asyncio.StreamReaderProtocol(reader, functools.partial(self._on_incoming, slot=slot))
             if self._server_ssl is not None:
                 try:
                     transport = await asyncio.get_running_loop().start_tls(
@@ -476,8 +500,10 @@ class TcpTransport(Transport):
                     self.refused_unknown += 1
                     self.log.warning("refused connection from %s: TLS handshake failed: %s", addr_s, why)
                     transport.abort()
+                    self._unauthenticated.discard(slot)
                     return
                 if transport is None:  # closed during the handshake
+                    self._unauthenticated.discard(slot)
                     return
                 proto.connection_made(transport)
             else:
@@ -486,12 +512,14 @@ class TcpTransport(Transport):
                 transport.resume_reading()
         except asyncio.CancelledError:
             transport.abort()
+            self._unauthenticated.discard(slot)
         finally:
             if task is not None:
                 self._conn_tasks.discard(task)
 
-    async def _on_incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, slot: object) -> None:
         if self._closing:
+            self._unauthenticated.discard(slot)
             writer.close()
             return
         task = asyncio.current_task()
@@ -516,6 +544,8 @@ class TcpTransport(Transport):
             except HandshakeError as exc:
                 self.log.warning("refused connection from %s: %s", addr_s, exc)
                 return
+            finally:
+                self._unauthenticated.discard(slot)
             peer = inbound.peer
             old = self._inbound.get(peer)
             if old is not None:
