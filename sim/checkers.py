@@ -30,7 +30,8 @@ class Violation:
 
 
 def event_id(e: Event) -> str:
-    return f"{e.origin}:{e.partition}:{e.offset}"
+    """The id the trace and `kdsync audit` use: origin/partition/offset."""
+    return f"{e.origin}/{e.partition}/{e.offset}"
 
 
 class Checker:
@@ -136,7 +137,7 @@ def _agreement(topics: dict[str, list[Event]]) -> list[Violation]:
                 Violation(
                     "agreement",
                     f"{a} and {b} differ at {len(diff)} of {n} common positions; first: seq {k} is "
-                    f"{':'.join(map(str, ka[k]))} at {a} but {':'.join(map(str, kb[k]))} at {b}",
+                    f"{'/'.join(map(str, ka[k]))} at {a} but {'/'.join(map(str, kb[k]))} at {b}",
                 )
             )
     return out
@@ -201,5 +202,5 @@ def _loss(member: str, topic: list[Event], submitted: dict) -> list[Violation]:
     if not missing:
         return []
     missing.sort()
-    ex = ", ".join(":".join(map(str, k)) for k in missing[:_EXAMPLES])
+    ex = ", ".join("/".join(map(str, k)) for k in missing[:_EXAMPLES])
     return [Violation("loss", f"{member} is missing {len(missing)} of {len(submitted)} acknowledged event(s) after settle; e.g. {ex}")]

@@ -89,7 +89,7 @@ class _TraceSource:
             n = len(evs)
             t["run_id"].extend([self.run_id] * n)
             t["member"].extend([mid] * n)
-            t["event_id"].extend(f"{e[0]}:{e[1]}:{e[2]}" for e in evs)
+            t["event_id"].extend(f"{e[0]}/{e[1]}/{e[2]}" for e in evs)  # as kdsync audit
             t["origin"].extend(e[0] for e in evs)
             t["origin_partition"].extend(e[1] for e in evs)
             t["origin_offset"].extend(e[2] for e in evs)
