@@ -15,21 +15,23 @@ fixed 16-byte header followed by `length` body bytes::
 
 The checksum covers the header too, so a flipped kind or length is caught, not
 just a flipped body byte.  CRC-32 rather than CRC-32C because zlib's is in the
-standard library and runs at several GB/s; it is an error check, not
-authentication (that is the handshake's HMAC and optionally TLS).
+standard library and runs at GB/s; it is an error check, not authentication
+(that is the handshake's HMAC, and optionally TLS).
 
 A BATCH body is a run of core messages, each prefixed by its length as a
-4-byte big-endian integer; a writer puts everything queued for a peer into one
-BATCH frame.  HELLO and AUTH bodies are the handshake (see tcp.py); PING has an
-empty body and keeps an idle link observable.  The handshake itself is a
-sans-I/O state machine per side (`DialerHandshake`, `ListenerHandshake`, at
-the end of this module), so every transport runs exactly the same one.
+4-byte big-endian integer; a transport puts everything queued for a peer into
+one BATCH frame (up to its batch size cap).  HELLO and AUTH frames carry the
+handshake, a sans-I/O state machine per side (`DialerHandshake`,
+`ListenerHandshake`, at the end of this module) so that every transport runs
+exactly the same one.  PING has an empty body and keeps an idle link
+observable.
 
 `FrameDecoder.feed()` is incremental: it accepts any split of the stream and
 returns the complete frames, raising only `FrameError` on anything malformed
 (the error's `frames` attribute holds the good frames that preceded the damage
-in the same call).  After a FrameError the stream cannot be resynchronised; the caller closes the
-connection, and further `feed()` calls raise FrameError again.
+in the same call).  After a FrameError the stream cannot be resynchronised:
+the caller closes the connection, and further `feed()` calls raise FrameError
+again.
 """
 
 from __future__ import annotations
@@ -102,11 +104,11 @@ class Frame(NamedTuple):
     body: bytes | memoryview  # bytes-like; may alias the decoder's input (see FrameDecoder)
 
 
-def encode_frame(kind: int, body: bytes = b"", flags: int = 0) -> bytes:
+def encode_frame(kind: int, body: bytes = b"") -> bytes:
     """Return header + body for one frame.  Raises FrameError on a bad kind."""
     if kind not in KINDS:
         raise FrameError(f"cannot encode unknown frame kind {kind}")
-    head = _HEAD.pack(MAGIC, VERSION, kind, flags, 0, len(body))
+    head = _HEAD.pack(MAGIC, VERSION, kind, 0, 0, len(body))
     return head + _CRC.pack(_crc32(body, _crc32(head))) + body
 
 
