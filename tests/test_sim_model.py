@@ -1,0 +1,149 @@
+"""The simulator's own models: network links (FIFO, loss, duplication,
+reordering, bandwidth, partitions, link faults) and the crash/restart path of
+the member adapter (what a restarted node is given)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import simpy
+
+from kdsync.core import make_node
+from sim.network import Network
+from sim.runner import run_scenario
+from sim.scenario import LinkSpec, NetworkSpec, parse_scenario
+
+from sim_helpers import need_protocol
+
+
+def _net(default: dict, links=(), seed=1):
+    env = simpy.Environment()
+    got: list[tuple[float, str, str, bytes]] = []
+    spec = NetworkSpec.model_validate({"default": default, "links": list(links)})
+    net = Network(env, ("a", "b", "c"), spec, seed, lambda s, d, b: got.append((env.now, s, d, b)))
+    return env, net, got
+
+
+def _send_many(env, net, n, src="a", dst="b", every=0.001, size=10):
+    def proc():
+        for i in range(n):
+            net.send(src, dst, i.to_bytes(4, "big") + b"x" * (size - 4))
+            yield env.timeout(every)
+
+    env.process(proc())
+    env.run()
+
+
+def test_jitter_delays_but_a_link_stays_fifo():
+    env, net, got = _net({"latency_ms": 20, "jitter_ms": 10})
+    _send_many(env, net, 500)
+    ids = [int.from_bytes(b[:4], "big") for _, _, _, b in got]
+    assert ids == list(range(500))
+    delays = sorted(t - int.from_bytes(b[:4], "big") * 0.001 for t, _, _, b in got)
+    assert delays[0] >= 0 and delays[-1] - delays[0] > 0.01  # jitter is there
+
+
+def test_loss_duplication_and_reordering_rates():
+    env, net, got = _net({"latency_ms": 10, "jitter_ms": 1, "loss": 0.2, "duplicate": 0.1, "reorder": 0.1})
+    _send_many(env, net, 5000)
+    ids = [int.from_bytes(b[:4], "big") for _, _, _, b in got]
+    distinct = set(ids)
+    assert 0.75 < len(distinct) / 5000 < 0.85  # 20 % loss
+    assert 0.05 < (len(ids) - len(distinct)) / len(distinct) < 0.15  # 10 % duplicated
+    inversions = sum(1 for x, y in zip(ids, ids[1:]) if y < x)
+    assert inversions > 100  # reordered copies are overtaken
+
+
+def test_bandwidth_serialises_messages():
+    env, net, got = _net({"latency_ms": 0, "bandwidth_mbps": 8})  # 1 byte per microsecond
+    for _ in range(10):
+        net.send("a", "b", b"z" * 1000)  # 1 ms each on the wire
+    env.run()
+    assert [round(t, 6) for t, *_ in got] == [round(0.001 * (i + 1), 6) for i in range(10)]
+
+
+def test_partitions_link_faults_and_heal():
+    env, net, got = _net({"latency_ms": 1})
+    net.set_partition([["a"], ["b", "c"]])
+    assert not net.can_send("a", "b") and not net.can_send("c", "a") and net.can_send("b", "c")
+    net.send("a", "b", b"1")
+    net.send("b", "c", b"2")
+    net.set_link_fault("b", "c", LinkSpec(loss=1.0))  # asymmetric: b->c cut, c->b fine
+    assert not net.can_send("b", "c") and net.can_send("c", "b")
+    net.send("b", "c", b"3")
+    net.send("c", "b", b"4")
+    net.heal()
+    assert net.can_send("a", "b") and net.can_send("b", "c")
+    net.send("a", "b", b"5")
+    env.run()
+    assert [b for *_, b in got] == [b"2", b"4", b"5"]
+
+
+def test_directional_override():
+    env, net, got = _net({"latency_ms": 5}, links=[{"from": "a", "to": "c", "latency_ms": 50}])
+    net.send("a", "c", b"slow")
+    net.send("c", "a", b"fast")
+    env.run()
+    assert [(round(t, 3), b) for t, _, _, b in got] == [(0.005, b"fast"), (0.05, b"slow")]
+
+
+def test_same_seed_same_network_draws():
+    runs = []
+    for _ in range(2):
+        env, net, got = _net({"latency_ms": 10, "jitter_ms": 5, "loss": 0.1, "reorder": 0.1}, seed=42)
+        _send_many(env, net, 300)
+        runs.append(got)
+    assert runs[0] == runs[1]
+
+
+RESTART = parse_scenario(
+    textwrap.dedent(
+        """\
+        name: restart
+        protocol: derecho
+        duration_s: 4
+        settle_s: 3
+        members: [{id: dc1}, {id: dc2}, {id: dc3}]
+        network: {default: {latency_ms: 10, jitter_ms: 1}}
+        workload: [{member: all, rate_eps: 100, partitions: 2}]
+        faults:
+          - {at_s: 1.5, crash: dc2}
+          - {at_s: 2.5, restart: dc2}
+        """
+    )
+)
+
+
+@pytest.mark.timeout(60)
+def test_restart_recovers_from_the_global_topic_and_committed_offsets():
+    need_protocol("derecho")
+    calls = []
+
+    def spy(cfg, **kw):
+        node = make_node(cfg, **kw)
+        submitted = []
+        real_submit = node.submit
+        node.submit = lambda evs: (submitted.extend(evs), real_submit(evs))[1]
+        calls.append((cfg.member_id, kw, submitted))
+        return node
+
+    r = run_scenario(RESTART, node_factory=spy)
+    assert r.failing == [], r.failing
+    dc2 = [(kw, sub) for m, kw, sub in calls if m == "dc2"]
+    assert len(dc2) == 2
+    first, (kw, resubmitted) = dc2[0][0], dc2[1]
+    assert first["start_seq"] == 0 and first["hard_state"] is None
+    # the restarted node starts where its global topic ended, with its watermarks and persisted state
+    assert kw["start_seq"] > 0 and kw["hard_state"] is not None
+    assert kw["watermarks"] and all(off >= 0 for off in kw["watermarks"].values())
+    # the global topic held every offset up to each watermark, once
+    assert sum(off + 1 for off in kw["watermarks"].values()) == kw["start_seq"]
+    # input offsets were committed exactly as far as dc2's own events were
+    # durable in its global topic: the new consumer starts right after them
+    for p in (0, 1):
+        first_again = next(e.offset for e in resubmitted if e.partition == p)
+        assert first_again == kw["watermarks"].get(("dc2", p), -1) + 1
+    s = r.summary
+    assert s["member_state"]["dc2"]["starts"] == 2
+    assert all(n == s["events_submitted"] for n in s["events_delivered"].values())
