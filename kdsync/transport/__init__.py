@@ -65,8 +65,8 @@ class PeerStats:
     Bytes and frames count what crossed the wire (frame headers included), in
     both directions over every connection with that peer.  `connected` is True
     while the outgoing (sending) link to the peer is authenticated and up.
-    `refused` counts connections claiming to be this peer that failed the
-    handshake (wrong secret, malformed HELLO), in either direction.
+    `refused` counts connections with this peer that failed the handshake
+    (wrong secret, malformed HELLO, failed TLS), in either direction.
     `dropped` counts messages `send()` refused because the queue was full.
     """
 
