@@ -104,7 +104,9 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
     """All audit tables of `trace` (normalised here).  `sources` has columns
     (run_id, event_id): the events written to any source topic; None means
     the union of what members delivered."""
-    t = normalise(trace).withColumn("latency_ms", (F.col("deliver_ts") - F.col("submit_ts")) * 1000.0)
+    # an event whose submit time is unknown (NaN/null) has no latency
+    lat = (F.col("deliver_ts") - F.col("submit_ts")) * 1000.0
+    t = normalise(trace).withColumn("latency_ms", F.when(~F.isnan(lat), lat))
     t = t.persist()
 
     attrs = t.groupBy("run_id").agg(*[F.first(c, ignorenulls=True).alias(c) for c in ATTRIBUTE_COLUMNS],
@@ -152,7 +154,7 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
         F.count(F.lit(1)).alias("delivered"),
         F.min("seq").alias("first_seq"), F.max("seq").alias("last_seq"),
         F.countDistinct("seq").alias("distinct_positions"),
-        F.min("submit_ts").alias("first_submit_ts"), F.max("deliver_ts").alias("last_deliver_ts"),
+        F.min(F.when(~F.isnan("submit_ts"), F.col("submit_ts"))).alias("first_submit_ts"), F.max("deliver_ts").alias("last_deliver_ts"),
         *_latency_aggs("latency_ms", approx, "latency_ms_"))
     m = _unpack_q(m, "latency_ms_")
     counts = lambda df, name: df.groupBy("run_id", "member").agg(F.count(F.lit(1)).alias(name))  # noqa: E731
@@ -171,7 +173,7 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
     # per run
     r = t.groupBy("run_id").agg(
         F.count(F.lit(1)).alias("deliveries"),
-        F.min("submit_ts").alias("first_submit_ts"), F.max("deliver_ts").alias("last_deliver_ts"),
+        F.min(F.when(~F.isnan("submit_ts"), F.col("submit_ts"))).alias("first_submit_ts"), F.max("deliver_ts").alias("last_deliver_ts"),
         *_latency_aggs("latency_ms", approx, "latency_ms_"))
     r = _unpack_q(r, "latency_ms_")
     src_counts = ev.groupBy("run_id").agg(

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kdsync audit", description="Check agreement, loss, duplicates, order and latency.")
     p.add_argument("--cluster", action="append", default=[], metavar="NAME=BROKERS",
                    help="a cluster to audit (repeat; bootstrap servers comma-separated)")
-    p.add_argument("--topic", help="source topic T (the global topic is T + --global-suffix)")
+    p.add_argument("--topic", action="append", default=[],
+                   help="source topic T (the global topic is T + --global-suffix); repeat to audit several "
+                        "topics in one pass, one run per topic")
     p.add_argument("--global-suffix", default="-global")
     p.add_argument("--trace", nargs="+", default=[], metavar="PATH",
                    help="audit kdsync-sim trace.parquet files or run directories instead of clusters")
@@ -79,7 +81,7 @@ def _kafka_props(items: list[str]) -> dict[str, str]:
     return out
 
 
-def check_brokers(clusters: dict[str, str], props: dict[str, str], timeout: float = 10.0) -> None:
+def check_brokers(clusters: dict[str, str], props: dict[str, str], timeout: float = 5.0) -> None:
     """UsageError naming the first cluster whose brokers do not answer."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
@@ -96,7 +98,7 @@ def check_brokers(clusters: dict[str, str], props: dict[str, str], timeout: floa
 
 # ---------------------------------------------------------------- real clusters
 
-def kafka_tables(spark, clusters: dict[str, str], topic: str, global_suffix: str = "-global",
+def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suffix: str = "-global",
                  props: dict | None = None):
     """(trace, sources, malformed) DataFrames for real clusters.
 
@@ -108,13 +110,13 @@ def kafka_tables(spark, clusters: dict[str, str], topic: str, global_suffix: str
 
     from kdsync.spark.kafka_source import read_topic
 
-    run_id = topic
     traces, sources = [], []
-    for name, brokers in clusters.items():
+    for (name, brokers), topic in ((c, t) for c in clusters.items() for t in topics):
+        run_id = topic
         conf = {"bootstrap.servers": brokers, **(props or {})}
         g = read_topic(spark, conf, topic + global_suffix)
         h = F.map_from_entries(F.col("headers"))
-        hs = lambda k: F.cast("string", h[k])  # noqa: E731
+        hs = lambda k: h[k].cast("string")  # noqa: E731
         traces.append(g.select(
             F.lit(run_id).alias("run_id"), F.lit(name).alias("member"),
             hs("kdsync.origin").alias("origin"),
@@ -326,12 +328,15 @@ def run(args) -> tuple[int, dict]:
         clusters = parse_clusters(args.cluster)
         if not args.topic:
             raise UsageError("--topic T is required with --cluster")
+        if any(not t or t.endswith(args.global_suffix) for t in args.topic):
+            raise UsageError(f"--topic names the source topic T, not T{args.global_suffix}")
         props = _kafka_props(args.kafka_property)
         check_brokers(clusters, props)
         spark = spark_session(args.master, "kdsync-audit")
         trace, sources, malformed = kafka_tables(spark, clusters, args.topic, args.global_suffix, props)
         mode = "kafka"
     else:
+        _trace_files(args.trace)  # bad paths fail before Spark starts
         spark = spark_session(args.master, "kdsync-audit")
         trace, sources, mode = trace_table(spark, args.trace), None, "trace"
     tables = analyse(trace, sources, window_s=args.window_s, approx=args.approx)
