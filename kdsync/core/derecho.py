@@ -582,6 +582,8 @@ class DerechoNode(NodeBase):
         if old < self.view.view_id:
             return
         self.last_install[old] = codec.pack((INSTALL, self.me, self.incarnation, old, prop.data))
+        for stale in [v for v in self.last_install if v < old - 16]:
+            del self.last_install[stale]
         if old > self.view.view_id:
             # we missed views in between: we cannot deliver that view's trim
             self.has_data = False
