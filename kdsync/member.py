@@ -221,6 +221,8 @@ class Group:
     own_inflight: int = 0
     view_id: int = -1
     status: str = ""
+    reader: object = None  # Consumer serving reads, used under read_lock
+    read_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     own: deque = field(default_factory=deque)  # (seq, partition, offset) of own events produced, not yet durable
     durable_scheduled: bool = False
 
@@ -632,27 +634,49 @@ class Member:
             log.warning("a witness cannot serve reads of a global topic", **_kv(topic=g.topic, start=start, stop=stop))
             return
         chunk = self.pcfg.catchup_chunk
-        try:
-            events = await self._retry(f"reading {g.global_topic}[{start}:{stop})", self._read_range, g, start, stop)
-        except asyncio.CancelledError:
-            return
+        async with g.read_lock:  # one reader consumer per group, one read at a time
+            try:
+                events = await self._retry(f"reading {g.global_topic}[{start}:{stop})", self._read_range, g, start, stop)
+            except asyncio.CancelledError:
+                return
+        log.info("served a read from the global topic", **_kv(topic=g.topic, start=start, stop=stop, events=len(events)))
         for i in range(0, len(events), chunk):
             g.node.step(LogChunk(start + i, tuple(events[i:i + chunk])))
             self._process(g)
 
-    def _read_range(self, g: Group, start: int, stop: int) -> list[Event]:
-        from kdsync.kafka.topic import iter_partition
+    def _read_range(self, g: Group, start: int, stop: int, timeout: float = 60.0) -> list[Event]:
+        """Events at positions [start, stop) of the global topic (fewer if it ends
+        first).  One partition: seq == offset, read from `start`; several: scan."""
+        from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+        if g.reader is None:
+            g.reader = Consumer({**self._consumer_conf(), "group.id": f"kdsync-{self.me}-reader",
+                                 "enable.partition.eof": True, "fetch.wait.max.ms": 10})
+        c = g.reader
         found: dict[int, Event] = {}
-        conf = self._consumer_conf()
         for p in range(g.partitions):
-            first = start if g.partitions == 1 else 0  # one partition: seq == offset
-            for m in iter_partition(conf, g.global_topic, p, start=first, timeout=60):
-                seq, ev = event_from_global(m)
-                if start <= seq < stop:
-                    found[seq] = ev
-                if g.partitions == 1 and seq + 1 >= stop:
-                    break
+            c.assign([TopicPartition(g.global_topic, p, start if g.partitions == 1 else 0)])
+            deadline = time.monotonic() + timeout
+            done = False
+            while not done:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no end of {g.global_topic}[{p}] within {timeout}s")
+                for m in c.consume(1000, timeout=0.2):
+                    err = m.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            done = True
+                            break
+                        if err.fatal():
+                            raise KafkaException(err)
+                        continue
+                    seq, ev = event_from_global(m)
+                    if start <= seq < stop:
+                        found[seq] = ev
+                    if g.partitions == 1 and seq + 1 >= stop:
+                        done = True
+                        break
+            c.unassign()
         out = []
         for s in range(start, stop):
             if s not in found:
@@ -799,6 +823,9 @@ class Member:
         self._consumer_resume.set()
         if self._consumer_thread is not None:
             await asyncio.to_thread(self._consumer_thread.join, 15)
+        for g in self.groups.values():
+            if g.reader is not None:
+                await asyncio.to_thread(g.reader.close)
         if self.transport is not None:
             await self.transport.close()
         if self.metrics is not None:
