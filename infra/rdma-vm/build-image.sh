@@ -60,6 +60,15 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 mkdir -p "$CACHE_ROOT"
+# One build at a time per cache (two test runs may start together); the
+# second one finds the image ready once it gets the lock.
+exec 9>"$CACHE_ROOT/.lock"
+flock 9
+if [ -f "$DEST/ready" ]; then
+    log "image built meanwhile: $DEST"
+    echo "$DEST"
+    exit 0
+fi
 WORK="$(mktemp -d "$CACHE_ROOT/build.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 ROOT="$WORK/root"

@@ -31,6 +31,7 @@ done
     python3 -c 'import sys, pyverbs; print("python", sys.version.split()[0], "pyverbs", getattr(pyverbs, "__version__", "?"))'
 } >"$OUT/vm-info.txt" 2>&1
 cat "$OUT/vm-info.txt"
+# shellcheck disable=SC3045  # dash supports -l; root has CAP_IPC_LOCK anyway
 ulimit -l unlimited 2>/dev/null || true
 cd /tmp || exit 1
 export KDSYNC_IN_VM=1 KDSYNC_VM_OUT="$OUT" KDSYNC_RDMA_ADDR=10.0.2.15 PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 HOME=/tmp

@@ -16,11 +16,12 @@ their messages in, and only flow-control credits go back on them.  Setup is
 rdma_cm (pyverbs.cmid) in asynchronous mode: the dialer resolves address and
 route, creates an RC QP, registers its buffers, pre-posts its receives and
 connects; the listener gets CONNECT_REQUEST, does the same and accepts.  Then
-the TCP handshake runs over the QP, frame for frame (HELLO / HELLO+proof /
-AUTH / AUTH ok, HMAC-SHA256 of the group secret over both nonces, see tcp.py),
-and only then BATCH frames flow.  The frames are exactly the TCP frames
-(`framing.py`): the sender writes the frame byte stream into its registered
-send buffers, the receiver feeds what arrives into a `FrameDecoder`.
+the handshake runs over the QP, frame for frame -- the very state machines TCP
+uses (`framing.DialerHandshake` / `ListenerHandshake`: HMAC-SHA256 proofs of
+the group secret over both nonces) -- and only then BATCH frames flow.  The
+frames are exactly the TCP frames (`framing.py`): the sender writes the frame
+byte stream into its registered send buffers, the receiver feeds what arrives
+into a `FrameDecoder`.
 
 Large frames are fragmented, not RDMA-WRITTEN: a frame longer than one buffer
 simply continues in the next SEND (the frame stream is a byte stream, the
@@ -84,8 +85,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
-import json
 import logging
 import os
 import random
@@ -94,19 +93,18 @@ import socket
 import struct
 from typing import Any
 
-from kdsync.transport import OnMessage, PeerStats, TLSSettings, Transport, TransportError
+from kdsync.transport import OnMessage, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
-    AUTH,
     BATCH,
     HEADER_SIZE,
-    HELLO,
     PING,
+    DialerHandshake,
     Frame,
     FrameDecoder,
     FrameError,
+    ListenerHandshake,
     decode_batch,
-    encode_batch,
-    encode_frame,
+    encode_batch_frame,
 )
 
 __all__ = ["RdmaTransport", "rdma_usable", "unavailable_reason"]
@@ -311,9 +309,11 @@ class _Conn:
         self.out = bytearray()
         self.out_pos = 0
         self.decoder = FrameDecoder(tr.max_frame_bytes)
-        self.nonce = os.urandom(16).hex()
-        self.peer_nonce = ""
-        self.hs_step = 0
+        self.hs: DialerHandshake | ListenerHandshake = (
+            DialerHandshake(tr.member_id, peer, tr.secret)
+            if role == "dialer"
+            else ListenerHandshake(tr.member_id, tuple(tr.peers), tr.secret)
+        )
         self.timer: asyncio.TimerHandle | None = None
         self.finished: asyncio.Future = tr._loop.create_future()
         self.addr_info: Any = None
@@ -540,13 +540,17 @@ class RdmaTransport(Transport):
         if self._closing:
             return
         self._closing = True
+        # Stop taking connection requests first: a child created after the
+        # connections are torn down would keep a QP on our CQ.
+        if self._loop is not None and self._lchan_fd >= 0:
+            self._loop.remove_reader(self._lchan_fd)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for conn in sorted(self._conns, key=id):
-            self._fail(conn, "transport closed", quiet=True)
         if self.tcp is not None:
             await self.tcp.close()
+        for conn in sorted(self._conns, key=id):
+            self._fail(conn, "transport closed", quiet=True)
         await self._release()
         for st in self.stats.values():
             st.connected = False
@@ -644,8 +648,7 @@ class RdmaTransport(Transport):
                     conn.connected = True
                     conn.state = "handshake"
                     self._restart_timer(conn, self.handshake_timeout, "handshake timed out")
-                    hello = {"v": 1, "id": self.member_id, "to": conn.peer, "nonce": conn.nonce}
-                    self._send_frame(conn, encode_frame(HELLO, json.dumps(hello).encode()))
+                    self._send_frame(conn, conn.hs.hello())
                 elif kind == ce.RDMA_CM_EVENT_TIMEWAIT_EXIT:
                     pass
                 else:  # ADDR/ROUTE/CONNECT errors, UNREACHABLE, REJECTED, DISCONNECTED, DEVICE_REMOVAL
@@ -703,6 +706,13 @@ class RdmaTransport(Transport):
                 self.log.warning("rdma: cannot take a connection request: %s", exc)
                 continue
             ev.ack_cm_event()
+            if self._closing:
+                try:
+                    conn.cmid.reject()
+                except pv.Error:
+                    pass
+                conn.cmid.close()
+                continue
             self._conns.add(conn)
             try:
                 self._setup_qp(conn)
@@ -819,7 +829,7 @@ class RdmaTransport(Transport):
         while True:
             if conn.pending_out == 0:
                 if conn.role == "dialer" and conn.state == "up" and self._queues[conn.peer]:
-                    self._refill_no_pump(conn)
+                    self._refill(conn)
                 if conn.pending_out == 0:
                     break
             if conn.credits < 2 or not conn.send_free:
@@ -834,7 +844,7 @@ class RdmaTransport(Transport):
         if conn.owed >= max(1, self.recv_depth // 2) and conn.credits >= 1 and conn.send_free:
             self._post(conn, _OP_CREDIT, b"")
 
-    def _refill_no_pump(self, conn: _Conn) -> None:
+    def _refill(self, conn: _Conn) -> None:
         conn.out.clear()
         conn.out_pos = 0
         peer = conn.peer
@@ -847,7 +857,7 @@ class RdmaTransport(Transport):
             batch.append(m)
             size += 4 + len(m)
             self._queued[peer] -= len(m)
-        frame = encode_frame(BATCH, encode_batch(batch))
+        frame = encode_batch_frame(batch)
         conn.out += frame
         st = self.stats[peer]
         st.frames_out += 1
@@ -898,72 +908,36 @@ class RdmaTransport(Transport):
                     return
                 continue
             try:
-                if conn.role == "listener":
-                    self._listener_handshake(conn, f)
-                else:
-                    self._dialer_handshake(conn, f)
+                self._handshake(conn, f)
             except TransportError as exc:
                 self._refuse(conn, str(exc))
                 return
 
-    def _listener_handshake(self, conn: _Conn, f: Frame) -> None:
-        from kdsync.transport.tcp import HandshakeError, _field, _parse_json, _proof
-
-        if conn.hs_step == 0:
-            hello = _parse_json(f, HELLO, "HELLO")
-            claimed = _field(hello, "id", "HELLO")
-            if hello.get("v") != 1:
-                raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}")
-            if claimed not in self.peers:
-                raise HandshakeError(f"unknown member id {claimed!r}")
-            target = _field(hello, "to", "HELLO")
-            if target != self.member_id:
-                raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}")
-            conn.peer = claimed
-            conn.peer_nonce = _field(hello, "nonce", "HELLO")
-            proof = _proof(self.secret, "listener", conn.peer_nonce, conn.nonce, claimed, self.member_id)
-            reply = {"v": 1, "id": self.member_id, "nonce": conn.nonce, "proof": proof}
-            conn.hs_step = 1
-            self._send_frame(conn, encode_frame(HELLO, json.dumps(reply).encode()))
-        else:
-            auth = _parse_json(f, AUTH, "AUTH")
-            want = _proof(self.secret, "dialer", conn.peer_nonce, conn.nonce, conn.peer, self.member_id)
-            got = auth.get("proof")
-            if not isinstance(got, str) or not hmac.compare_digest(got, want):
-                raise HandshakeError(f"member {conn.peer!r} failed the group-secret proof")
-            self._send_frame(conn, encode_frame(AUTH, b'{"ok":true}'))
-            self._up(conn)
-            old = self._in.get(conn.peer)
-            self._in[conn.peer] = conn
+    def _handshake(self, conn: _Conn, f: Frame) -> None:
+        """Feed one frame to the connection's handshake (framing.py's state
+        machines, the same as TCP's); raises HandshakeError."""
+        hs = conn.hs
+        reply = hs.receive(f)
+        if conn.role == "listener" and conn.peer is None:
+            conn.peer = hs.peer  # named a known member: refusals count against it
+        if reply is not None:
+            self._send_frame(conn, reply)
+        if not hs.done:
+            return
+        self._up(conn)
+        peer = conn.peer
+        if conn.role == "listener":
+            old = self._in.get(peer)
+            self._in[peer] = conn
             if old is not None and old is not conn:
                 self._fail(old, "replaced by a new connection from the same peer", quiet=True)
-
-    def _dialer_handshake(self, conn: _Conn, f: Frame) -> None:
-        from kdsync.transport.tcp import HandshakeError, _field, _parse_json, _proof
-
-        if conn.hs_step == 0:
-            hello = _parse_json(f, HELLO, "HELLO")
-            if _field(hello, "id", "HELLO") != conn.peer:
-                raise HandshakeError(f"expected member {conn.peer!r}, reached {hello.get('id')!r}")
-            conn.peer_nonce = _field(hello, "nonce", "HELLO")
-            want = _proof(self.secret, "listener", conn.nonce, conn.peer_nonce, self.member_id, conn.peer)
-            got = hello.get("proof")
-            if not isinstance(got, str) or not hmac.compare_digest(got, want):
-                raise HandshakeError(f"member {conn.peer!r} failed the group-secret proof")
-            proof = _proof(self.secret, "dialer", conn.nonce, conn.peer_nonce, self.member_id, conn.peer)
-            conn.hs_step = 1
-            self._send_frame(conn, encode_frame(AUTH, json.dumps({"proof": proof}).encode()))
-        else:
-            auth = _parse_json(f, AUTH, "AUTH")
-            if auth.get("ok") is not True:
-                raise HandshakeError(f"member {conn.peer!r} did not accept our proof")
-            self._up(conn)
-            self._out[conn.peer] = conn
-            self.stats[conn.peer].connected = True
-            if self._mode[conn.peer] != "rdma":
-                self.log.info("peer %s: RDMA link up via %s", conn.peer, self.device)
-            self._mode[conn.peer] = "rdma"
-            self._pump(conn)
+            return
+        self._out[peer] = conn
+        self.stats[peer].connected = True
+        if self._mode[peer] != "rdma":
+            self.log.info("peer %s: RDMA link up via %s", peer, self.device)
+        self._mode[peer] = "rdma"
+        self._pump(conn)
 
     def _up(self, conn: _Conn) -> None:
         conn.state = "up"
@@ -1010,9 +984,10 @@ class RdmaTransport(Transport):
             self.stats[peer].connected = False
         if conn.role == "listener" and peer is not None and self._in.get(peer) is conn:
             del self._in[peer]
-        if was_up or not quiet:
-            log = self.log.debug if (quiet or self._closing) else self.log.info
-            log("rdma: %s link %s closed: %s", conn.role, peer, why)
+        # A link that was up going down is news; a connect attempt failing is
+        # not (the dial loop logs the one line when it falls back to TCP).
+        log = self.log.info if (was_up and not quiet and not self._closing) else self.log.debug
+        log("rdma: %s link %s closed: %s", conn.role, peer, why)
         pv = self._pv
         if conn.cmid is not None:
             if conn.connected:

@@ -1,0 +1,85 @@
+"""The RDMA transport, tested for real: boot a Debian guest under qemu (TCG),
+add a soft-RoCE device (rdma_rxe) there, run tests/rdma inside, and check
+what they reported.  Skips -- saying why -- only when this machine cannot run
+the VM at all (no qemu and no root to install it, or the guest cannot boot).
+
+Set KDSYNC_SKIP_VM=1 to skip it on purpose (it still says so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "infra" / "rdma-vm" / "run-tests.sh"
+
+EXPECTED = {
+    "test_device_is_usable",
+    "test_send_receive_many_in_order",
+    "test_frame_larger_than_all_buffers",
+    "test_credits_exhausted_back_pressure",
+    "test_peer_that_disappears_and_returns",
+    "test_wrong_secret_is_refused",
+    "test_mixed_group_rdma_and_tcp",
+    "test_three_members_agree_over_rdma",
+    "test_rdma_vs_tcp_latency_and_throughput",
+}
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return f"({path.name} missing)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rdma_transport_in_soft_roce_vm(tmp_path):
+    if os.environ.get("KDSYNC_SKIP_VM") == "1":
+        pytest.skip("skipped: KDSYNC_SKIP_VM=1")
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"skipped: the VM runner needs Linux, this is {sys.platform}")
+    out = tmp_path / "rdma-vm"
+    env = dict(os.environ, KDSYNC_VM_TIMEOUT=os.environ.get("KDSYNC_VM_TIMEOUT", "600"))
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=870, env=env, cwd=ROOT
+    )
+    if proc.returncode == 3:
+        reason_file = out / "skip_reason"
+        reason = reason_file.read_text().strip() if reason_file.exists() else proc.stderr.strip()[-300:]
+        pytest.skip(f"skipped: {reason}")
+    assert proc.returncode == 0, (
+        f"run-tests.sh exit {proc.returncode}\n--- stderr\n{proc.stderr[-3000:]}\n--- guest.log\n{_tail(out / 'guest.log')}"
+    )
+
+    suite = ET.parse(out / "junit.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert suite is not None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts["failures"] == counts["errors"] == counts["skipped"] == 0, counts
+    ran = {case.get("name") for case in suite.iter("testcase")}
+    assert EXPECTED <= ran, f"missing in-VM tests: {sorted(EXPECTED - ran)}"
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["pytest_exit"] == 0
+    perf = results["perf"]
+    for kind in ("rdma", "tcp"):
+        assert perf[kind]["round_trips"] >= 100 and perf[kind]["rtt_us_p50"] > 0
+        assert perf[kind]["throughput_msgs_s"] > 0
+    assert perf["rtt_p50_rdma_over_tcp"] > 0 and perf["throughput_rdma_over_tcp"] > 0
+    assert results["group_rdma"]["events"] == 300 and results["group_rdma"]["members"] == 3
+    info = (out / "vm-info.txt").read_text()
+    assert "rxe0" in info and "ACTIVE" in info
+    run = json.loads((out / "run.json").read_text())
+    print(
+        f"\nRDMA VM: image {run['image_seconds']}s, vm {run['vm_seconds']}s; "
+        f"RTT p50 rdma {perf['rdma']['rtt_us_p50']}us / tcp {perf['tcp']['rtt_us_p50']}us "
+        f"(ratio {perf['rtt_p50_rdma_over_tcp']}), throughput ratio {perf['throughput_rdma_over_tcp']}"
+    )
