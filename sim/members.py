@@ -24,8 +24,9 @@ yet acknowledged by the brokers (`epoch` bumps, so callbacks scheduled by the
 dead process are ignored).  A restart builds a new node from the durable
 state: start_seq = length of the global topic, watermarks = highest origin
 offset per (origin, partition) in it, hard state from disk; the consumer
-resumes from the committed offsets, so already ordered events are submitted
-again and the core's exactly-once rule must drop them.  A clock pause buffers
+resumes from the committed offsets (committed `commit_ms` after the member's
+own events became durable), so already ordered events are submitted again and
+the core's exactly-once rule must drop them.  A clock pause buffers
 every input until the member resumes.
 """
 
@@ -250,21 +251,33 @@ class Member:
             return  # the producer died before the brokers acknowledged: the append is lost
         c = self.cluster
         now = self.sim.env.now
-        ge, gts, wm, committed = c.global_events, c.global_ts, c.watermarks, c.committed
+        ge, gts, wm = c.global_events, c.global_ts, c.watermarks
         me = self.id
+        commits: dict[int, int] = {}
         for d in deliveries:
             if d.first_seq != len(ge):
                 self.sim.checker.gap(me, len(ge), d.first_seq)
             for e in d.events:
                 ge.append(e)
                 gts.append(now)
-                k = (e.origin, e.partition)
-                if e.offset > wm.get(k, -1):
-                    wm[k] = e.offset
-                if e.origin == me and e.partition < len(committed) and e.offset >= committed[e.partition]:
-                    committed[e.partition] = e.offset + 1
+                k = (e[0], e[1])
+                if e[2] > wm.get(k, -1):
+                    wm[k] = e[2]
+                if e[0] == me:
+                    commits[e[1]] = e[2] + 1
+        if commits:
+            self.sim.after(self.sim.commit_s, self._commit_cb, (self.epoch, commits))
         end = len(ge)
         self._input(lambda: self.node.durable(end))
+
+    def _commit_cb(self, arg) -> None:
+        epoch, commits = arg
+        if epoch != self.epoch:
+            return  # died before the commit went out: those offsets are consumed again
+        committed = self.cluster.committed
+        for p, off in commits.items():
+            if p < len(committed) and off > committed[p]:
+                committed[p] = off
 
     def _witness_durable_cb(self, arg) -> None:
         epoch, end = arg

@@ -135,6 +135,7 @@ class Simulation:
         self.produce_s = scenario.kafka.produce_ms / 1000.0
         self.consume_s = scenario.kafka.consume_ms / 1000.0
         self.poll_s = scenario.kafka.poll_ms / 1000.0
+        self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.node_factory = node_factory or make_node
         self.checker = Checker()
         self.witness_disk: dict = {}

@@ -55,6 +55,10 @@ class KafkaSpec(_Strict):
     # extension: the member's consume loop hands what it fetched to the node
     # at most every poll_ms (a batch); 0 = each fetch as soon as it arrives
     poll_ms: float = Field(default=0.0, ge=0, le=10_000)
+    # extension: input offsets are committed this long after the member's own
+    # events became durable (the member commits asynchronously from its
+    # consume loop); a crash in between means they are consumed again
+    commit_ms: float = Field(default=50.0, ge=0, le=60_000)
 
 
 class WorkloadSpec(_Strict):
