@@ -103,5 +103,7 @@ def fmt(v, digits: int = 3) -> str:
             return "–"
         if abs(v) >= 1000:
             return f"{v:,.0f}"
+        if v != int(v) and abs(v - round(v)) < 0.05 and abs(v) < 100:  # 0.9998 must not print as 1.0
+            return f"{v:.4g}"
         return f"{v:.{digits}g}" if abs(v) < 1 else f"{v:.{max(1, digits - 2)}f}"
     return str(v)

@@ -194,7 +194,7 @@ def write_report(out: Path, sections: list[Section], meta: dict) -> Path:
         for png, caption in s.plots:
             L += [f"![{caption}]({png})", "", f"*{caption}*", ""]
         for n in s.notes:
-            L += [f"- {n}"]
+            L += [f"  - {n.strip()}" if n.startswith("  ") else f"- {n}"]
         if s.notes:
             L.append("")
     path = out / "report.md"
@@ -204,6 +204,10 @@ def write_report(out: Path, sections: list[Section], meta: dict) -> Path:
 
 def _clean(out: Path) -> None:
     """Remove what an earlier run generated (so no stale figure survives)."""
+    repro = out / "repro"
+    if repro.is_dir():
+        for f in repro.glob("*.yaml"):
+            f.unlink()
     for f in out.iterdir():
         if f.is_file() and (f.name == "report.md" or (f.suffix in (".csv", ".png")
                                                          and f.name.startswith(GENERATED_PREFIXES))):

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import math
+import shutil
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -257,11 +258,17 @@ def sweep_section(jobs: list[SimJob], results: list[dict], p: SweepParams, out: 
         sec.notes.append(f"Simulator speed over these runs: median {sorted(speeds)[len(speeds) // 2]:,} simulated "
                          f"events per wall second (min {min(speeds):,}, max {max(speeds):,}; two runs in parallel on a "
                          f"shared 2-core box).")
-    failed = [r for r in rows if r["exit_code"] != 0]
+    failed = [(j, r) for j, r in zip(jobs, rows) if r["exit_code"] != 0]
     if failed:
-        sec.notes.append(f"{len(failed)} run(s) exited non-zero: " + "; ".join(
-            f"{r['protocol']} rtt={r['rtt_ms']:g} loss={r['loss']:g} seed={r['seed']} exit={r['exit_code']}"
-            for r in failed[:6]))
+        repro = out / "repro"
+        repro.mkdir(exist_ok=True)
+        sec.notes.append(f"{len(failed)} run(s) exited non-zero (a violation the protocol must not have; the "
+                         f"scenario files are kept in {out.name}/repro/):")
+        for j, r in failed:
+            shutil.copy(j.scenario, repro / Path(j.scenario).name)
+            detail = _first_violation(Path(j.out))
+            sec.notes.append(f"  `kdsync-sim run {out.name}/repro/{Path(j.scenario).name} --seed {j.seed}` "
+                             f"(exit {r['exit_code']}): {detail}")
     sec.plots += plot.sim_latency(agg, p, out)
     sec.plots += plot.sim_violations(agg, p, out)
     mid = sorted(p.rtts_ms)[len(p.rtts_ms) // 2]
@@ -270,6 +277,16 @@ def sweep_section(jobs: list[SimJob], results: list[dict], p: SweepParams, out: 
         sec.plots += plot.latency_cdf(cdf, f"Latency CDF, RTT {mid:g} ms, loss 0, seed {p.seeds[0]}", out,
                                       "sim_latency_cdf.png")
     return sec
+
+
+def _first_violation(run_dir: Path) -> str:
+    """The first violation a mirror run may not have (or any, for the others)."""
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return "no summary.json"
+    vs = [v for v in s.get("violations", []) if not (s["protocol"] == "mirror" and v["kind"] in ("agreement", "split_brain"))]
+    return f"{vs[0]['kind']}: {vs[0]['detail'][:160]}" if vs else "no violation recorded"
 
 
 def loopback_rows(jobs: list[SimJob], results: list[dict]) -> list[dict]:
