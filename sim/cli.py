@@ -98,7 +98,16 @@ def _report(result, repro: str) -> None:
         tag = "violation" if id(v) in failing else "violation (tolerated for mirror)"
         print(f"{tag}: {v.kind}: {v.detail}")
     if result.violations:
+        print(f"members at the end: {_states(s)}")
         print(f"repro: {repro}")
+
+
+def _states(summary: dict) -> str:
+    """One line of how every member ended (status, process starts, views installed)."""
+    return ", ".join(
+        f"{m} {st['status'] if st['up'] else 'down'} (starts {st['starts']}, views {st['views']})"
+        for m, st in summary["member_state"].items()
+    )
 
 
 def _cmd_run(args) -> int:
@@ -135,6 +144,7 @@ def _cmd_swarm(args) -> int:
                 path.write_text(dump_scenario(scenario), encoding="utf-8")
                 for v in result.failing:
                     print(f"seed {seed}: violation: {v.kind}: {v.detail}")
+                print(f"seed {seed}: members at the end: {_states(result.summary)}")
                 print(f"repro: kdsync-sim run {path} --seed {seed}   (or: kdsync-sim swarm --seeds 1 --first {seed} --protocol {args.protocol})")
                 failed.append(seed)
             if tick:
