@@ -160,8 +160,16 @@ class Member:
 
     def on_message(self, src: str, data: bytes) -> None:
         if not self.up:
+            return  # a dead process receives nothing
+        if self.paused_until >= 0:
+            self._buffer.append(lambda: self._receive(src, data))
             return
-        self._input(lambda: self._receive(src, data))
+        try:
+            self.node.receive(src, data)
+        except RemoteProtocolError:
+            self.bad_messages += 1
+        if not self.flush_pending:
+            self.sim.request_flush(self)
 
     def _receive(self, src: str, data: bytes) -> None:
         try:

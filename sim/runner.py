@@ -233,12 +233,13 @@ class Simulation:
         sent_ms = int(round((ack - self.produce_s) * 1000))
         origin = member.id
         submitted, submit_ts = self.submitted, self.submit_ts
+        pad = b"." * payload_bytes
         for _ in range(n):
             p = rng.randrange(partitions) if partitions > 1 else 0
             part = c.source[p]
             off = len(part)
-            head = f"{origin}:{p}:{off}:".encode()
-            payload = head + b"." * (payload_bytes - len(head)) if payload_bytes > len(head) else head[:payload_bytes]
+            head = f"{origin}/{p}/{off}/".encode()
+            payload = (head + pad[len(head) :]) if payload_bytes > len(head) else head[:payload_bytes]
             e = Event(origin, p, off, payload, sent_ms)
             part.append(e)
             c.source_ack[p].append(ack)
