@@ -264,7 +264,7 @@ class Member:
                           log_retention=p.log_retention, catchup_chunk=p.catchup_chunk)
 
     def _consumer_conf(self) -> dict:
-        conf = {"group.id": f"kdsync-{self.me}", "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10,
+        conf = {"group.id": f"kdsync-{self.me}", "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5,
                 "log_level": 3, "socket.connection.setup.timeout.ms": 5000}
         conf.update(self.cfg.kafka.consumer_conf())
         conf["enable.auto.commit"] = False  # an offset is committed only once its event is durable
@@ -749,9 +749,12 @@ class Member:
                 if now - last_lag > 1.0:
                     last_lag = now
                     self._update_lag(c, assigned, TopicPartition)
-                msgs = c.consume(self.consume_batch, timeout=0.05)
-                if not msgs:
+                # poll() returns as soon as one record is there; consume(n, timeout) would
+                # wait for n records or the timeout, adding up to the timeout to latency
+                first = c.poll(0.05)
+                if first is None:
                     continue
+                msgs = [first] + c.consume(self.consume_batch - 1, timeout=0)
                 batch: dict[str, list[Event]] = {}
                 for m in msgs:
                     err = m.error()
