@@ -324,6 +324,10 @@ class Member:
             ticker = asyncio.create_task(self._tick_loop())
             await self._stop.wait()
             ticker.cancel()
+        except asyncio.CancelledError:
+            if not self._stop.is_set():
+                raise
+            # stopped while still starting (e.g. waiting for a broker): a clean stop
         finally:
             await self._shutdown()
         if self._fatal:

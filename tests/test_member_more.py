@@ -68,6 +68,12 @@ source = "in"
 tick_ms = 5
 """)
     log = tmp_path / "member.log"
+    # SIGTERM while still waiting for the broker: a clean stop, no traceback
+    p = _spawn(["run", "--config", str(cfg)], tmp_path, tmp_path / "first.log")
+    _wait(lambda: "retrying" in (tmp_path / "first.log").read_text(), 30, "a retry to be logged")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == 0, (tmp_path / "first.log").read_text()
+    assert "Traceback" not in (tmp_path / "first.log").read_text()
     p = _spawn(["run", "--config", str(cfg)], tmp_path, log)
     broker = EmbeddedCluster("late", port=port, log_dir=tmp_path)
     try:
