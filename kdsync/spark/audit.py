@@ -110,36 +110,34 @@ def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suff
 
     from kdsync.spark.kafka_source import read_topic
 
-    traces, sources = [], []
-    for (name, brokers), topic in ((c, t) for c in clusters.items() for t in topics):
-        run_id = topic
-        conf = {"bootstrap.servers": brokers, **(props or {})}
-        g = read_topic(spark, conf, topic + global_suffix)
-        h = F.map_from_entries(F.col("headers"))
-        hs = lambda k: h[k].cast("string")  # noqa: E731
-        traces.append(g.select(
-            F.lit(run_id).alias("run_id"), F.lit(name).alias("member"),
-            hs("kdsync.origin").alias("origin"),
-            hs("kdsync.origin.partition").cast("int").alias("origin_partition"),
-            hs("kdsync.origin.offset").cast("long").alias("origin_offset"),
-            hs("kdsync.seq").cast("long").alias("seq"),
-            (hs("kdsync.origin.ts").cast("double") / 1000.0).alias("submit_ts"),
-            (F.col("timestamp").cast("double") / 1000.0).alias("deliver_ts"),
-            F.col("partition").alias("global_partition"), F.col("offset").alias("position")))
-        s = read_topic(spark, conf, topic)
-        sources.append(s.select(F.lit(run_id).alias("run_id"),
-                                F.concat_ws("/", F.lit(name), F.col("partition"), F.col("offset")).alias("event_id")))
-    trace = traces[0]
-    for t in traces[1:]:
-        trace = trace.unionByName(t)
-    trace = trace.withColumn("event_id", F.concat_ws("/", "origin", "origin_partition", "origin_offset"))
+    # one scan of every cluster's source and global topics
+    wanted = list(topics) + [t + global_suffix for t in topics]
+    raw = read_topic(spark, dict(props or {}), wanted, clusters=clusters)
+    h = F.map_from_entries(F.col("headers"))
+    hs = lambda k: h[k].cast("string")  # noqa: E731
+    is_global = F.col("topic").endswith(global_suffix)
+    run_id = F.when(is_global, F.expr(f"substring(topic, 1, length(topic) - {len(global_suffix)})")) \
+        .otherwise(F.col("topic"))
+    slim = raw.select(
+        run_id.alias("run_id"), F.col("cluster").alias("member"), is_global.alias("is_global"),
+        F.col("partition"), F.col("offset"), F.col("timestamp"),
+        hs("kdsync.origin").alias("origin"),
+        hs("kdsync.origin.partition").cast("int").alias("origin_partition"),
+        hs("kdsync.origin.offset").cast("long").alias("origin_offset"),
+        hs("kdsync.seq").cast("long").alias("seq"),
+        hs("kdsync.origin.ts").cast("long").alias("origin_ts")).persist()
+    g = slim.where(F.col("is_global"))
+    trace = g.select(
+        "run_id", "member", "origin", "origin_partition", "origin_offset", "seq",
+        (F.col("origin_ts").cast("double") / 1000.0).alias("submit_ts"),
+        (F.col("timestamp").cast("double") / 1000.0).alias("deliver_ts"),
+        F.col("partition").alias("global_partition"), F.col("offset").alias("position"),
+        F.concat_ws("/", "origin", "origin_partition", "origin_offset").alias("event_id"))
+    src = slim.where(~F.col("is_global")).select(
+        "run_id", F.concat_ws("/", "member", "partition", "offset").alias("event_id"))
     ok = (F.col("origin").isNotNull() & F.col("origin_partition").isNotNull() & F.col("origin_offset").isNotNull()
           & F.col("seq").isNotNull())
-    trace = trace.persist()
     malformed = trace.where(~ok).select("run_id", "member", "global_partition", "position")
-    src = sources[0]
-    for s in sources[1:]:
-        src = src.unionByName(s)
     return trace.where(ok), src, malformed
 
 

@@ -9,13 +9,17 @@ brings its own batch source::
           .option("topic", "test-global")
           .load())
 
-Columns: topic, partition, offset, timestamp (ms, long), key, value (binary),
-headers (array<struct<key string, value binary>>).
+Columns: cluster, topic, partition, offset, timestamp (ms, long), key, value
+(binary), headers (array<struct<key string, value binary>>).
 
-Options (all optional except `topic` and a bootstrap):
+Options (all optional except a topic and a bootstrap):
   bootstrap.servers      brokers; any other librdkafka property is passed as
                          `kafka.<property>` (e.g. `kafka.security.protocol`)
-  topic                  the topic
+  cluster                the name put in the `cluster` column (default "")
+  clusters               instead of bootstrap.servers: JSON {"name": "brokers"}
+                         to read several clusters in one scan (one planning
+                         pass, one Spark stage)
+  topic                  the topic, or a comma list of topics
   partitions             comma list of partitions (default: all)
   startingOffsets        JSON {"partition": offset} (default: low watermark)
   endingOffsets          JSON {"partition": offset}, exclusive (default: EOF)
@@ -54,6 +58,7 @@ FORMAT = "kdsync-kafka"
 HEADER_TYPE = ArrayType(StructType([StructField("key", StringType()), StructField("value", BinaryType())]))
 
 SCHEMA = StructType([
+    StructField("cluster", StringType(), False),
     StructField("topic", StringType(), False),
     StructField("partition", IntegerType(), False),
     StructField("offset", LongType(), False),
@@ -63,8 +68,6 @@ SCHEMA = StructType([
     StructField("headers", HEADER_TYPE, True),
 ])
 
-_OWN_OPTIONS = {"topic", "partitions", "startingoffsets", "endingoffsets", "maxrecordsperrange",
-                "timeoutseconds", "path"}
 
 
 class KafkaSourceError(ValueError):
@@ -81,8 +84,6 @@ def kafka_conf(options) -> dict:
             conf["bootstrap.servers"] = v
         elif kl.startswith("kafka."):
             conf[kl[len("kafka."):]] = v
-    if "bootstrap.servers" not in conf:
-        raise KafkaSourceError("kdsync-kafka: option bootstrap.servers is required")
     return conf
 
 
@@ -98,16 +99,12 @@ def _consumer(conf: dict):
 
 
 class OffsetRange(InputPartition):
-    """Offsets [start, end) of one partition; end None = to partition EOF."""
+    """Offsets [start, end) of one partition; end None = to partition EOF.
+    `cluster` names the cluster (a key of the reader's cluster map)."""
 
-    topic: str
-    partition: int
-    start: int
-    end: int | None
-
-    def __init__(self, topic: str, partition: int, start: int, end: int | None):
-        super().__init__((topic, partition, start, end))
-        self.topic, self.partition, self.start, self.end = topic, partition, start, end
+    def __init__(self, topic: str, partition: int, start: int, end: int | None, cluster: str = ""):
+        super().__init__((cluster, topic, partition, start, end))
+        self.topic, self.partition, self.start, self.end, self.cluster = topic, partition, start, end, cluster
 
 
 def _offsets_option(raw: str | None, name: str) -> dict[int, int]:
@@ -120,7 +117,7 @@ def _offsets_option(raw: str | None, name: str) -> dict[int, int]:
 
 
 def plan_ranges(topic: str, watermarks: dict[int, tuple[int, int]], starting: dict[int, int],
-                ending: dict[int, int], max_records: int) -> list[OffsetRange]:
+                ending: dict[int, int], max_records: int, cluster: str = "") -> list[OffsetRange]:
     """Cut each partition into ranges.  `watermarks` maps partition -> (low,
     high) as the broker reported them; `high` may be too low, so unless an
     explicit end is given the last range of each partition is open (reads to
@@ -134,14 +131,14 @@ def plan_ranges(topic: str, watermarks: dict[int, tuple[int, int]], starting: di
             s = start
             while s < end:
                 e = min(end, s + max_records)
-                out.append(OffsetRange(topic, p, s, e))
+                out.append(OffsetRange(topic, p, s, e, cluster))
                 s = e
             continue
         s = start
         while high - s > max_records:
-            out.append(OffsetRange(topic, p, s, s + max_records))
+            out.append(OffsetRange(topic, p, s, s + max_records, cluster))
             s += max_records
-        out.append(OffsetRange(topic, p, s, None))
+        out.append(OffsetRange(topic, p, s, None, cluster))
     return out
 
 
@@ -162,9 +159,20 @@ class KafkaDataSource(DataSource):
 class KafkaReader(DataSourceReader):
     def __init__(self, options):
         opts = {k.lower(): v for k, v in dict(options).items()}
-        self.conf = kafka_conf(options)
-        self.topic = opts.get("topic") or ""
-        if not self.topic:
+        base = kafka_conf(options)
+        if "clusters" in opts:
+            try:
+                names = {str(k): str(v) for k, v in json.loads(opts["clusters"]).items()}
+            except (ValueError, AttributeError) as e:
+                raise KafkaSourceError(f"kdsync-kafka: option clusters must be JSON like "
+                                       f"{{\"dc1\": \"host:9092\"}}: {e}") from None
+            self.confs = {n: {**base, "bootstrap.servers": b} for n, b in names.items()}
+        elif "bootstrap.servers" in base:
+            self.confs = {opts.get("cluster", ""): base}
+        else:
+            raise KafkaSourceError("kdsync-kafka: option bootstrap.servers (or clusters) is required")
+        self.topics = [t.strip() for t in (opts.get("topic") or "").split(",") if t.strip()]
+        if not self.topics:
             raise KafkaSourceError("kdsync-kafka: option topic is required")
         self.partitions_opt = [int(x) for x in opts.get("partitions", "").split(",") if x.strip()]
         self.starting = _offsets_option(opts.get("startingoffsets"), "startingOffsets")
@@ -175,26 +183,29 @@ class KafkaReader(DataSourceReader):
     def partitions(self):
         from confluent_kafka import KafkaException, TopicPartition
 
-        c = _consumer(self.conf)
-        try:
+        ranges = []
+        for cluster, conf in self.confs.items():
+            c = _consumer(conf)
             try:
-                md = c.list_topics(topic=self.topic, timeout=15)
-            except KafkaException as e:
-                raise KafkaSourceError(f"kdsync-kafka: cannot reach {self.conf['bootstrap.servers']}: {e}") from None
-            t = md.topics.get(self.topic)
-            if t is None or t.error is not None or not t.partitions:
-                return [OffsetRange(self.topic, -1, 0, 0)]  # no such topic: an empty table
-            parts = sorted(t.partitions)
-            if self.partitions_opt:
-                parts = [p for p in parts if p in set(self.partitions_opt)]
-            marks = {}
-            for p in parts:
-                low, high = c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=15, cached=False)
-                marks[p] = (max(low, 0), max(high, 0))
-        finally:
-            c.close()
-        ranges = plan_ranges(self.topic, marks, self.starting, self.ending, self.max_records)
-        return ranges or [OffsetRange(self.topic, -1, 0, 0)]
+                try:
+                    md = c.list_topics(timeout=15)
+                except KafkaException as e:
+                    raise KafkaSourceError(f"kdsync-kafka: cannot reach {conf['bootstrap.servers']}: {e}") from None
+                for topic in self.topics:
+                    t = md.topics.get(topic)
+                    if t is None or t.error is not None or not t.partitions:
+                        continue  # no such topic: no rows
+                    parts = sorted(t.partitions)
+                    if self.partitions_opt:
+                        parts = [p for p in parts if p in set(self.partitions_opt)]
+                    marks = {}
+                    for p in parts:
+                        low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=15, cached=False)
+                        marks[p] = (max(low, 0), max(high, 0))
+                    ranges += plan_ranges(topic, marks, self.starting, self.ending, self.max_records, cluster)
+            finally:
+                c.close()
+        return ranges or [OffsetRange(self.topics[0], -1, 0, 0)]
 
     def read(self, partition: OffsetRange):
         import pyarrow as pa
@@ -204,6 +215,7 @@ class KafkaReader(DataSourceReader):
         if r.partition < 0 or (r.end is not None and r.end <= r.start):
             return
         arrow_schema = pa.schema([
+            pa.field("cluster", pa.string(), False),
             pa.field("topic", pa.string(), False),
             pa.field("partition", pa.int32(), False),
             pa.field("offset", pa.int64(), False),
@@ -212,13 +224,13 @@ class KafkaReader(DataSourceReader):
             pa.field("value", pa.binary()),
             pa.field("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
         ])
-        c = _consumer(self.conf)
+        c = _consumer(self.confs[r.cluster])
         cols: dict[str, list] = {f.name: [] for f in arrow_schema}
 
         def flush():
             n = len(cols["offset"])
             batch = pa.RecordBatch.from_arrays(
-                [pa.array([r.topic] * n, pa.string()), pa.array([r.partition] * n, pa.int32()),
+                [pa.array([r.cluster] * n, pa.string()), pa.array([r.topic] * n, pa.string()), pa.array([r.partition] * n, pa.int32()),
                  pa.array(cols["offset"], pa.int64()), pa.array(cols["timestamp"], pa.int64()),
                  pa.array(cols["key"], pa.binary()), pa.array(cols["value"], pa.binary()),
                  pa.array(cols["headers"], arrow_schema.field("headers").type)],
@@ -272,10 +284,18 @@ class KafkaReader(DataSourceReader):
             c.close()
 
 
-def read_topic(spark, conf: dict | str, topic: str, **options):
-    """DataFrame of `topic` (see module docstring for columns and options)."""
-    conf = {"bootstrap.servers": conf} if isinstance(conf, str) else conf
-    reader = spark.read.format(FORMAT).option("topic", topic)
+def read_topic(spark, conf: dict | str, topic: str | list[str], clusters: dict[str, str] | None = None,
+               **options):
+    """DataFrame of `topic` (a name or a list) at the brokers of `conf` (a
+    bootstrap string or librdkafka properties), or at each of `clusters`
+    (name -> bootstrap; `conf` then only adds properties).  See the module
+    docstring for columns and options."""
+    conf = {"bootstrap.servers": conf} if isinstance(conf, str) else dict(conf or {})
+    topics = [topic] if isinstance(topic, str) else list(topic)
+    reader = spark.read.format(FORMAT).option("topic", ",".join(topics))
+    if clusters:
+        conf.pop("bootstrap.servers", None)
+        reader = reader.option("clusters", json.dumps(clusters))
     for k, v in conf.items():
         reader = reader.option(k if k == "bootstrap.servers" else f"kafka.{k}", str(v))
     for k, v in options.items():
