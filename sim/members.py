@@ -44,12 +44,13 @@ if TYPE_CHECKING:
 class Cluster:
     """One Kafka cluster: source topic, committed offsets, global topic, the member's disk."""
 
-    __slots__ = ("name", "source", "source_ack", "committed", "global_events", "global_ts", "watermarks", "disk")
+    __slots__ = ("name", "source", "source_ack", "source_vis", "committed", "global_events", "global_ts", "watermarks", "disk")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.source: list[list[Event]] = []  # per partition, index = offset
         self.source_ack: list[list[float]] = []  # ack time (s) of source[p][o]
+        self.source_vis: list[list[float]] = []  # when source[p][o] reaches the consumer
         self.committed: list[int] = []  # per partition: next offset to consume after a restart
         self.global_events: list[Event] = []  # durable global topic, index = kdsync.seq
         self.global_ts: list[float] = []  # when each record became durable
@@ -60,6 +61,7 @@ class Cluster:
         while len(self.source) < n:
             self.source.append([])
             self.source_ack.append([])
+            self.source_vis.append([])
             self.committed.append(0)
 
 
@@ -78,7 +80,6 @@ class Member:
         self.paused_until = -1.0
         self._buffer: list[Callable[[], None]] = []  # inputs held during a clock pause
         self.flush_pending = False
-        self.poll_pending = False
         self.positions: list[int] = []  # consumer position per source partition
         self.status = ""
         self.views = 0
@@ -112,7 +113,6 @@ class Member:
         self.up = False
         self.node = None
         self.epoch += 1
-        self.poll_pending = False
         self._buffer.clear()
         self.paused_until = -1.0
         self.status = "down"
@@ -182,17 +182,12 @@ class Member:
         if self.up and self.paused_until < 0:
             self.node.tick()
 
-    def fetched(self) -> None:
-        """The consumer has new source events: hand them over now, or at the
-        end of the poll interval (kafka.poll_ms) so that they form one batch."""
-        if self.sim.poll_s <= 0.0:
+    def _wake(self, ev) -> None:
+        """A fetch returned (kafka.poll_ms = 0): hand it over at once."""
+        if ev._value == self.epoch:
             self.poll()
-        elif not self.poll_pending and self.up:
-            self.poll_pending = True
-            self.sim.after(self.sim.poll_s, self._poll_cb, self.epoch)
 
     def _poll_cb(self, epoch: int) -> None:
-        self.poll_pending = False
         if epoch == self.epoch:
             self.poll()
 
@@ -200,15 +195,22 @@ class Member:
         """Fetch everything visible past the consumer position; submit it in one call."""
         if not self.up or self.paused_until >= 0 or self.cluster is None:
             return
-        src = self.cluster.source
+        c = self.cluster
+        src, vis = c.source, c.source_vis
+        horizon = self.sim.env.now + 1e-9  # float slack: the wake-up time is vis, give or take an ulp
         pos = self.positions
         while len(pos) < len(src):
             pos.append(0)
         batch: list[Event] = []
         for p, part in enumerate(src):
-            if pos[p] < len(part):
-                batch.extend(part[pos[p] :])
-                pos[p] = len(part)
+            i = start = pos[p]
+            v = vis[p]
+            n = len(part)
+            while i < n and v[i] <= horizon:
+                i += 1
+            if i > start:
+                batch.extend(part[start:i])
+                pos[p] = i
         if batch:
             self.node.submit(batch)
             if not self.flush_pending:

@@ -20,6 +20,7 @@ the wire still arrives.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -155,16 +156,21 @@ class Network:
                 flight += rng.gauss(0.0, p.jitter_s)
                 if flight < 0.0:
                     flight = 0.0
-            arrive = done + flight
+            delay = done - now + flight
             if copy == 0 and not (p.reorder and rng.random() < p.reorder):
-                # a FIFO link (TCP-like): jitter delays, never reorders
-                if arrive < self._last_arrival[key]:
-                    arrive = self._last_arrival[key]
-                self._last_arrival[key] = arrive
+                # a FIFO link (TCP-like): jitter delays, never reorders.  SimPy
+                # adds the delay to `now`, so compare the sums it will compute:
+                # equal times then keep send order (event id).
+                last = self._last_arrival[key]
+                if now + delay < last:
+                    delay = last - now
+                    while now + delay < last:
+                        delay = math.nextafter(delay, math.inf)
+                self._last_arrival[key] = now + delay
             else:
                 # reordered copy / duplicate: held back, overtaken by later traffic
-                arrive += rng.random() * 2 * p.latency_s
-            Timeout(self.env, arrive - now, (src, dst, data)).callbacks.append(self._arrive)
+                delay += rng.random() * 2 * p.latency_s
+            Timeout(self.env, delay, (src, dst, data)).callbacks.append(self._arrive)
 
     def _arrive(self, ev) -> None:
         self._deliver(*ev._value)

@@ -35,6 +35,7 @@ from sim.scenario import Scenario
 
 TICK_S = 0.010  # one node tick = 10 ms of simulated time
 GRACE_S = 0.5  # stop_when_settled: how long to keep running after convergence
+WORKLOAD_BLOCK_S = 1.0  # source topics are written this far ahead (in one go)
 # Node counts (ticks): NodeConfig defaults — heartbeat 2 (20 ms), suspect 10
 # (100 ms), retransmit 3 (30 ms).  Scenarios with WAN latencies above ~80 ms
 # RTT get suspect_ticks scaled to stay above 3 RTTs (see node_config()).
@@ -120,6 +121,19 @@ class RunResult:
 
 
 NodeFactory = Callable[..., Any]
+
+
+def _arrivals(spec, duration_s: float, rng: random.Random):
+    """Send times of one workload entry at one cluster: Poisson, or a burst."""
+    if spec.burst is not None:
+        for _ in range(spec.burst):
+            yield spec.at_s
+        return
+    stop = duration_s if spec.stop_s is None else spec.stop_s
+    t = (spec.start_s or 0.0) + rng.expovariate(spec.rate_eps)
+    while t < stop:
+        yield t
+        t += rng.expovariate(spec.rate_eps)
 
 
 def _call(ev) -> None:
@@ -216,57 +230,69 @@ class Simulation:
     # ------------------------------------------------------------- workload
     def _setup_workload(self) -> None:
         s = self.scenario
-        for spec in s.workload:
-            targets = s.clusters if spec.member == "all" else (spec.member,)
-            for m in targets:
-                self.members[m].cluster.ensure_partitions(spec.partitions)
+        per_cluster: dict[str, list] = {m: [] for m in s.clusters}
         for i, spec in enumerate(s.workload):
             targets = s.clusters if spec.member == "all" else (spec.member,)
             for m in targets:
+                self.members[m].cluster.ensure_partitions(spec.partitions)
                 rng = random.Random(f"{self.seed}/workload/{i}/{m}")
-                self.env.process(self._workload(spec, self.members[m], rng))
+                per_cluster[m].append((i, spec, rng, _arrivals(spec, s.duration_s, rng)))
+        for m in s.clusters:
+            if per_cluster[m]:
+                self.env.process(self._producer(self.members[m], per_cluster[m]))
 
-    def _produce(self, member: Member, n: int, partitions: int, payload_bytes: int, rng: random.Random) -> None:
-        """n events reach the consumer now; the producer sent them produce+consume ago."""
-        c = member.cluster
-        ack = self.env.now - self.consume_s
-        sent_ms = int(round((ack - self.produce_s) * 1000))
-        origin = member.id
-        submitted, submit_ts = self.submitted, self.submit_ts
-        pad = b"." * payload_bytes
-        for _ in range(n):
-            p = rng.randrange(partitions) if partitions > 1 else 0
-            part = c.source[p]
-            off = len(part)
-            head = f"{origin}/{p}/{off}/".encode()
-            payload = (head + pad[len(head) :]) if payload_bytes > len(head) else head[:payload_bytes]
-            e = Event(origin, p, off, payload, sent_ms)
-            part.append(e)
-            c.source_ack[p].append(ack)
-            k = (origin, p, off)
-            submitted[k] = e
-            submit_ts[k] = ack
-        member.fetched()
-
-    def _workload(self, spec, member: Member, rng: random.Random):
-        lag = self.produce_s + self.consume_s
+    def _producer(self, member: Member, entries: list):
+        """Writes the cluster's source topic one block of WORKLOAD_BLOCK_S ahead:
+        arrivals of every workload entry, merged in time order, get their
+        offsets; each becomes visible to the consumer produce+consume later."""
         env = self.env
-        if spec.burst is not None:
-            yield env.timeout(spec.at_s + lag)
-            self._produce(member, spec.burst, spec.partitions, spec.payload_bytes, rng)
-            return
-        start = spec.start_s or 0.0
-        stop = self.scenario.duration_s if spec.stop_s is None else spec.stop_s
-        t = start + rng.expovariate(spec.rate_eps)
-        if t >= stop:
-            return
-        yield env.timeout(t + lag)
-        while True:
-            self._produce(member, 1, spec.partitions, spec.payload_bytes, rng)
-            t += rng.expovariate(spec.rate_eps)
-            if t >= stop:
-                return
-            yield env.timeout(t + lag - env.now)
+        c = member.cluster
+        origin = member.id
+        lag = self.produce_s + self.consume_s
+        wake = self.poll_s <= 0.0
+        submitted, submit_ts = self.submitted, self.submit_ts
+        pending = [next(it, None) for (_, _, _, it) in entries]
+        block = 0
+        while any(t is not None for t in pending):
+            block_end = (block + 1) * WORKLOAD_BLOCK_S
+            arrivals = []
+            for j, (_, spec, rng, it) in enumerate(entries):
+                t = pending[j]
+                while t is not None and t < block_end:
+                    arrivals.append((t, j))
+                    t = next(it, None)
+                pending[j] = t
+            arrivals.sort()  # by time, then entry (file order); stable
+            last_vis = None
+            for t, j in arrivals:
+                _, spec, rng, _ = entries[j]
+                p = rng.randrange(spec.partitions) if spec.partitions > 1 else 0
+                part = c.source[p]
+                off = len(part)
+                head = f"{origin}/{p}/{off}/".encode()
+                n = spec.payload_bytes
+                payload = head + b"." * (n - len(head)) if n > len(head) else head[:n]
+                ack = t + self.produce_s
+                vis = t + lag
+                e = Event(origin, p, off, payload, int(round(t * 1000)))
+                part.append(e)
+                c.source_ack[p].append(ack)
+                c.source_vis[p].append(vis)
+                k = (origin, p, off)
+                submitted[k] = e
+                submit_ts[k] = ack
+                if wake and vis != last_vis:  # the consumer wakes when a fetch returns
+                    Timeout(env, vis - env.now, member.epoch).callbacks.append(member._wake)
+                    last_vis = vis
+            block += 1
+            if any(t is not None for t in pending):
+                yield env.timeout(block * WORKLOAD_BLOCK_S - env.now)
+
+    def _poller(self, ev) -> None:
+        """kafka.poll_ms > 0: each member's consume loop hands over a batch every poll_ms."""
+        m = ev._value
+        Timeout(self.env, self.poll_s, m).callbacks.append(self._poller)
+        m.poll()
 
     # --------------------------------------------------------------- faults
     def _faults(self):
@@ -345,7 +371,10 @@ class Simulation:
         phase_rng = random.Random(f"{self.seed}/tick-phase")
         for m in self.order:
             m.start()
-            Timeout(self.env, phase_rng.random() * TICK_S, m).callbacks.append(self._tick)
+            phase = phase_rng.random() * TICK_S
+            Timeout(self.env, phase, m).callbacks.append(self._tick)
+            if self.poll_s > 0.0 and m.cluster is not None:
+                Timeout(self.env, phase + self.poll_s, m).callbacks.append(self._poller)
         self._setup_workload()
         self.env.process(self._faults())
         self.env.process(self._settle())
