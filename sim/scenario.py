@@ -52,8 +52,8 @@ class NetworkSpec(_Strict):
 class KafkaSpec(_Strict):
     produce_ms: float = Field(default=2.0, ge=0)
     consume_ms: float = Field(default=1.0, ge=0)
-    # extension: the member's consume loop hands what it fetched to the node
-    # at most every poll_ms (a batch); 0 = each fetch as soon as it arrives
+    # extension: the member's consume loop hands what has been fetched to the
+    # node every poll_ms (one batch); 0 = each fetch as soon as it arrives
     poll_ms: float = Field(default=0.0, ge=0, le=10_000)
     # extension: input offsets are committed this long after the member's own
     # events became durable (the member commits asynchronously from its
