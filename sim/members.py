@@ -35,7 +35,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Callable
 
-from kdsync.core import Event, HardState, LogChunk, NodeConfig, RemoteProtocolError, make_node
+from kdsync.core import Event, HardState, LocalProtocolError, LogChunk, NodeConfig, RemoteProtocolError
+from sim.scenario import ScenarioError
 
 if TYPE_CHECKING:
     from sim.runner import Simulation
@@ -98,7 +99,12 @@ class Member:
         else:
             kwargs["hard_state"] = self.sim.witness_disk.get(self.id)
         self.starts += 1
-        self.node = self.sim.node_factory(self.config, **kwargs)
+        try:
+            self.node = self.sim.node_factory(self.config, **kwargs)
+        except LocalProtocolError as err:  # the core refuses this configuration
+            raise ScenarioError(
+                f"{self.sim.scenario.name}: protocol {self.config.protocol} refuses member {self.id}: {err}"
+            ) from None
         self.up = True
         self.paused_until = -1.0
         self._buffer.clear()

@@ -103,3 +103,17 @@ def test_scenario_error_is_one_line():
     with pytest.raises(ScenarioError) as err:
         parse_scenario("name: x\nduration_s: 1\nmembers: []\n", "x.yaml")
     assert str(err.value).startswith("x.yaml:3: members:")
+
+
+def test_a_configuration_the_core_refuses_is_a_user_error(tmp_path, capsys, monkeypatch):
+    f = tmp_path / "w.yaml"
+    f.write_text("name: w\nduration_s: 1\nmembers: [{id: a}, {id: b}]\nworkload: []\n")
+    from kdsync.core import LocalProtocolError
+
+    def refuse(cfg, **kw):
+        raise LocalProtocolError("no such thing")
+
+    monkeypatch.setattr("sim.runner.make_node", refuse)
+    rc = main(["run", str(f)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == "w: protocol derecho refuses member a: no such thing"

@@ -58,5 +58,6 @@ def test_mirror_reports_agreement_violations_on_concurrent_bursts_and_exits_0(ca
     rc = main(["run", str(path)])
     out = capsys.readouterr().out
     assert rc == 0
+    assert "\x1b" not in out  # no progress bar when stdout is not a terminal
     assert "agreement" in out
     assert f"repro: kdsync-sim run {path} --seed 10" in out
