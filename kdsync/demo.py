@@ -53,15 +53,51 @@ class GlobalRecord:
         return (self.origin, self.origin_partition, self.origin_offset)
 
 
+def _global_record(m) -> GlobalRecord:
+    h = dict(m.headers() or [])
+    return GlobalRecord(m.offset(), int(h["kdsync.seq"]), h["kdsync.origin"].decode(), int(h["kdsync.origin.partition"]),
+                        int(h["kdsync.origin.offset"]), int(h["kdsync.origin.ts"]), m.key(), m.value(), m.timestamp()[1])
+
+
 def read_global(bootstrap: str, topic: str, timeout: float = 30.0) -> list[GlobalRecord]:
     """Every record of partition 0 of a global topic, read to partition EOF."""
-    out = []
-    for m in iter_partition(bootstrap, topic, 0, timeout=timeout):
-        h = dict(m.headers() or [])
-        out.append(GlobalRecord(m.offset(), int(h["kdsync.seq"]), h["kdsync.origin"].decode(),
-                                int(h["kdsync.origin.partition"]), int(h["kdsync.origin.offset"]),
-                                int(h["kdsync.origin.ts"]), m.key(), m.value(), m.timestamp()[1]))
-    return out
+    return [_global_record(m) for m in iter_partition(bootstrap, topic, 0, timeout=timeout)]
+
+
+class GlobalTail:
+    """Follows partition 0 of one global topic with one long-lived consumer:
+    `read()` returns every record so far, fetching only what is new."""
+
+    def __init__(self, bootstrap: str, topic: str):
+        self.bootstrap, self.topic = bootstrap, topic
+        self.records: list[GlobalRecord] = []
+        self._c = None
+
+    def read(self, timeout: float = 30.0) -> list[GlobalRecord]:
+        from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+        if self._c is None:
+            self._c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "kdsync-demo-tail", "log_level": 3,
+                                "enable.auto.commit": False, "enable.partition.eof": True, "fetch.wait.max.ms": 10,
+                                "auto.offset.reset": "earliest", "topic.metadata.refresh.interval.ms": 500})
+        self._c.assign([TopicPartition(self.topic, 0, len(self.records))])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self._c.consume(1000, timeout=0.1):
+                err = m.error()
+                if err is None:
+                    if m.offset() == len(self.records):
+                        self.records.append(_global_record(m))
+                elif err.code() == KafkaError._PARTITION_EOF:
+                    return list(self.records)
+                elif err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION):
+                    return list(self.records)
+        return list(self.records)
+
+    def close(self) -> None:
+        if self._c is not None:
+            self._c.close()
+            self._c = None
 
 
 def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None = None) -> tuple[bool, str]:
@@ -165,6 +201,7 @@ class LocalGroup:
         self.extra = extra or {}
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.logs: list[Path] = [self.dir / f"member-{name}.log" for name in self.names]
+        self._tails: dict[int, GlobalTail] = {}
 
     # -------------------------------------------------------------- brokers
     def start_brokers(self) -> None:
@@ -299,13 +336,13 @@ class LocalGroup:
         return {self.names[i]: read_global(self.clusters[i].bootstrap, self.global_topic, timeout) for i in self.data}
 
     def wait_for(self, expected: int, timeout: float, members: list[int] | None = None,
-                 poll: float = 0.25) -> dict[str, list[GlobalRecord]]:
+                 poll: float = 0.1) -> dict[str, list[GlobalRecord]]:
         """Poll until every (listed) global topic holds `expected` records or
         the deadline passes; returns the last reading either way."""
         idx = self.data if members is None else members
         deadline = time.monotonic() + timeout
         while True:
-            got = {self.names[i]: read_global(self.clusters[i].bootstrap, self.global_topic) for i in idx}
+            got = {self.names[i]: self._tail(i).read(min(5.0, max(1.0, deadline - time.monotonic()))) for i in idx}
             if all(len(v) >= expected for v in got.values()) or time.monotonic() > deadline:
                 return got
             for i in idx:  # a member that died will not get there
@@ -314,8 +351,20 @@ class LocalGroup:
                     return got
             time.sleep(poll)
 
+    def _tail(self, i: int) -> GlobalTail:
+        if i not in self._tails:
+            self._tails[i] = GlobalTail(self.clusters[i].bootstrap, self.global_topic)
+        return self._tails[i]
+
     # -------------------------------------------------------------- cleanup
     def close(self) -> None:
+        for t in self._tails.values():
+            with contextlib.suppress(Exception):
+                t.close()
+        for i in range(self.n):  # all at once, then wait for each
+            with contextlib.suppress(Exception):
+                self.signal_member(i, signal.SIGCONT)
+                self.signal_member(i, signal.SIGTERM)
         for i in range(self.n):
             with contextlib.suppress(Exception):
                 self.stop_member(i, timeout=10)
