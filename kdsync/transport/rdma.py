@@ -67,8 +67,12 @@ failure or timeout, or a malformed frame closes that connection only; the
 dialer reconnects with exponential backoff and jitter.  Listener-side
 connections cannot be matched to their rdma_cm events in pyverbs, so on any
 DISCONNECTED seen by the listener we send a credit probe on every incoming
-connection: a dead one fails within the ACK timeout.  The ACK timeout is set
-short (`ack_timeout`, 4.096 us * 2**14 = 67 ms, `retry_count` 5 tries).
+connection: a dead one fails within the ACK timeout.  That timeout
+(`ack_timeout`, 4.096 us * 2**16 = 268 ms, `retry_count` 5 tries) bounds how
+long a peer that vanished without a word (host down, cable cut) takes to
+notice; a process that dies is noticed at once (its kernel sends a DREQ).
+Shorter timeouts made soft-RoCE under emulation retransmit whole messages
+whose ACKs were merely late.
 
 Mixed groups.  With `tcp_fallback` (default), the transport also runs a TCP
 transport on the same host:port (rdma_cm ports are a separate port space).
@@ -335,7 +339,7 @@ class RdmaTransport(Transport):
     connection, default 16 / 16), `max_queue_bytes` (per-peer send queue,
     default max_frame_bytes), `batch_bytes` (target BATCH frame size, 1 MiB),
     `handshake_timeout`, `connect_timeout`, `backoff_initial`, `backoff_max`
-    (s), `ack_timeout` (rdma_cm ACK timeout exponent, default 14),
+    (s), `ack_timeout` (rdma_cm ACK timeout exponent, default 16),
     `retry_count` (default 5), `rnr_retry` (default 0), `tcp_fallback`
     (default True: serve peers without RDMA over an embedded TcpTransport),
     `tcp_options` (dict of extra TcpTransport options).
@@ -366,7 +370,7 @@ class RdmaTransport(Transport):
         connect_timeout: float = 5.0,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
-        ack_timeout: int = 14,
+        ack_timeout: int = 16,
         retry_count: int = 5,
         rnr_retry: int = 0,
         tcp_fallback: bool = True,

@@ -49,4 +49,8 @@ def pytest_sessionfinish(session, exitstatus):
     if IN_VM and out:
         data = dict(_RESULTS)
         data["pytest_exit"] = int(exitstatus)
+        # rxe's own counters over the whole run (retransmissions, RNR, ...).
+        hw = Path("/sys/class/infiniband/rxe0/ports/1/hw_counters")
+        if hw.is_dir():
+            data["rxe_counters"] = {f.name: int(f.read_text().strip() or 0) for f in sorted(hw.iterdir()) if f.is_file()}
         Path(out, "results.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
