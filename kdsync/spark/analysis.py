@@ -18,8 +18,9 @@ Definitions (per run):
   duplicates      rows of a member minus its distinct events
   foreign         distinct events of a member that are not source events
   lost            source events a member did not deliver
-  inversions      adjacent pairs, in seq order within one (member, origin,
-                  origin_partition), whose origin offsets go down
+  inversions      events delivered after a higher offset of the same origin
+                  partition (in seq order, per member) — as the simulator
+                  counts them
   latency         deliver_ts - submit_ts in ms, exact percentiles (linear
                   interpolation, as numpy) unless approx=True
   throughput      distinct events / (last deliver_ts - first submit_ts);
@@ -100,17 +101,26 @@ def _unpack_q(df: DataFrame, prefix: str = "") -> DataFrame:
 
 
 def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float = 1.0,
-            approx: bool = False) -> AuditTables:
+            approx: bool = False, members: list[str] | None = None) -> AuditTables:
     """All audit tables of `trace` (normalised here).  `sources` has columns
     (run_id, event_id): the events written to any source topic; None means
-    the union of what members delivered."""
+    the union of what members delivered.  `members` names every member that
+    should hold each run (default: those with a row in it), so a member whose
+    global topic is empty still shows up, with everything lost."""
     # an event whose submit time is unknown (NaN/null) has no latency
     lat = (F.col("deliver_ts") - F.col("submit_ts")) * 1000.0
     t = normalise(trace).withColumn("latency_ms", F.when(~F.isnan(lat), lat))
     t = t.persist()
 
     attrs = t.groupBy("run_id").agg(*[F.first(c, ignorenulls=True).alias(c) for c in ATTRIBUTE_COLUMNS],
-                                    F.sort_array(F.collect_set("member")).alias("member_list")).persist()
+                                    F.sort_array(F.collect_set("member")).alias("member_list"))
+    if members is not None:
+        run_ids = t.select("run_id")
+        if sources is not None:
+            run_ids = run_ids.unionByName(sources.select("run_id"))
+        attrs = (run_ids.distinct().join(attrs.drop("member_list"), "run_id", "left")
+                 .withColumn("member_list", F.array(*[F.lit(x) for x in sorted(members)])))
+    attrs = attrs.persist()
     run_members = F.broadcast(attrs.select("run_id", "member_list"))
 
     # one row per (run, member, event): copies > 1 is a duplicate
@@ -143,9 +153,10 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
         F.min(F.when(F.col("lo") != F.col("hi"), F.col("seq"))).alias("first_divergent"))
 
     # origin order: adjacent descents in seq order within an origin partition
-    w = Window.partitionBy("run_id", "member", "origin", "origin_partition").orderBy("seq", "origin_offset")
+    w = (Window.partitionBy("run_id", "member", "origin", "origin_partition").orderBy("seq", "origin_offset")
+         .rowsBetween(Window.unboundedPreceding, -1))
     inversions = (t.select("run_id", "member", "origin", "origin_partition", "seq", "origin_offset")
-                  .withColumn("prev_offset", F.lag("origin_offset").over(w))
+                  .withColumn("prev_offset", F.max("origin_offset").over(w))
                   .where(F.col("origin_offset") < F.col("prev_offset")))
 
     # per member
@@ -158,7 +169,9 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
         *_latency_aggs("latency_ms", approx, "latency_ms_"))
     m = _unpack_q(m, "latency_ms_")
     counts = lambda df, name: df.groupBy("run_id", "member").agg(F.count(F.lit(1)).alias(name))  # noqa: E731
-    members = (m.join(distinct, ["run_id", "member"])
+    grid = attrs.select("run_id", F.explode("member_list").alias("member"))
+    members_t = (grid.join(m, ["run_id", "member"], "left").join(distinct, ["run_id", "member"], "left")
+               .fillna(0, ["delivered", "distinct_events", "distinct_positions"])
                .join(counts(duplicates, "duplicated_events"), ["run_id", "member"], "left")
                .join(counts(foreign, "foreign"), ["run_id", "member"], "left")
                .join(counts(lost, "lost"), ["run_id", "member"], "left")
@@ -179,11 +192,13 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
     src_counts = ev.groupBy("run_id").agg(
         F.sum(F.when(F.col("is_source"), 1).otherwise(0)).alias("events_submitted"),
         F.sum(F.when(F.col("by").isNotNull(), 1).otherwise(0)).alias("events_delivered_any"))
-    viol = members.groupBy("run_id").agg(
+    viol = members_t.groupBy("run_id").agg(
         F.sum("duplicates").alias("duplicates"), F.sum("foreign").alias("foreign"),
         F.sum("lost").alias("lost"), F.sum("inversions").alias("inversions"))
-    runs = (r.join(attrs, "run_id").join(agreement, "run_id").join(src_counts, "run_id", "left")
-            .join(viol, "run_id")
+    runs = (attrs.join(r, "run_id", "left").join(agreement, "run_id", "left").join(src_counts, "run_id", "left")
+            .join(viol, "run_id", "left")
+            .fillna(0, ["deliveries", "positions", "differing_positions", "events_submitted",
+                        "events_delivered_any", "duplicates", "foreign", "lost", "inversions"])
             .withColumn("throughput_eps", F.col("events_delivered_any") /
                         F.greatest(F.col("last_deliver_ts") - F.col("first_submit_ts"), F.lit(1e-9)))
             .withColumn("agreement_ok", F.col("differing_positions") == 0)
@@ -203,6 +218,6 @@ def analyse(trace: DataFrame, sources: DataFrame | None = None, window_s: float 
         F.max("latency_ms_max").alias("latency_ms_max"),
         F.avg("throughput_eps").alias("mean_throughput_eps")))
 
-    return AuditTables(runs=runs, members=members, divergent=divergent, duplicates=duplicates,
+    return AuditTables(runs=runs, members=members_t, divergent=divergent, duplicates=duplicates,
                        foreign=foreign, lost=lost, inversions=inversions, throughput=throughput,
                        scenarios=scenarios)

@@ -337,7 +337,8 @@ def run(args) -> tuple[int, dict]:
         _trace_files(args.trace)  # bad paths fail before Spark starts
         spark = spark_session(args.master, "kdsync-audit")
         trace, sources, mode = trace_table(spark, args.trace), None, "trace"
-    tables = analyse(trace, sources, window_s=args.window_s, approx=args.approx)
+    tables = analyse(trace, sources, window_s=args.window_s, approx=args.approx,
+                     members=list(clusters) if args.cluster else None)
     report = build_report(tables, mode, malformed)
     if args.out:
         write_tables(tables, args.out, report, malformed)
