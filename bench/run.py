@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.core import core_section
     from bench.rdma import rdma_section
     from bench.real import RealParams, real_section
-    from bench.sim import FULL, QUICK, loopback_jobs, loopback_rows, run_job, sweep_jobs, sweep_section
+    from bench.sim import (FULL, QUICK, loopback_jobs, loopback_rows, run_job, sweep_jobs, sweep_section,
+                           yardstick_jobs, yardstick_rows)
 
     params = QUICK if args.quick else FULL
     real_params = RealParams()
@@ -282,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         jobs = sweep_jobs(params, work) if "sim" in wanted or "audit" in wanted else []
         ljobs = loopback_jobs(real_params.rate_eps, real_params.paced_total, work) if "simreal" in wanted else []
-        total = len(wanted) + len(jobs) + len(ljobs) + (3 if "real" in wanted else 0)
+        yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
+        total = len(wanted) + len(jobs) + len(ljobs) + len(yjobs) + (3 if "real" in wanted else 0)
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
@@ -291,28 +293,34 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("core", "Ordering core throughput",
                                        lambda: core_section(work, args.quick, plot, out), prog))
                 prog.step("core")
-            results, lresults = [], []
-            if jobs or ljobs:
-                prog.say(f"sim: {len(jobs) + len(ljobs)} kdsync-sim runs, {args.jobs} at a time")
+            all_jobs = yjobs + jobs + ljobs  # the long yardstick first, so it overlaps the short runs
+            all_res: list[dict] = []
+            if all_jobs:
+                prog.say(f"sim: {len(all_jobs)} kdsync-sim runs, {args.jobs} at a time")
                 with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-                    futs = [pool.submit(run_job, j) for j in jobs + ljobs]
+                    futs = [pool.submit(run_job, j) for j in all_jobs]
                     for f in futs:
                         try:
                             res = f.result()
                         except Exception as e:  # a worker died
                             res = {"exit": -1, "wall_s": 0.0, "output": f"worker failed: {e}"}
-                        (results if len(results) < len(jobs) else lresults).append(res)
+                        all_res.append(res)
                         prog.step("sim runs")
+            yres = all_res[:len(yjobs)]
+            results = all_res[len(yjobs):len(yjobs) + len(jobs)]
+            lresults = all_res[len(yjobs) + len(jobs):]
             if "sim" in wanted:
                 sections.append(_guard("sim", "Simulator: the same workload under derecho / sequencer / mirror",
-                                       lambda: sweep_section(jobs, results, params, out, plot), prog))
+                                       lambda: sweep_section(jobs, results, params, out, plot,
+                                                             yardstick_rows(yjobs, yres)), prog))
                 prog.step("sim")
             if "audit" in wanted:
                 if args.quick and args.sections is None:
                     skipped["audit"] = QUICK_SKIPS["audit"]
                 else:
                     sections.append(_guard("audit", "PySpark audit of the simulator traces",
-                                           lambda: audit_section([Path(j.out) for j in jobs], work), prog))
+                                           lambda: audit_section([Path(j.out) for j in jobs if j.seed == params.seeds[0]],
+                                                                        work), prog))
                 prog.step("audit")
             real = None
             if "real" in wanted:

@@ -115,6 +115,25 @@ def loopback_jobs(rate_eps_total: float, events_total: int, workdir: Path) -> li
     return jobs
 
 
+def yardstick_jobs(workdir: Path) -> list[SimJob]:
+    """The simulator-speed yardstick of issue 3 (sim/scenarios/bench-3dc-1000eps.yaml, as shipped)."""
+    path = Path(__file__).resolve().parent.parent / "sim" / "scenarios" / "bench-3dc-1000eps.yaml"
+    if not path.exists():
+        return []
+    return [SimJob("yardstick", "derecho", 50.0, 0.0, 11, str(path), str(workdir / "runs" / "yardstick"))]
+
+
+def yardstick_rows(jobs: list[SimJob], results: list[dict]) -> list[dict]:
+    rows = []
+    for job, res in zip(jobs, results):
+        row, _ = run_row(job, res)
+        rows.append({"scenario": Path(job.scenario).name, "exit_code": row["exit_code"],
+                     "events_submitted": row.get("events_submitted"), "sim_wall_s": row.get("sim_wall_s"),
+                     "sim_events_per_wall_s": row.get("sim_events_per_wall_s"), "messages": row.get("messages"),
+                     "goal": ">= 200 000 (issue 3)", "error": row.get("error")})
+    return rows
+
+
 def run_job(job: SimJob) -> dict:
     """Pool worker: `kdsync-sim run SCENARIO --seed N --out DIR`, in-process.
     Returns {"exit": code, "wall_s": ..., "output": last lines} (never raises
@@ -182,7 +201,8 @@ def run_row(job: SimJob, res: dict) -> tuple[dict, list[float]]:
     return row, lat
 
 
-def sweep_section(jobs: list[SimJob], results: list[dict], p: SweepParams, out: Path, plot) -> Section:
+def sweep_section(jobs: list[SimJob], results: list[dict], p: SweepParams, out: Path, plot,
+                  yardstick: list[dict] | None = None) -> Section:
     """Tables and plots of the protocol sweep.  `plot` is bench.plots."""
     sec = Section("sim", "Simulator: the same workload under derecho / sequencer / mirror")
     rows, lats = [], {}
@@ -258,6 +278,13 @@ def sweep_section(jobs: list[SimJob], results: list[dict], p: SweepParams, out: 
         sec.notes.append(f"Simulator speed over these runs: median {sorted(speeds)[len(speeds) // 2]:,} simulated "
                          f"events per wall second (min {min(speeds):,}, max {max(speeds):,}; two runs in parallel on a "
                          f"shared 2-core box).")
+    if yardstick:
+        sec.tables.append(Table("sim_speed", "Simulator speed on the yardstick scenario (3 members, 50 ms RTT, "
+                                "1 000 events/s; run alongside another simulation on this 2-core box)", yardstick))
+        for y in yardstick:
+            if y.get("sim_events_per_wall_s"):
+                sec.headlines.append(Headline("sim speed: simulated events per wall second (yardstick)",
+                                              y["sim_events_per_wall_s"], ">= 200 000 (issue 3)", "sim_speed.csv"))
     failed = [(j, r) for j, r in zip(jobs, rows) if r["exit_code"] != 0]
     if failed:
         repro = out / "repro"
