@@ -59,7 +59,7 @@ def audit_section(run_dirs: list[Path], workdir: Path, timeout: float = 600) -> 
         raise NotMeasured("kdsync audit's report names none of the runs it was given")
     sec.intro.append(
         f"`kdsync audit --master local[2] --trace` over {len(runs)} run directories (the first seed of every "
-        f"protocol / RTT / loss configuration of the sweep" ; {rows_total:,} trace rows) took "
+        f"protocol / RTT / loss configuration of the sweep; {rows_total:,} trace rows) took "
         f"{wall:.1f} s wall including Spark start-up: {rows_total / wall:,.0f} trace rows/s. Each run's audit is "
         f"compared with the simulator's own summary.json (delivered counts, violation kinds other than split_brain, "
         f"which only the simulator can see, and p50/p99 within 1 ms).")
