@@ -282,7 +282,7 @@ class Simulation:
                 submitted[k] = e
                 submit_ts[k] = ack
                 if wake and vis != last_vis:  # the consumer wakes when a fetch returns
-                    Timeout(env, vis - env.now, member.epoch).callbacks.append(member._wake)
+                    Timeout(env, vis - env.now).callbacks.append(member._wake)
                     last_vis = vis
             block += 1
             if any(t is not None for t in pending):

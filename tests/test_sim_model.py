@@ -172,3 +172,25 @@ def test_fifo_survives_float_rounding():
     env.process(proc())
     env.run()
     assert [int.from_bytes(b[:4], "big") for *_, b in got] == list(range(20000))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("poll_ms", [0, 10])
+def test_consumer_keeps_consuming_after_a_restart_inside_one_workload_block(poll_ms):
+    """Source events written ahead (one block) before a crash must still reach
+    the restarted consumer (regression: fetch wake-ups were tied to the dead process)."""
+    need_protocol("derecho")
+    s = RESTART.model_copy(
+        update={
+            "faults": parse_scenario(
+                "name: x\nduration_s: 4\nmembers: [{id: dc1}, {id: dc2}, {id: dc3}]\n"
+                "faults: [{at_s: 2.1, crash: dc2}, {at_s: 2.4, restart: dc2}]\n"
+            ).faults,
+            # the last block: nothing written later would wake the consumer up again
+            "workload": [RESTART.workload[0].model_copy(update={"stop_s": 3.0})],
+            "kafka": RESTART.kafka.model_copy(update={"poll_ms": float(poll_ms)}),
+        }
+    )
+    r = run_scenario(s)
+    assert r.failing == [], r.failing
+    assert all(n == r.summary["events_submitted"] for n in r.summary["events_delivered"].values())
