@@ -25,7 +25,7 @@ def _scenario(poll_ms: float, duration_s: float):
 
 @pytest.mark.benchmark
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("poll_ms", [0.0, 10.0], ids=["per-fetch", "poll-10ms"])
+@pytest.mark.parametrize("poll_ms", [0.0, 10.0, 50.0], ids=["per-fetch", "poll-10ms", "poll-50ms"])
 def test_sim_speed(benchmark, poll_ms):
     need_protocol("derecho")
     duration = 5.0 if benchmark.disabled else 30.0
