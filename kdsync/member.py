@@ -79,7 +79,7 @@ log = logging.getLogger("kdsync.member")
 H_SEQ, H_ORIGIN, H_OPART, H_OOFF, H_OTS = (
     "kdsync.seq", "kdsync.origin", "kdsync.origin.partition", "kdsync.origin.offset", "kdsync.origin.ts")
 EARLY_MESSAGES = 10_000  # peer messages kept per topic while its group starts
-MAX_INFLIGHT = 50_000  # own events consumed but not yet durable before the consumer pauses
+MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
 
 
 class FatalError(Exception):
@@ -138,7 +138,8 @@ def event_from_global(msg) -> tuple[int, Event]:
     hs = msg.headers() or []
     seq = _hget(hs, H_SEQ)
     if seq is None:
-        raise ValueError(f"record at offset {msg.offset()} of {msg.topic()} has no {H_SEQ} header")
+        raise FatalError(f"{msg.topic()}[{msg.partition()}] offset {msg.offset()} has no {H_SEQ} header: kdsync must be "
+                         f"the only writer of its global topics (topics.global_suffix)")
     src = [(k, v) for k, v in hs if not k.startswith("kdsync.")]
     ev = Event(origin=_hget(hs, H_ORIGIN).decode(), partition=int(_hget(hs, H_OPART)), offset=int(_hget(hs, H_OOFF)),
                payload=pack_payload(msg.key(), msg.value(), src), timestamp_ms=int(_hget(hs, H_OTS) or b"0"))
@@ -218,7 +219,6 @@ class Group:
     confirmed: set[int] = field(default_factory=set)  # seqs confirmed above the durable prefix
     durable_end: int = 0
     produced_end: int = 0
-    own_inflight: int = 0
     view_id: int = -1
     status: str = ""
     reader: object = None  # Consumer serving reads, used under read_lock
@@ -328,6 +328,8 @@ class Member:
             if not self._stop.is_set():
                 raise
             # stopped while still starting (e.g. waiting for a broker): a clean stop
+        except FatalError as e:
+            self._fatal = self._fatal or str(e)
         finally:
             await self._shutdown()
         if self._fatal:
@@ -514,10 +516,8 @@ class Member:
             if g is None:
                 continue
             self.metrics.consumed.labels(topic).inc(len(events))
-            g.own_inflight += len(events)
             g.node.submit(events)
             self._process(g)
-        self._update_backpressure()
 
     def _process(self, g: Group) -> None:
         node = g.node
@@ -618,19 +618,8 @@ class Member:
         while own and own[0][0] < g.durable_end:
             _, part, off = own.popleft()
             commits[part] = off + 1
-            g.own_inflight -= 1
         if commits:
             self._commit_q.put((g.topic, commits))
-            self._update_backpressure()
-
-    def _update_backpressure(self) -> None:
-        if self._stopping:
-            return
-        inflight = sum(g.own_inflight for g in self.groups.values())
-        if inflight > MAX_INFLIGHT:
-            self._consumer_resume.clear()
-        else:
-            self._consumer_resume.set()
 
     # ------------------------------------------------------------ reads
     async def _serve_read(self, g: Group, start: int, stop: int) -> None:
@@ -706,6 +695,7 @@ class Member:
 
         c = Consumer({**self._consumer_conf(), "error_cb": self._on_kafka_error})
         assigned: dict[tuple[str, int], bool] = {}
+        consumed: dict[tuple[str, int], int] = {}  # next offset to consume, per source partition
         last_meta = 0.0
         last_lag = 0.0
 
@@ -747,6 +737,10 @@ class Member:
                 self._drain_commits(c)
                 if not self._consumer_resume.wait(0.05):
                     continue
+                # back-pressure: too many consumed records not yet durably ordered and committed
+                if sum(nxt - self._committed.get(tp, 0) for tp, nxt in consumed.items()) > MAX_INFLIGHT:
+                    self._consumer_stop.wait(0.02)
+                    continue
                 if not assigned:
                     self._consumer_stop.wait(0.1)
                     continue
@@ -768,6 +762,7 @@ class Member:
                         elif err.code() != KafkaError._PARTITION_EOF:
                             log.warning("consumer", **_kv(error=err.str()))
                         continue
+                    consumed[(m.topic(), m.partition())] = m.offset() + 1
                     ts_type, ts = m.timestamp()
                     batch.setdefault(m.topic(), []).append(
                         Event(self.me, m.partition(), m.offset(), pack_payload(m.key(), m.value(), m.headers()),

@@ -247,3 +247,30 @@ def test_global_partitions_by_key_hash_identical_everywhere(tmp_path):
             assert [int(s) for _, s in p] == sorted(int(s) for _, s in p)
     finally:
         g.close()
+
+
+def test_foreign_record_in_global_topic_is_fatal_with_one_line(tmp_path):
+    listen = f"127.0.0.1:{free_port()}"
+    with EmbeddedCluster("foreign", log_dir=tmp_path) as c:
+        ensure_topic(c.bootstrap, "src")
+        ensure_topic(c.bootstrap, "src-global")
+        write_events(c.bootstrap, "src-global", 1, "intruder")  # not written by kdsync
+        cfg = tmp_path / "m.toml"
+        cfg.write_text(f"""
+state_dir = "{tmp_path / 'state'}"
+[member]
+id = "solo"
+listen = "{listen}"
+[peers]
+solo = "{listen}"
+[kafka]
+"bootstrap.servers" = "{c.bootstrap}"
+[topics]
+source = "src"
+""")
+        r = subprocess.run([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("kdsync run: src-global[0] offset 0 has no kdsync.seq header"), r.stderr
+        assert "Traceback" not in r.stderr
