@@ -32,6 +32,52 @@ EXPECTED = {
 }
 
 
+def _no_rdma_here() -> str:
+    from kdsync.transport.rdma import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        pytest.skip("skipped: this machine has RDMA; the fallback is tested where it has not")
+    return reason
+
+
+def test_auto_falls_back_to_tcp_and_says_why(caplog):
+    """Host side: without pyverbs or a device, "auto" is TCP with one log line."""
+    import asyncio
+    import logging
+
+    from kdsync.transport import make_transport
+    from kdsync.transport.tcp import TcpTransport
+
+    reason = _no_rdma_here()
+    peers = {"a": ("127.0.0.1", 0), "b": ("127.0.0.1", 9)}
+    with caplog.at_level(logging.INFO, logger="kdsync.transport"):
+        t = make_transport("auto", "a", peers["a"], peers, lambda p, m: None)
+    assert isinstance(t, TcpTransport)
+    lines = [r.getMessage() for r in caplog.records if "using TCP" in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0]
+    asyncio.run(t.close())
+
+
+def test_rdma_kind_fails_with_one_clear_line():
+    from kdsync.transport import TransportError, make_transport
+
+    _no_rdma_here()
+    peers = {"a": ("127.0.0.1", 7401), "b": ("127.0.0.1", 7402)}
+    with pytest.raises(TransportError) as exc:
+        make_transport("rdma", "a", peers["a"], peers, lambda p, m: None)
+    msg = str(exc.value)
+    assert "\n" not in msg and "rdma" in msg and "tcp" in msg
+
+
+def test_rdma_usable_reports_a_reason_without_raising():
+    from kdsync.transport.rdma import rdma_usable
+
+    reason = _no_rdma_here()
+    ok, why = rdma_usable("127.0.0.1")
+    assert ok is False and why == reason
+
+
 def _tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])

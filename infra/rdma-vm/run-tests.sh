@@ -98,3 +98,17 @@ code="$(cat "$OUT/exit_code")"
 tail -40 "$OUT/guest.log" >&2 || true
 [ "$code" = 0 ] || { echo "in-VM tests failed (exit $code); see $OUT/guest.log" >&2; exit 1; }
 log "in-VM tests passed"
+if command -v python3 >/dev/null && [ -f "$OUT/results.json" ]; then
+    python3 - "$OUT/results.json" <<'PY' >&2 || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+p = r.get("perf", {})
+for kind in ("rdma", "tcp"):
+    k = p.get(kind, {})
+    print(f"[rdma-vm] {kind}: RTT p50 {k.get('rtt_us_p50')} us, p99 {k.get('rtt_us_p99')} us, "
+          f"{k.get('throughput_msgs_s')} msg/s of {k.get('msg_bytes_throughput')} B")
+print(f"[rdma-vm] RDMA/TCP: RTT p50 ratio {p.get('rtt_p50_rdma_over_tcp')}, throughput ratio {p.get('throughput_rdma_over_tcp')}")
+g = r.get("group_rdma", {})
+print(f"[rdma-vm] 3-member {g.get('protocol')} group over RDMA: {g.get('events')} events agreed in {g.get('deliver_all_s')} s")
+PY
+fi
