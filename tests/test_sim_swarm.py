@@ -11,18 +11,37 @@ from sim.swarm import swarm_scenario
 
 from sim_helpers import need_protocol
 
-SEEDS = 200
+SEEDS = 200  # how many seeds CI runs (each well under a second)
 CHUNK = 25
+# Seeds that fail because of a known, reported core bug (not the simulator);
+# kept out of CI only while the bug is open.  seed -> what fails.
+KNOWN_CORE_FAILURES: dict[int, str] = {}
+CI_SEEDS = [s for s in range(10 * SEEDS) if s not in KNOWN_CORE_FAILURES][:SEEDS]
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("first", range(0, SEEDS, CHUNK))
-def test_swarm_has_no_violations(first, capsys, tmp_path):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("chunk", range(0, SEEDS, CHUNK))
+def test_swarm_has_no_violations(chunk):
     need_protocol("derecho")
-    rc = main(["swarm", "--seeds", str(CHUNK), "--first", str(first), "--out", str(tmp_path)])
+    bad = []
+    for seed in CI_SEEDS[chunk : chunk + CHUNK]:
+        r = run_scenario(swarm_scenario(seed), seed, stop_when_settled=True)
+        if r.failing:
+            bad.append(
+                f"seed {seed}: " + "; ".join(f"{v.kind}: {v.detail}" for v in r.failing)
+                + f"\n  repro: kdsync-sim swarm --seeds 1 --first {seed}"
+            )
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(120)
+def test_swarm_command(capsys, tmp_path):
+    need_protocol("derecho")
+    rc = main(["swarm", "--seeds", "4", "--first", str(CI_SEEDS[0]), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"swarm: {CHUNK} runs" in out and " 0 failed" in out
+    assert out.strip().splitlines()[-1].startswith("swarm: 4 runs (seeds ")
+    assert " 0 failed" in out
 
 
 def test_swarm_draws_varied_topologies_and_faults():
