@@ -211,7 +211,9 @@ class DerechoNode(NodeBase):
 
     def _leader(self) -> str | None:
         for m in self.view.members:
-            if m not in self.suspected and m not in self.unresponsive:
+            # a restarted member votes but does not lead: it holds no data and
+            # waits to be taken back
+            if m not in self.suspected and m not in self.unresponsive and m not in self.rejoined:
                 return m
         return None
 
@@ -405,9 +407,7 @@ class DerechoNode(NodeBase):
         if not self._promise(b):
             return
         self._wedge()
-        if self.status == "joining":
-            return
-        self._send_report(s, b)
+        self._send_report(s, b)  # joining members report too: no data, but a vote
 
     def _send_report(self, to: str, b: Ballot) -> None:
         acc_b, acc = (self.accepted if self.accepted else (NO_BALLOT, None))
