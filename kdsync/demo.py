@@ -428,7 +428,8 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
         last = max((r.write_ts for r in recs), default=0) / 1000.0
         span = max(1e-3, last - t0) if recs else elapsed
         dead = [g.names[i] for i, p in enumerate(g.procs) if p is not None and p.poll() is not None]
-        out(f"events      {events} written ({' + '.join(map(str, per))}), "
+        out(f"events      {events} written ({' + '.join(map(str, per))}"
+            f"{f', paced at {rate:.0f}/s' if rate else ', as fast as possible'}), "
             f"{' / '.join(str(len(v)) for v in got.values())} in the global topics")
         out(f"agreement   {'YES' if ok else 'NO'}: {detail}")
         out(f"latency     p50 {_percentile(lat, 50):.1f} ms, p99 {_percentile(lat, 99):.1f} ms "
@@ -494,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clusters", type=int, default=3, help="number of clusters / members (default 3)")
     ap.add_argument("--events", type=int, default=3000, help="events written in total (default 3000)")
     ap.add_argument("--protocol", choices=["derecho", "sequencer", "mirror"], default="derecho")
-    ap.add_argument("--rate", type=float, default=None, help="total write rate in events/s (default: as fast as possible)")
+    ap.add_argument("--rate", type=float, default=1000.0,
+                    help="total write rate in events/s (default 1000; 0 = as fast as possible, a burst)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for agreement (default 120)")
     ap.add_argument("--keep", metavar="DIR", help="keep configs and logs in DIR")
     try:
@@ -504,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.clusters <= 16:
         print("kdsync demo: --clusters must be between 1 and 16", file=sys.stderr)
         return 2
+    if args.rate < 0:
+        print("kdsync demo: --rate must be >= 0", file=sys.stderr)
+        return 2
     if args.events < 1:
         print("kdsync demo: --events must be at least 1", file=sys.stderr)
         return 2
@@ -511,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.keep:
-            return run_demo(args.clusters, args.events, args.protocol, Path(args.keep), args.timeout, args.rate)
+            return run_demo(args.clusters, args.events, args.protocol, Path(args.keep), args.timeout, args.rate or None)
         with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
-            return run_demo(args.clusters, args.events, args.protocol, Path(d), args.timeout, args.rate)
+            return run_demo(args.clusters, args.events, args.protocol, Path(d), args.timeout, args.rate or None)
     except KeyboardInterrupt:
         print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
