@@ -162,6 +162,8 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
 
 
 def _toml_str(v) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_str(x)}" for k, x in v.items()) + " }"
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_str(x) for x in v) + "]"
     if isinstance(v, bool):

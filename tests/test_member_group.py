@@ -274,3 +274,52 @@ def test_sigterm_clean_stop_and_restart(group):
     g.start_member(0)
     g.wait_ready(members=[0], timeout=30)
     _assert_agree(g, 600 + _write_all(g, 100, "s2"))
+
+
+def _openssl(*args, cwd):
+    import subprocess
+
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl command")
+def test_members_over_mutual_tls(tmp_path):
+    """Certificates from the config (relative paths), a CA for mutual TLS;
+    a member whose certificate is not signed by the CA is kept out."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=kdsync-test-ca", cwd=pki)
+    for name in ("dc1", "dc2", "dc3", "rogue"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=pki)
+        if name == "rogue":  # self-signed: not from our CA
+            _openssl("x509", "-req", "-in", f"{name}.csr", "-signkey", f"{name}.key", "-out", f"{name}.pem",
+                     "-days", "2", cwd=pki)
+        else:
+            _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                     "-out", f"{name}.pem", "-days", "2", cwd=pki)
+    g = LocalGroup(3, tmp_path, topic="events", metrics=True, tick_ms=5, suspect_ms=300)
+    try:
+        g.start_brokers()
+
+        def tls(cert):
+            return {"tls": {"certfile": f"pki/{cert}.pem", "keyfile": f"pki/{cert}.key", "cafile": "pki/ca.pem"}}
+
+        for i, name in enumerate(g.names):
+            g.start_member(i, transport=tls(name))
+        g.wait_ready()
+        _assert_agree(g, _write_all(g, 100, "tls"))
+        assert "with TLS" in g.log_text(0)
+        # dc3 restarts with a certificate the CA did not sign: the others refuse it
+        g.stop_member(2)
+        g.start_member(2, transport=tls("rogue"))
+        time.sleep(2)
+        assert not g.is_active(2)
+        _write_all(g, 50, "tls2", idx=[0, 1])
+        got = g.wait_for(400, 30, members=[0, 1])
+        ok, detail = check_agreement(got, expected=400)
+        assert ok, detail + _logs(g)
+        assert len(read_global(g.bootstrap(2), g.global_topic)) == 300
+    finally:
+        g.close()
