@@ -162,6 +162,10 @@ def test_concurrent_writes_identical_global_topics(group):
     assert m[("kdsync_live_members", (("topic", "events"),))] == 3
     assert m[("kdsync_peer_bytes_total", (("direction", "out"), ("peer", "dc2")))] > 0
     assert m[("kdsync_e2e_latency_seconds_count", (("topic", "events"),))] == total
+    assert m[("kdsync_core_events_total", (("kind", "delivered"), ("topic", "events")))] == total
+    assert m[("kdsync_core_events_total", (("kind", "deduplicated"), ("topic", "events")))] == 0
+    assert ("kdsync_core_events_total", (("kind", "resubmitted"), ("topic", "events"))) in m
+    assert m[("kdsync_view_id", (("topic", "events"),))] >= 1
 
 
 def test_kill_9_mid_stream_then_restart(group):
