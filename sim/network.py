@@ -94,6 +94,8 @@ class Network:
         self._last_arrival = {k: 0.0 for k in self._base}
         self.sent = 0
         self.dropped = 0
+        self.loopback = 0  # messages a node addressed to itself
+        self.misaddressed = 0  # messages to a member that does not exist
         self.bytes = 0
 
     # ------------------------------------------------------------- fault state
@@ -133,6 +135,13 @@ class Network:
     def send(self, src: str, dst: str, data: bytes) -> None:
         self.sent += 1
         key = (src, dst)
+        if key not in self._props:
+            if src == dst and src in self.members:  # to itself: loopback, at once
+                self.loopback += 1
+                Timeout(self.env, 0.0, (src, dst, data)).callbacks.append(self._arrive)
+            else:
+                self.misaddressed += 1  # no such member: nowhere to go
+            return
         if self._group is not None and self._group[src] != self._group[dst]:
             self.dropped += 1
             return

@@ -478,7 +478,13 @@ def run_scenario(
         "violation_counts": counts,
         "exit_code": 1 if failing else 0,
         "tick_ms": TICK_S * 1000,
-        "network": {"messages": sim.network.sent, "dropped": sim.network.dropped, "bytes": sim.network.bytes},
+        "network": {
+            "messages": sim.network.sent,
+            "dropped": sim.network.dropped,
+            "bytes": sim.network.bytes,
+            "loopback": sim.network.loopback,
+            "misaddressed": sim.network.misaddressed,
+        },
         "member_state": {
             m.id: {
                 "up": m.up,

@@ -80,6 +80,15 @@ def test_partitions_link_faults_and_heal():
     assert [b for *_, b in got] == [b"2", b"4", b"5"]
 
 
+def test_messages_to_oneself_loop_back_and_unknown_peers_are_dropped():
+    env, net, got = _net({"latency_ms": 5})
+    net.send("a", "a", b"me")
+    net.send("a", "zz", b"nobody")
+    env.run()
+    assert got == [(0.0, "a", "a", b"me")]
+    assert net.loopback == 1 and net.misaddressed == 1
+
+
 def test_directional_override():
     env, net, got = _net({"latency_ms": 5}, links=[{"from": "a", "to": "c", "latency_ms": 50}])
     net.send("a", "c", b"slow")
