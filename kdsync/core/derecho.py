@@ -474,7 +474,7 @@ class DerechoNode(NodeBase):
             self._leader_progress()
         elif self.phase == "accept":
             for m in self.proposal_acceptors:
-                if m not in self.accepts:
+                if m not in self.accepts and m != self.me:
                     self._send(m, codec.pack((ACCEPT, self.me, self.incarnation, self.view.view_id, b[0], b[1], self.proposal.data)))
 
     def _self_report(self) -> list:
