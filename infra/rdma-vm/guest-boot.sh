@@ -25,4 +25,5 @@ fi
 sync
 umount /mnt/out 2>/dev/null
 echo o >/proc/sysrq-trigger 2>/dev/null
-poweroff -f
+# The power-off runs asynchronously; wait for it instead of exiting PID 1.
+sleep 30

@@ -7,7 +7,14 @@
 set -u
 OUT=/mnt/out
 SRC=/mnt/src
-echo "== kdsync rdma guest: $(uname -r), $(nproc) cpu(s)"
+echo "== kdsync rdma guest: $(uname -r), $(nproc) cpu(s), up $(cut -d' ' -f1 /proc/uptime)s"
+# No udev in the guest: load the NIC driver ourselves (the initramfs only
+# carries what finds the root disk).
+modprobe virtio_net 2>/dev/null || true
+i=0
+while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 100 ]; do
+    i=$((i + 1)); sleep 0.1
+done
 ip link set lo up
 # Jumbo frames, as a RoCE deployment would use: rxe's RoCE MTU follows the
 # netdev (1500 -> 1024, 9000 -> 4096), and under emulation rxe is bound by

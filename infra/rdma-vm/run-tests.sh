@@ -8,6 +8,7 @@
 # Env:   KDSYNC_VM_TIMEOUT  seconds before qemu is killed (default 420)
 #        KDSYNC_VM_CMD      a shell command to run in the guest instead of pytest
 #        KDSYNC_VM_CACHE    image cache directory (see build-image.sh)
+#        KDSYNC_VM_KERNEL_ARGS  extra kernel arguments (default "quiet"; "" shows boot messages)
 # Exit:  0 tests passed, 1 tests failed or the guest did not finish,
 #        3 skipped: the environment cannot run the VM (reason on stderr,
 #        also written to OUT_DIR/skip_reason).
@@ -59,7 +60,7 @@ log "booting guest (TCG, timeout ${TIMEOUT}s), console in $OUT/console.log"
 qemu-system-x86_64 \
     -accel tcg,thread=multi -cpu max -m 2048 -smp 2 \
     -kernel "$IMAGE/vmlinuz" -initrd "$IMAGE/initrd.img" \
-    -append "root=/dev/vda rw console=ttyS0 init=/sbin/kdsync-vm-boot net.ifnames=0 panic=-1 quiet" \
+    -append "root=/dev/vda rw console=ttyS0 init=/sbin/kdsync-vm-boot net.ifnames=0 panic=-1 ${KDSYNC_VM_KERNEL_ARGS-quiet}" \
     -drive "file=$IMAGE/disk.img,format=raw,if=virtio" -snapshot \
     -netdev user,id=n0 -device virtio-net-pci,netdev=n0 \
     -virtfs "local,path=$PROJECT,mount_tag=src,security_model=none,readonly=on" \

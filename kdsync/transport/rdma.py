@@ -337,7 +337,8 @@ class RdmaTransport(Transport):
     Extra keyword options (all optional): `buf_size` (bytes per registered
     buffer, default 64 KiB), `recv_depth` / `send_depth` (buffers per
     connection, default 16 / 16), `max_queue_bytes` (per-peer send queue,
-    default max_frame_bytes), `batch_bytes` (target BATCH frame size, 1 MiB),
+    default max_frame_bytes), `max_offline_queue_bytes` (the bound while the
+    peer's RDMA link is down, 1 MiB), `batch_bytes` (target BATCH frame size, 1 MiB),
     `handshake_timeout`, `connect_timeout`, `backoff_initial`, `backoff_max`
     (s), `ack_timeout` (rdma_cm ACK timeout exponent, default 16),
     `retry_count` (default 5), `rnr_retry` (default 0), `tcp_fallback`
@@ -365,6 +366,7 @@ class RdmaTransport(Transport):
         recv_depth: int = 16,
         send_depth: int = 16,
         max_queue_bytes: int | None = None,
+        max_offline_queue_bytes: int = 1 << 20,
         batch_bytes: int = 1 << 20,
         handshake_timeout: float = 5.0,
         connect_timeout: float = 5.0,
@@ -396,6 +398,7 @@ class RdmaTransport(Transport):
         self.recv_depth = int(recv_depth)
         self.send_depth = int(send_depth)
         self.max_queue_bytes = int(max_queue_bytes if max_queue_bytes is not None else max_frame_bytes)
+        self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
         self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
         self.batch_bytes = int(batch_bytes)
         self.handshake_timeout = handshake_timeout
@@ -516,7 +519,10 @@ class RdmaTransport(Transport):
             # peer is served by TCP anyway; otherwise wait for RDMA.
             if self.tcp.stats[peer].connected or self._mode[peer] == "tcp":
                 return self.tcp.send(peer, data)
-        if self._queued[peer] + size > self.max_queue_bytes:
+        # As in TCP: while the link is down keep only a little (the core
+        # retransmits what matters), so no stale backlog piles up.
+        limit = self.max_queue_bytes if rdma_up else self.max_offline_queue_bytes
+        if self._queued[peer] + size > limit:
             self.stats[peer].dropped += 1
             return False
         self._queues[peer].append(data)

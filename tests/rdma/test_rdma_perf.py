@@ -17,8 +17,8 @@ from kdsync.transport.tcp import TcpTransport
 from helpers import group, wait_for
 
 ROUNDS = 2
-WARMUP, ROUND_TRIPS = 20, 150
-THROUGHPUT_MSGS, MSG_BYTES = 8_000, 1024
+WARMUP, ROUND_TRIPS = 20, 100
+THROUGHPUT_MSGS, MSG_BYTES = 6_000, 1024
 
 
 class Pair:

@@ -51,7 +51,7 @@ def test_send_receive_many_in_order(addr, ports):
         ta, tb, got = _pair(addr, ports)
         try:
             await _up(ta, tb)
-            n = 2000
+            n = 1200
             sent_a = [bytes([i % 251]) * sizes[i % len(sizes)] + b"%d" % i for i in range(n)]
             sent_b = [b"b%d" % i for i in range(n)]
             for i in range(n):
