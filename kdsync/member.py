@@ -225,6 +225,7 @@ class Group:
     read_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     own: deque = field(default_factory=deque)  # (seq, partition, offset) of own events produced, not yet durable
     durable_scheduled: bool = False
+    present: set = field(default_factory=set)  # positions already in the global topic beyond start (P > 1 only)
 
 
 class Member:
@@ -394,10 +395,11 @@ class Member:
         self.starting.add(topic)
         try:
             gt = self.cfg.topics.global_topic(topic) if self.cfg.topics else topic + "-global"
-            start_seq, watermarks, parts = 0, {}, 1
+            start_seq, watermarks, parts, present = 0, {}, 1, set()
             if not self.witness:
                 parts = await self._retry(f"creating {gt}", self._ensure_global, gt)
-                start_seq, watermarks = await self._retry(f"reading {gt} to its end", self._scan_global, gt, parts)
+                start_seq, watermarks, present = await self._retry(f"reading {gt} to its end", self._scan_global, gt,
+                                                                   parts)
             state_path = self.cfg.state_path() / f"{topic}.hardstate"
             hs = load_hard_state(state_path)
             try:
@@ -405,7 +407,10 @@ class Member:
                                  watermarks=watermarks, hard_state=hs)
             except LocalProtocolError as e:
                 raise FatalError(f"protocol: {e}") from None
-            g = Group(topic, gt, node, parts, state_path, durable_end=start_seq, produced_end=start_seq)
+            g = Group(topic, gt, node, parts, state_path, durable_end=start_seq, produced_end=start_seq, present=present)
+            if present:
+                log.warning("global topic has positions beyond a gap; they will not be written twice",
+                            **_kv(topic=topic, gap_at=start_seq, beyond=len(present)))
             for (origin, p), off in watermarks.items():
                 if origin == self.me:
                     self._positions[(topic, p)] = off + 1
@@ -432,19 +437,31 @@ class Member:
             raise FatalError(f"topics.global_partitions = {want} but {gt} already has {have} partitions")
         return have
 
-    def _scan_global(self, gt: str, parts: int) -> tuple[int, dict]:
-        """Read the global topic to its end: (next seq, origin watermarks)."""
+    def _scan_global(self, gt: str, parts: int) -> tuple[int, dict, set[int]]:
+        """Read the global topic to its end: (end of the contiguous prefix of
+        positions, origin watermarks of that prefix, positions present beyond it).
+
+        With one partition the prefix is the whole topic.  With several, a crash
+        can leave position k missing in one partition while k+1 landed in
+        another: the node restarts at k, and positions already present above it
+        are not written again when they are delivered (see _produce)."""
         from kdsync.kafka.topic import iter_partition
 
-        end, wm = 0, {}
+        events: dict[int, Event] = {}
         for p in range(parts):
             for m in iter_partition(self._consumer_conf(), gt, p, timeout=60):
                 seq, ev = event_from_global(m)
-                end = max(end, seq + 1)
-                k = (ev.origin, ev.partition)
-                if ev.offset > wm.get(k, -1):
-                    wm[k] = ev.offset
-        return end, wm
+                events[seq] = ev
+        end = 0
+        while end in events:
+            end += 1
+        wm: dict = {}
+        for seq in range(end):
+            ev = events[seq]
+            k = (ev.origin, ev.partition)
+            if ev.offset > wm.get(k, -1):
+                wm[k] = ev.offset
+        return end, wm, {seq for seq in events if seq > end}
 
     # ------------------------------------------------------------ driving the node
     async def _tick_loop(self) -> None:
@@ -571,6 +588,11 @@ class Member:
             g.pending[seq] = ev
             if ev.origin == self.me:
                 g.own.append((seq, ev.partition, ev.offset))
+            if g.present and seq in g.present:  # written before a crash, beyond a gap: do not duplicate
+                g.present.discard(seq)
+                self._on_delivery(g, seq, True, None, None)
+                seq += 1
+                continue
             cb = (lambda err, msg, s=seq, c=d.catchup: self._on_delivery(g, s, c, err, msg))
             while True:
                 try:

@@ -274,3 +274,27 @@ source = "src"
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("kdsync run: src-global[0] offset 0 has no kdsync.seq header"), r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
+    """Several global partitions: a crash can leave position 2 missing while 3
+    landed.  The member restarts at 2, watermarks come from the prefix only,
+    and 3 is remembered so it is not written twice."""
+    from confluent_kafka import Producer
+
+    from kdsync.config import config_from_dict
+    from kdsync.member import Member
+
+    with EmbeddedCluster("gap", log_dir=tmp_path) as c:
+        ensure_topic(c.bootstrap, "g-global", partitions=3)
+        p = Producer({"bootstrap.servers": c.bootstrap})
+        for seq, part, off in [(0, 0, 0), (1, 1, 1), (3, 2, 3)]:
+            p.produce("g-global", key=b"k", value=b"v", partition=seq % 3, headers=[
+                ("kdsync.seq", str(seq).encode()), ("kdsync.origin", b"dc1"), ("kdsync.origin.partition", b"0"),
+                ("kdsync.origin.offset", str(off).encode()), ("kdsync.origin.ts", b"1")])
+        assert p.flush(10) == 0
+        cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
+                                "kafka": {"bootstrap.servers": c.bootstrap},
+                                "topics": {"source": "g", "global_partitions": 3}}, base_dir=str(tmp_path))
+        end, wm, present = Member(cfg)._scan_global("g-global", 3)
+        assert (end, wm, present) == (2, {("dc1", 0): 1}, {3})
