@@ -15,6 +15,13 @@ package and enforces it).  Every adapter drives a node the same way::
         ...                        # do the I/O in the order Ready documents
         node.advance(rd)
 
+Observable attributes (read-only for adapters): `node.status` — "forming",
+"active", "wedged", "minority", "joining" or "catching-up" (the baselines are
+always "active"); `node.next_seq` (next position to deliver);
+`node.durable_seq`; `node.view` (derecho: the current View); `node.stats`, a
+dict of counters with the keys "submitted", "delivered", "deduplicated",
+"resubmitted" and "bad_messages".
+
 `make_node` picks the variant named by `config.protocol`: "derecho" (the
 product), "sequencer" (fixed leader assigns positions) or "mirror" (no
 agreement; the MirrorMaker-style baseline).
