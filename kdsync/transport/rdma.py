@@ -53,8 +53,11 @@ QPs of the transport; the channel's fd is registered with the asyncio loop
 (`loop.add_reader`).  On readiness: get the CQ event, ack it, re-arm
 notification, then poll the CQ dry (re-arming before the last poll closes
 the race with a completion that lands in between).  Nothing polls while
-idle.  RC completes receives and signalled sends in posting order, so each
-connection finds its buffers by FIFO, keyed by the QP number in the WC.
+idle.  RC completes receives and sends in posting order, so each connection
+finds its buffers by FIFO, keyed by the QP number in the WC.  Sends are
+signalled selectively (every send_depth/2-th, or each one while free send
+buffers are scarce): one completion frees every buffer posted before it, and a
+message costs one wake-up at the receiver instead of one at each end.
 rdma_cm event channels are registered the same way (their fds are
 non-blocking, so a spurious wake-up costs one EAGAIN).  pyverbs 44 does not
 expose these fds; they are found as the new /proc/self/fd entries pointing at
@@ -307,7 +310,8 @@ class _Conn:
         self.connected = False  # rdma_cm connection established (disconnect on close)
         self.recv_posted: collections.deque = collections.deque()
         self.send_free: list = []
-        self.send_busy: collections.deque = collections.deque()
+        self.send_busy: collections.deque = collections.deque()  # (mr, signalled), in posting order
+        self.unsignalled = 0
         self.credits = tr.recv_depth
         self.owed = 0
         self.out = bytearray()
@@ -683,7 +687,7 @@ class RdmaTransport(Transport):
         cap = pv.QPCap(
             max_send_wr=self.send_depth, max_recv_wr=self.recv_depth, max_send_sge=1, max_recv_sge=1
         )
-        cmid.create_qp(pv.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap, sq_sig_all=1))
+        cmid.create_qp(pv.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap, sq_sig_all=0))
         conn.qpn = cmid.qpn
         self._by_qpn[conn.qpn] = conn
         for _ in range(self.recv_depth):
@@ -798,21 +802,32 @@ class RdmaTransport(Transport):
             elif op != _OP_CREDIT:
                 self._fail(conn, f"unknown RDMA message op {op}")
         else:
-            conn.send_free.append(conn.send_busy.popleft())
+            # A signalled SEND completed: it and every unsignalled one posted
+            # before it are done (RC completes in order).
+            busy = conn.send_busy
+            while busy:
+                mr, signalled = busy.popleft()
+                conn.send_free.append(mr)
+                if signalled:
+                    break
 
     # ------------------------------------------------------------ sending
 
     def _post(self, conn: _Conn, op: int, payload: bytes) -> bool:
         mr = conn.send_free.pop()
         msg = _HDR.pack(op, conn.owed) + payload
+        # Selective signalling: a completion (and a wake-up) for every
+        # send_depth/2-th SEND, or for each one once free buffers run low.
+        signalled = conn.unsignalled + 1 >= self.send_depth // 2 or len(conn.send_free) < self.send_depth // 2
         try:
             mr.write(msg, len(msg))
-            conn.cmid.post_send(mr, self._pv.e.IBV_SEND_SIGNALED, len(msg))
+            conn.cmid.post_send(mr, self._pv.e.IBV_SEND_SIGNALED if signalled else 0, len(msg))
         except self._pv.Error as exc:
             conn.send_free.append(mr)
             self._fail(conn, f"cannot post a send: {exc}")
             return False
-        conn.send_busy.append(mr)
+        conn.send_busy.append((mr, signalled))
+        conn.unsignalled = 0 if signalled else conn.unsignalled + 1
         conn.owed = 0
         conn.credits -= 1
         self.counters["sends"] += 1
