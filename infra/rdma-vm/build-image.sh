@@ -107,5 +107,7 @@ cp "$WORK/packages.lock" "$WORK/debootstrap.log" "$WORK/out/"
 rm -rf "$DEST"
 mv "$WORK/out" "$DEST"
 touch "$DEST/ready"
+# Images of older recipes/pins are dead weight (~2 GB each): drop them.
+find "$CACHE_ROOT" -mindepth 1 -maxdepth 1 -type d ! -name "$KEY" ! -name 'build.*' -exec rm -rf {} +
 log "built $DEST"
 echo "$DEST"
