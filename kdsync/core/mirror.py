@@ -56,8 +56,8 @@ class MirrorNode(NodeBase):
         try:
             msg = codec.unpack(data, self.member_set)
             kind, inc = msg[0], msg[2]
-            if kind == DATA and len(msg) == 5:
-                self._on_data(msg[1], inc, want_int(msg[3], "first"), decode_events(msg[4]))
+            if kind == DATA and len(msg) == 6:
+                self._on_data(msg[1], inc, want_int(msg[3], "first"), decode_events(msg[4]), want_int(msg[5], "base"))
             elif kind == ACK and len(msg) == 5:
                 self._on_ack(msg[1], want_int(msg[3], "incarnation"), want_int(msg[4], "upto"))
             else:
@@ -66,9 +66,10 @@ class MirrorNode(NodeBase):
             self.stats["bad_messages"] += 1
             raise
 
-    def _on_data(self, sender: str, inc: int, first: int, events: tuple[Event, ...]) -> None:
+    def _on_data(self, sender: str, inc: int, first: int, events: tuple[Event, ...], base: int) -> None:
         cur = self._recv.get(sender)
-        expected = first if cur is None or cur[0] != inc else cur[1]
+        # a stream we have no state for starts where the sender knows we are durable
+        expected = base if cur is None or cur[0] != inc else cur[1]
         end = first + len(events)
         if first <= expected < end:
             self._deliver(events[expected - first :])
@@ -118,18 +119,18 @@ class MirrorNode(NodeBase):
     # outputs
     def _send_range(self, peer: str, start: int, stop: int) -> None:
         evs = self._stream[start - self._stream_base : stop - self._stream_base]
-        self._send(peer, codec.pack((DATA, self.me, self.incarnation, start, encode_events(evs))))
+        self._send(peer, codec.pack((DATA, self.me, self.incarnation, start, encode_events(evs), self._acked[peer])))
 
     def _before_ready(self) -> None:
         end = self._stream_base + len(self._stream)
         while self._sent < end:
             stop = min(end, self._sent + self.cfg.max_batch)
             evs = self._stream[self._sent - self._stream_base : stop - self._stream_base]
-            data = codec.pack((DATA, self.me, self.incarnation, self._sent, encode_events(evs)))
+            flat = encode_events(evs)
             for p in self.peers:
                 if self._acked[p] == self._sent:
                     self._progress[p] = self.now
-                self._send(p, data)
+                self._send(p, codec.pack((DATA, self.me, self.incarnation, self._sent, flat, self._acked[p])))
             self._sent = stop
         for sender, (inc, end_) in sorted(self._ack_due.items()):
             self._send(sender, codec.pack((ACK, self.me, self.incarnation, inc, end_)))

@@ -93,7 +93,8 @@ class SequencerNode(NodeBase):
 
     def _on_fwd(self, s: str, inc: int, first: int, events: tuple[Event, ...]) -> None:
         cur = self._fwd_recv.get(s)
-        expected = first if cur is None or cur[0] != inc else cur[1]
+        # a forward stream starts at 0 with every incarnation: never skip its start
+        expected = 0 if cur is None or cur[0] != inc else cur[1]
         end = first + len(events)
         if first <= expected < end:
             self._order(events[expected - first :])

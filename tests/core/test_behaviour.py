@@ -199,3 +199,17 @@ def test_persisted_votes_survive_a_restart():
     again = make_node(net.config("b"), rng=random.Random(9), hard_state=hs)
     assert again.accepted[0] == ballot and again.accepted[1].data == prop.data
     assert again.incarnation == hs.incarnation + 1
+
+
+@pytest.mark.parametrize("protocol", ["sequencer", "mirror"])
+def test_baselines_never_skip_the_start_of_a_stream(protocol):
+    # the first message of a stream is lost and a later one arrives first
+    net = Network(["a", "b", "c"], protocol=protocol, seed=2, **FAST)
+    net.drop("b", "a", 1.0)
+    net.drop("a", "b", 1.0)
+    sub = keys(net.submit("b", 3))
+    net.stabilize()
+    net.recover()
+    sub |= keys(net.submit("b", 3))
+    net.tick(20)
+    assert not check_invariants(net, submitted=sub, agreement=(protocol == "sequencer"))
