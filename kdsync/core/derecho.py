@@ -276,13 +276,18 @@ class DerechoNode(NodeBase):
             self._send(peer, codec.pack((HINT, self.me, self.incarnation, v.view_id, list(v.members), list(v.incarnations))))
 
     # APPEND: [t, s, inc, view, first, slots, recv]
-    def _on_append(self, msg) -> None:
+    def _in_current_view(self, msg) -> bool:
+        """msg[3] names our view and comes from the current incarnation of one of
+        its members; an older view gets a helping reply instead."""
         view_id = want_int(msg[3], "view")
         if view_id != self.view.view_id:
             if view_id < self.view.view_id:
                 self._stale_reply(msg[1], view_id)
-            return
-        if not self._from_view_member(msg):
+            return False
+        return self._from_view_member(msg)
+
+    def _on_append(self, msg) -> None:
+        if not self._in_current_view(msg):
             return
         s = msg[1]
         self._on_ack_vector(s, msg[6])
@@ -324,12 +329,7 @@ class DerechoNode(NodeBase):
 
     # ACK: [t, s, inc, view, recv, suspected]
     def _on_ack(self, msg) -> None:
-        view_id = want_int(msg[3], "view")
-        if view_id != self.view.view_id:
-            if view_id < self.view.view_id:
-                self._stale_reply(msg[1], view_id)
-            return
-        if not self._from_view_member(msg):
+        if not self._in_current_view(msg):
             return
         sus = want_str_list(msg[5], "suspected")
         if len(msg) > 6:
