@@ -49,6 +49,7 @@ class LinkCutter:
                 continue
             try:
                 u = socket.create_connection(self.target, timeout=2)
+                u.settimeout(None)  # the timeout is for connecting only: a quiet link is not a dead one
             except OSError:
                 c.close()
                 continue
