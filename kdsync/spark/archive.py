@@ -394,6 +394,15 @@ def _run(fn, argv) -> int:
         return 2
     except SystemExit as e:
         return int(e.code or 0)
+    except Exception as e:  # a failed Spark job or broker: one line (KDSYNC_DEBUG=1 for the traceback)
+        import os
+
+        from kdsync.spark.audit import one_line
+
+        if os.environ.get("KDSYNC_DEBUG"):
+            raise
+        print(f"kdsync {fn.__name__.removeprefix('_cmd_')}: failed: {one_line(e)}", file=sys.stderr)
+        return 1
     print(json.dumps(out, indent=2))
     return 0
 

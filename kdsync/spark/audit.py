@@ -221,25 +221,31 @@ def build_report(tables, mode: str, malformed=None) -> dict:
     for m in tables.members.where(F.col("run_id").isin(ids)).orderBy("run_id", "member").collect():
         members.setdefault(m["run_id"], []).append(m)
 
-    def examples(df, cols, extra_filter=None):
-        out = {}
-        d = df.where(F.col("run_id").isin(ids))
-        # at most MAX_EXAMPLES per run and member, computed in Spark
-        from pyspark.sql import Window
+    # a few examples of each anomaly per run and member, in one Spark job
+    from pyspark.sql import Window
 
-        keys = ["run_id"] + (["member"] if "member" in df.columns else [])
-        w = Window.partitionBy(*keys).orderBy(*cols)
-        for row in d.withColumn("_rn", F.row_number().over(w)).where(F.col("_rn") <= MAX_EXAMPLES).collect():
-            bucket = out.setdefault(row["run_id"], {})
-            k = row["member"] if "member" in row else "all"
-            bucket.setdefault(k, []).append({c: row[c] for c in cols})
-        return out
-
-    ex_dup = examples(tables.duplicates, ["event_id", "copies"])
-    ex_foreign = examples(tables.foreign, ["event_id"])
-    ex_lost = examples(tables.lost, ["event_id"])
-    ex_inv = examples(tables.inversions, ["origin", "origin_partition", "seq", "origin_offset", "prev_offset"])
-    ex_div = examples(tables.divergent, ["seq", "events", "members"])
+    by_seq = F.lpad(F.col("seq").cast("string"), 20, "0")
+    kinds = {"dup": (tables.duplicates, ["event_id", "copies"], F.col("event_id")),
+             "foreign": (tables.foreign, ["event_id"], F.col("event_id")),
+             "lost": (tables.lost, ["event_id"], F.col("event_id")),
+             "inv": (tables.inversions, ["origin", "origin_partition", "seq", "origin_offset", "prev_offset"], by_seq),
+             "div": (tables.divergent, ["seq", "events", "members"], by_seq)}
+    parts = []
+    for kind, (df, cols, order) in kinds.items():
+        member = F.col("member") if kind != "div" else F.lit("all")
+        parts.append(df.where(F.col("run_id").isin(ids)).select(
+            "run_id", member.alias("_member"), F.lit(kind).alias("_kind"),
+            F.to_json(F.struct(*cols)).alias("_detail"), order.alias("_order")))
+    union = parts[0]
+    for part in parts[1:]:
+        union = union.unionByName(part)
+    w = Window.partitionBy("run_id", "_member", "_kind").orderBy("_order", "_detail")
+    ex: dict[str, dict] = {k: {} for k in kinds}
+    for row in (union.withColumn("_rn", F.row_number().over(w)).where(F.col("_rn") <= MAX_EXAMPLES)
+                .orderBy("run_id", "_member", "_kind", "_rn").collect()):
+        ex[row["_kind"]].setdefault(row["run_id"], {}).setdefault(row["_member"], []).append(
+            json.loads(row["_detail"]))
+    ex_dup, ex_foreign, ex_lost, ex_inv, ex_div = (ex[k] for k in kinds)
     bad = {}
     if malformed is not None:
         for row in malformed.groupBy("run_id", "member").count().collect():
@@ -345,6 +351,16 @@ def run(args) -> tuple[int, dict]:
     return (0 if report["ok"] else 1), report
 
 
+def one_line(e: BaseException) -> str:
+    """The first meaningful line of an exception (Py4J/Spark errors are long)."""
+    text = str(e).strip() or type(e).__name__
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Traceback", "File ", "at ", "JVM stacktrace")):
+            return f"{type(e).__name__}: {line[:300]}"
+    return type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -355,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    except Exception as e:  # a failed Spark job or broker: one line (KDSYNC_DEBUG=1 for the traceback)
+        if os.environ.get("KDSYNC_DEBUG"):
+            raise
+        print(f"kdsync audit: failed: {one_line(e)}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2, default=str))
     return code
 
