@@ -42,8 +42,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kdsync audit", description="Check agreement, loss, duplicates, order and latency.")
-    p.add_argument("--cluster", action="append", default=[], metavar="NAME=BROKERS",
-                   help="a cluster to audit (repeat; bootstrap servers comma-separated)")
+    p.add_argument("--cluster", action="extend", nargs="+", default=[], metavar="NAME=BROKERS",
+                   help="clusters to audit (several after one flag, or repeat the flag; bootstrap servers "
+                        "comma-separated)")
     p.add_argument("--topic", action="append", default=[],
                    help="source topic T (the global topic is T + --global-suffix); repeat to audit several "
                         "topics in one pass, one run per topic")
