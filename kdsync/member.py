@@ -226,6 +226,7 @@ class Group:
     own: deque = field(default_factory=deque)  # (seq, partition, offset) of own events produced, not yet durable
     durable_scheduled: bool = False
     present: set = field(default_factory=set)  # positions already in the global topic beyond start (P > 1 only)
+    process_scheduled: bool = False  # a ready() drain is queued on the loop
 
 
 class Member:
@@ -511,14 +512,18 @@ class Member:
                     asyncio.ensure_future(self._start_group(topic))
                 return
             g.node.receive(peer, body)
+            if not g.process_scheduled:
+                # every message of this loop iteration first, then one ready(): peer
+                # messages arrive in batches, so this cuts one slot and one ack for many
+                g.process_scheduled = True
+                self.loop.call_soon(self._process_scheduled, g)
+            return
         except RemoteProtocolError as e:
             self.metrics.bad_messages.labels(peer).inc()
             now = time.monotonic()
             if now - self._bad_logged > 1.0:
                 self._bad_logged = now
                 log.warning("malformed message from peer dropped", **_kv(peer=peer, error=str(e)))
-            return
-        self._process(g)
 
     def _topic_allowed(self, topic: str) -> bool:
         if self.cfg.topics is None:
@@ -535,6 +540,10 @@ class Member:
             self.metrics.consumed.labels(topic).inc(len(events))
             g.node.submit(events)
             self._process(g)
+
+    def _process_scheduled(self, g: Group) -> None:
+        g.process_scheduled = False
+        self._process(g)
 
     def _process(self, g: Group) -> None:
         node = g.node
