@@ -37,15 +37,24 @@ workload:
 @pytest.fixture(scope="module")
 def sim_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sim")
-    runs = {}
-    for protocol in ("derecho", "mirror"):
+    procs = {}
+    for protocol in ("derecho", "mirror"):  # both simulations at once
         yaml = root / f"{protocol}.yaml"
         yaml.write_text(textwrap.dedent(SCENARIO.format(protocol=protocol)))
         out = root / protocol
-        proc = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(yaml), "--out", str(out)],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode in (0, 1), proc.stderr[-2000:]
-        runs[protocol] = (out, json.loads((out / "summary.json").read_text()), proc.returncode)
+        procs[protocol] = (out, subprocess.Popen([sys.executable, "-m", "sim.cli", "run", str(yaml), "--out", str(out)],
+                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    runs = {}
+    try:
+        for protocol, (out, proc) in procs.items():
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode in (0, 1), err[-2000:]
+            runs[protocol] = (out, json.loads((out / "summary.json").read_text()), proc.returncode)
+    finally:
+        for _, proc in procs.values():  # only the simulations this fixture started
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return runs
 
 
