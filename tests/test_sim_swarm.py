@@ -17,6 +17,19 @@ CHUNK = 25
 # kept out of CI only while the bug is open.  seed -> what fails.
 KNOWN_CORE_FAILURES: dict[int, str] = {}
 CI_SEEDS = [s for s in range(10 * SEEDS) if s not in KNOWN_CORE_FAILURES][:SEEDS]
+# Seeds that once failed, run on every CI run.  seed -> the bug it found.
+REGRESSION_SEEDS = {
+    102261: "restarted member re-proposed a vote of an older view; a member active while wedged sent a HINT: wedged forever",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
+def test_swarm_regression_seed(seed):
+    need_protocol("derecho")
+    r = run_scenario(swarm_scenario(seed), seed, stop_when_settled=True)
+    assert not r.failing, f"{REGRESSION_SEEDS[seed]}: " + "; ".join(f"{v.kind}: {v.detail}" for v in r.failing)
+    assert all(st["status"] == "active" for st in r.summary["member_state"].values())
 
 
 @pytest.mark.timeout(300)

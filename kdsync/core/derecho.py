@@ -409,8 +409,21 @@ class DerechoNode(NodeBase):
         self._wedge()
         self._send_report(s, b)  # joining members report too: no data, but a vote
 
+    def _accepted_here(self) -> tuple[Ballot, Proposal | None]:
+        """The proposal accepted in *this* view's Paxos instance, if any.
+
+        A proposal accepted for an older view (kept in hard state across a
+        restart, or while the member learned of a newer view by HINT) belongs
+        to an instance that is already decided: a newer view exists.  Carried
+        into this view's instance it would be re-proposed for the wrong view
+        and refused by every acceptor, wedging the group forever (swarm seed
+        102261)."""
+        if self.accepted and self.accepted[1].old_view == self.view.view_id:
+            return self.accepted
+        return NO_BALLOT, None
+
     def _send_report(self, to: str, b: Ballot) -> None:
-        acc_b, acc = (self.accepted if self.accepted else (NO_BALLOT, None))
+        acc_b, acc = self._accepted_here()
         data_ok = self.has_data and self.caught_up and self.target is None
         self._send(
             to,
@@ -443,6 +456,8 @@ class DerechoNode(NodeBase):
         recv = want_int_list(msg[7], len(self.view.senders), "received vector")
         acc_b = _want_ballot(msg[10])
         acc = Proposal.decode(msg[11], self.member_set) if msg[11] else None
+        if acc is not None and acc.old_view != self.view.view_id:
+            acc_b, acc = NO_BALLOT, None  # decided already (see _accepted_here)
         self.last_heard[s] = self.now
         self.unresponsive.discard(s)
         self.reports[s] = [msg[2], bool(msg[6]), recv, want_int(msg[8], "durable"), want_int(msg[9], "next"), tuple(acc_b), acc]
@@ -478,7 +493,7 @@ class DerechoNode(NodeBase):
                     self._send(m, codec.pack((ACCEPT, self.me, self.incarnation, self.view.view_id, b[0], b[1], self.proposal.data)))
 
     def _self_report(self) -> list:
-        acc_b, acc = (self.accepted if self.accepted else (NO_BALLOT, None))
+        acc_b, acc = self._accepted_here()
         data_ok = self.has_data and self.caught_up and self.target is None
         return [self.incarnation, data_ok, list(self.received), self.durable_seq, self.next_seq, acc_b, acc]
 
@@ -825,7 +840,7 @@ class DerechoNode(NodeBase):
         v = View(prop.new_view, prop.members, prop.incs, self._senders_of(prop.members), vstart)
         self.view = v
         self.caught_up = True
-        self.status = "active" if not self.suspected else "wedged"
+        self.status = "wedged" if (self.suspected or self.wedged) else "active"
         self.view_wm = dict(self.watermarks)
         self._views.append(v)
         self.joined_views += 1

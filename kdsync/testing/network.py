@@ -200,19 +200,29 @@ class Network:
                 self.bad_messages += 1
         return len(q)
 
-    def tick(self, n: int = 1) -> None:
+    def tick(self, n: int = 1, *, settle: bool = True) -> None:
+        """n ticks at every live member; after each, run to quiescence (at most
+        50 rounds) unless `settle` is False (then step() drives the rounds)."""
         for _ in range(n):
             for i in self.ids:
                 if self.members[i].node is not None:
                     self.members[i].node.tick()
-            self.stabilize(max_rounds=50)
+            if settle:
+                self.stabilize(max_rounds=50)
+
+    def step(self) -> bool:
+        """One round: every node's Ready handled, then every queued message
+        delivered.  Returns False when there was nothing to do."""
+        p = self._process_ready()
+        if not self.queue and not p:
+            return False
+        self.deliver_msgs()
+        return True
 
     def stabilize(self, max_rounds: int = 1000) -> None:
         for _ in range(max_rounds):
-            p = self._process_ready()
-            if not self.queue and not p:
+            if not self.step():
                 return
-            self.deliver_msgs()
 
     def run_until(self, cond, max_ticks: int = 2000) -> int:
         """Tick until cond() holds; returns ticks used; raises on timeout."""

@@ -213,3 +213,47 @@ def test_baselines_never_skip_the_start_of_a_stream(protocol):
     sub |= keys(net.submit("b", 3))
     net.tick(20)
     assert not check_invariants(net, submitted=sub, agreement=(protocol == "sequencer"))
+
+
+def test_a_vote_for_an_older_view_does_not_outlive_that_view():
+    """A member that accepted the proposal for view 1 -> 2 and died before the
+    INSTALL reached it restarts with that vote on disk, and learns of a newer
+    view (3) from a HINT.  The instance 1 -> 2 is long decided; its vote must
+    not enter view 3's view change (it was re-proposed there, refused by every
+    acceptor as a proposal for another view, and the group never formed
+    again: swarm seed 102261)."""
+    ids = ("a", "b", "c", "d")
+    net = formed(ids)
+    sub = keys(net.submit("a", 3)) | keys(net.submit("c", 3))
+    net.stabilize()
+    net.crash("d")  # a view change from view 1 follows
+
+    def c_voted():
+        c = net.node("c")
+        return c.accepted is not None and c.accepted[1].old_view == c.view.view_id == 1
+
+    for _ in range(200):  # round by round, to stop between ACCEPT and INSTALL
+        net.tick(settle=False)
+        while not c_voted() and net.step():
+            pass
+        if c_voted():
+            break
+    else:
+        raise AssertionError("c never accepted a proposal")
+    net.cut_one_way("a", "c")  # the INSTALL never reaches c
+    net.cut_one_way("b", "c")
+    net.run_until(lambda: net.node("a").view.view_id == 2 and net.node("a").status == "active", 200)
+    net.crash("c")  # the vote for 1 -> 2 stays on its disk
+    assert net.members["c"].hard.accepted and net.members["c"].hard.view_id == 1
+    net.recover()
+    net.restart("d")
+    net.run_until(lambda: all(net.node(i).status == "active" and net.node(i).view.members == ("a", "b", "d")
+                              for i in ("a", "b", "d")), 400)
+    sub |= keys(net.submit("b", 3))
+    net.cut_one_way("a", "c")  # c hears of view 3 by HINT from b and d, not of 1 -> 2 by INSTALL from a
+    net.restart("c")
+    net.run_until(lambda: net.node("c").status == "joining" and net.node("c").view.view_id == 3, 20)
+    net.recover()
+    net.run_until(converged(net, 4), 800)
+    net.tick(20)
+    assert not check_invariants(net, submitted=sub)
