@@ -41,6 +41,7 @@ from kdsync.core.types import (
     RemoteProtocolError,
     View,
 )
+from kdsync.core.node import OrderingNode
 
 __all__ = [
     "Delivery",
@@ -49,6 +50,7 @@ __all__ = [
     "LocalProtocolError",
     "LogChunk",
     "NodeConfig",
+    "OrderingNode",
     "Outgoing",
     "ProtocolError",
     "ReadRequest",
@@ -59,7 +61,7 @@ __all__ = [
 ]
 
 
-def make_node(config: NodeConfig, **kwargs):
+def make_node(config: NodeConfig, **kwargs) -> OrderingNode:
     """Return the protocol variant named by `config.protocol`.
 
     Keyword arguments: `rng` (random.Random, required), `start_seq` (next

@@ -52,3 +52,13 @@ def test_purity_check_catches_a_violation(tmp_path):
     tree = ast.parse("import socket\nfrom asyncio import sleep\n")
     found = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert len(found) == 2
+
+
+def test_every_variant_is_an_ordering_node():
+    import random
+
+    from kdsync.core import NodeConfig, OrderingNode, make_node
+
+    for protocol in ("derecho", "sequencer", "mirror"):
+        node = make_node(NodeConfig("a", ("a", "b", "c"), protocol=protocol), rng=random.Random(1))
+        assert isinstance(node, OrderingNode), protocol
