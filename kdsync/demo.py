@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
-from kdsync.kafka.topic import ensure_topic, iter_partition
+from kdsync.kafka.topic import consumer, ensure_topic, iter_partition, read_to_eof
 
 __all__ = ["GlobalRecord", "LocalGroup", "check_agreement", "main", "read_global", "write_events"]
 
@@ -74,24 +73,15 @@ class GlobalTail:
         self._c = None
 
     def read(self, timeout: float = 30.0) -> list[GlobalRecord]:
-        from confluent_kafka import Consumer, KafkaError, TopicPartition
-
         if self._c is None:
-            self._c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "kdsync-demo-tail", "log_level": 3,
-                                "enable.auto.commit": False, "enable.partition.eof": True, "fetch.wait.max.ms": 10,
-                                "auto.offset.reset": "earliest", "topic.metadata.refresh.interval.ms": 500})
-        self._c.assign([TopicPartition(self.topic, 0, len(self.records))])
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for m in self._c.consume(1000, timeout=0.1):
-                err = m.error()
-                if err is None:
-                    if m.offset() == len(self.records):
-                        self.records.append(_global_record(m))
-                elif err.code() == KafkaError._PARTITION_EOF:
-                    return list(self.records)
-                elif err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION):
-                    return list(self.records)
+            self._c = consumer({"bootstrap.servers": self.bootstrap, "group.id": "kdsync-demo-tail",
+                                "topic.metadata.refresh.interval.ms": 500})
+        try:
+            for m in read_to_eof(self._c, self.topic, 0, len(self.records), timeout=timeout, poll=0.1):
+                if m.offset() == len(self.records):
+                    self.records.append(_global_record(m))
+        except TimeoutError:
+            pass  # what has come so far
         return list(self.records)
 
     def close(self) -> None:

@@ -385,9 +385,9 @@ class Member:
             return names
         from confluent_kafka.admin import AdminClient
 
-        from kdsync.kafka.topic import _admin_conf
+        from kdsync.kafka.topic import admin_conf
 
-        md = AdminClient(_admin_conf(self._consumer_conf())).list_topics(timeout=10)
+        md = AdminClient(admin_conf(self._consumer_conf())).list_topics(timeout=10)
         return sorted(t for t in md.topics if self.cfg.topics.matches(t))
 
     async def _start_group(self, topic: str) -> None:

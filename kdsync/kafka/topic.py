@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-__all__ = ["ensure_topic", "iter_partition", "read_partition", "partition_count"]
+__all__ = ["PartitionEndError", "admin_conf", "consumer", "ensure_topic", "iter_partition", "partition_count",
+           "read_partition", "read_to_eof"]
 
 
-def _consumer(bootstrap_or_conf: str | dict) -> Consumer:
+def consumer(bootstrap_or_conf: str | dict) -> Consumer:
+    """A consumer for reads to partition EOF (no commits, EOF events on); returns it."""
     conf = {"bootstrap.servers": bootstrap_or_conf} if isinstance(bootstrap_or_conf, str) else dict(bootstrap_or_conf)
     conf.update({
         "group.id": conf.get("group.id", "kdsync-reader"),
@@ -29,36 +31,70 @@ def _consumer(bootstrap_or_conf: str | dict) -> Consumer:
     return Consumer(conf)
 
 
-def iter_partition(conf: str | dict, topic: str, partition: int = 0, start: int = 0,
-                   stop: int | None = None, timeout: float = 30.0, batch: int = 1000) -> Iterator[Message]:
-    """Yield the records of one partition from offset `start` until partition
-    EOF (or offset `stop`, exclusive).  Raises TimeoutError when EOF is not
-    reached within `timeout` seconds, KafkaException on a fatal error."""
-    if partition_count(conf, topic) <= partition:
-        return  # no such topic/partition: nothing to read
-    c = _consumer(conf)
+class PartitionEndError(ValueError):
+    """A partition ends (partition EOF) before the offset a strict read asked for."""
+
+
+def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, stop: int | None = None, *,
+                timeout: float = 30.0, idle: bool = False, strict: bool = False, batch: int = 1000,
+                poll: float = 0.2) -> Iterator[Message]:
+    """Assign consumer `c` (created with enable.partition.eof) to
+    `topic[partition]` at offset `start` and yield its records until partition
+    EOF or offset `stop` (exclusive); unassign when done or abandoned.
+
+    The one read-to-EOF loop of kdsync: every reader of a topic's tail uses it.
+    `timeout`: seconds to reach EOF or `stop`, counted from the start, or, with
+    `idle`, from the last record received.  Raises TimeoutError when it passes.
+    Lenient (default): a missing topic or partition reads as empty, transient
+    errors are retried, fatal ones raise KafkaException.  `strict` (the range
+    must exist): every non-retriable error raises KafkaException, and an EOF
+    before `stop` raises PartitionEndError.
+    """
+    c.assign([TopicPartition(topic, partition, max(start, 0))])  # out of range -> earliest
     try:
-        c.assign([TopicPartition(topic, partition, max(start, 0))])  # out of range -> earliest
         deadline = time.monotonic() + timeout
         while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no end of {topic}[{partition}] within {timeout}s")
-            for m in c.consume(batch, timeout=0.2):
+            for m in c.consume(batch, timeout=poll):
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
+                        if strict and stop is not None and m.offset() < stop:
+                            raise PartitionEndError(f"{topic}[{partition}] ends at {m.offset()}, "
+                                                    f"before the requested end {stop}")
                         return
-                    if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
-                                      KafkaError._UNKNOWN_TOPIC):
+                    if strict:
+                        if err.fatal() or not err.retriable():
+                            raise KafkaException(err)
+                    elif err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
+                                        KafkaError._UNKNOWN_TOPIC):
                         return  # no topic: empty
-                    if err.fatal():
+                    elif err.fatal():
                         raise KafkaException(err)
                     continue
                 if stop is not None and m.offset() >= stop:
                     return
+                if idle:
+                    deadline = time.monotonic() + timeout
                 yield m
                 if stop is not None and m.offset() + 1 >= stop:
                     return
+    finally:
+        c.unassign()
+
+
+def iter_partition(conf: str | dict, topic: str, partition: int = 0, start: int = 0,
+                   stop: int | None = None, timeout: float = 30.0, batch: int = 1000) -> Iterator[Message]:
+    """Yield the records of one partition from offset `start` until partition
+    EOF (or offset `stop`, exclusive), with a consumer of its own.  Raises
+    TimeoutError when EOF is not reached within `timeout` seconds,
+    KafkaException on a fatal error."""
+    if partition_count(conf, topic) <= partition:
+        return  # no such topic/partition: nothing to read
+    c = consumer(conf)
+    try:
+        yield from read_to_eof(c, topic, partition, start, stop, timeout=timeout, batch=batch)
     finally:
         c.close()
 
@@ -71,7 +107,7 @@ def read_partition(conf: str | dict, topic: str, partition: int = 0, start: int 
 
 def partition_count(conf: str | dict, topic: str, timeout: float = 10.0) -> int:
     """Number of partitions of `topic`, 0 if it does not exist."""
-    admin = AdminClient(_admin_conf(conf))
+    admin = AdminClient(admin_conf(conf))
     md = admin.list_topics(timeout=timeout)  # naming the topic would auto-create it
     t = md.topics.get(topic)
     if t is None or t.error is not None:
@@ -79,7 +115,7 @@ def partition_count(conf: str | dict, topic: str, timeout: float = 10.0) -> int:
     return len(t.partitions)
 
 
-def _admin_conf(conf: str | dict) -> dict:
+def admin_conf(conf: str | dict) -> dict:
     if isinstance(conf, str):
         return {"bootstrap.servers": conf}
     drop = {"group.id", "enable.auto.commit", "auto.offset.reset", "enable.partition.eof",
@@ -92,7 +128,7 @@ def _admin_conf(conf: str | dict) -> dict:
 def ensure_topic(conf: str | dict, topic: str, partitions: int = 1, timeout: float = 10.0) -> int:
     """Create `topic` with `partitions` partitions unless it exists; return its
     partition count (which may differ if it already existed)."""
-    admin = AdminClient(_admin_conf(conf))
+    admin = AdminClient(admin_conf(conf))
     md = admin.list_topics(timeout=timeout)  # naming the topic would auto-create it
     t = md.topics.get(topic)
     if t is not None and t.error is None and t.partitions:

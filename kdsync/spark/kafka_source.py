@@ -41,7 +41,6 @@ and skips offset gaps (transaction markers, compaction) naturally.
 from __future__ import annotations
 
 import json
-import time
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import (
     ArrayType,
@@ -209,7 +208,8 @@ class KafkaReader(DataSourceReader):
 
     def read(self, partition: OffsetRange):
         import pyarrow as pa
-        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        from kdsync.kafka.topic import PartitionEndError, read_to_eof
 
         r = partition
         if r.partition < 0 or (r.end is not None and r.end <= r.start):
@@ -240,46 +240,25 @@ class KafkaReader(DataSourceReader):
             return batch
 
         try:
-            c.assign([TopicPartition(r.topic, r.partition, r.start)])
-            deadline = time.monotonic() + self.timeout
-            done = False
-            while not done:
-                msgs = c.consume(5000, timeout=0.5)
-                if not msgs and time.monotonic() > deadline:
-                    raise TimeoutError(f"kdsync-kafka: {r.topic}[{r.partition}] range {r.start}.."
-                                       f"{r.end if r.end is not None else 'EOF'} got no data for {self.timeout}s")
-                for m in msgs:
-                    err = m.error()
-                    if err is not None:
-                        if err.code() == KafkaError._PARTITION_EOF:
-                            if r.end is None or m.offset() >= r.end:
-                                done = True
-                                break
-                            # an explicit end beyond EOF: the records are not there (yet)
-                            raise KafkaSourceError(f"kdsync-kafka: {r.topic}[{r.partition}] ends at {m.offset()}, "
-                                                   f"before the requested end {r.end}")
-                        if err.fatal() or not err.retriable():
-                            raise KafkaException(err)
-                        continue
-                    off = m.offset()
-                    if r.end is not None and off >= r.end:
-                        done = True
-                        break
-                    deadline = time.monotonic() + self.timeout
-                    ts_type, ts = m.timestamp()
-                    cols["offset"].append(off)
-                    cols["timestamp"].append(ts if ts_type else None)
-                    cols["key"].append(m.key())
-                    cols["value"].append(m.value())
-                    hs = m.headers()
-                    cols["headers"].append([{"key": k, "value": v} for k, v in hs] if hs else [])
-                    if r.end is not None and off + 1 >= r.end:
-                        done = True
-                        break
+            for m in read_to_eof(c, r.topic, r.partition, r.start, r.end, timeout=self.timeout, idle=True,
+                                 strict=True, batch=5000, poll=0.5):
+                ts_type, ts = m.timestamp()
+                cols["offset"].append(m.offset())
+                cols["timestamp"].append(ts if ts_type else None)
+                cols["key"].append(m.key())
+                cols["value"].append(m.value())
+                hs = m.headers()
+                cols["headers"].append([{"key": k, "value": v} for k, v in hs] if hs else [])
                 if len(cols["offset"]) >= 20000:
                     yield flush()
             if cols["offset"]:
                 yield flush()
+        except TimeoutError:
+            raise TimeoutError(f"kdsync-kafka: {r.topic}[{r.partition}] range {r.start}.."
+                               f"{r.end if r.end is not None else 'EOF'} got no data for {self.timeout}s") from None
+        except PartitionEndError as e:
+            # an explicit end beyond EOF: the records are not there (yet)
+            raise KafkaSourceError(f"kdsync-kafka: {e}") from None
         finally:
             c.close()
 
