@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
+from kdsync.kafka.records import H_SEQ, read_global_headers
 from kdsync.kafka.topic import consumer, ensure_topic, iter_partition, read_to_eof
 
 __all__ = ["GlobalRecord", "LocalGroup", "check_agreement", "main", "read_global", "write_events"]
@@ -53,9 +54,11 @@ class GlobalRecord:
 
 
 def _global_record(m) -> GlobalRecord:
-    h = dict(m.headers() or [])
-    return GlobalRecord(m.offset(), int(h["kdsync.seq"]), h["kdsync.origin"].decode(), int(h["kdsync.origin.partition"]),
-                        int(h["kdsync.origin.offset"]), int(h["kdsync.origin.ts"]), m.key(), m.value(), m.timestamp()[1])
+    h = read_global_headers(m.headers())
+    if h is None:
+        raise ValueError(f"{m.topic()}[{m.partition()}] offset {m.offset()} has no {H_SEQ} header")
+    return GlobalRecord(m.offset(), h.seq, h.origin, h.origin_partition, h.origin_offset, h.origin_ts, m.key(),
+                        m.value(), m.timestamp()[1])
 
 
 def read_global(bootstrap: str, topic: str, timeout: float = 30.0) -> list[GlobalRecord]:
@@ -98,7 +101,7 @@ def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None 
         recs = topics[n]
         for i, r in enumerate(recs):
             if r.offset != i or r.seq != i:
-                return False, f"{n}: record at offset {r.offset} has kdsync.seq {r.seq} (expected {i})"
+                return False, f"{n}: record at offset {r.offset} has {H_SEQ} {r.seq} (expected {i})"
         ids = [r.event_id for r in recs]
         if len(set(ids)) != len(ids):
             return False, f"{n}: {len(ids) - len(set(ids))} duplicate events"

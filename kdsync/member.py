@@ -55,7 +55,6 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,17 +72,13 @@ from kdsync.core import (
     RemoteProtocolError,
     make_node,
 )
+from kdsync.errors import FatalError
+from kdsync.kafka.records import event_from_global, event_from_source, global_partition, global_record
 
 log = logging.getLogger("kdsync.member")
 
-H_SEQ, H_ORIGIN, H_OPART, H_OOFF, H_OTS = (
-    "kdsync.seq", "kdsync.origin", "kdsync.origin.partition", "kdsync.origin.offset", "kdsync.origin.ts")
 EARLY_MESSAGES = 10_000  # peer messages kept per topic while its group starts
 MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
-
-
-class FatalError(Exception):
-    """Stops the member: one line for the operator, exit 1."""
 
 
 # ---------------------------------------------------------------- logging
@@ -112,46 +107,6 @@ class KVFormatter(logging.Formatter):
 
 def _kv(**kw) -> dict:
     return {"extra": {"kv": kw}}
-
-
-# ---------------------------------------------------------------- payloads
-def pack_payload(key: bytes | None, value: bytes | None, headers) -> bytes:
-    """Event.payload: key, value and the source headers (a list of pairs)."""
-    return msgpack.packb([key, value, [[k, v] for k, v in (headers or ())]], use_bin_type=True)
-
-
-def unpack_payload(payload: bytes):
-    key, value, headers = msgpack.unpackb(payload, raw=False)
-    return key, value, [(k, v) for k, v in headers]
-
-
-def _hget(headers, name: str) -> bytes | None:
-    for k, v in headers or ():
-        if k == name:
-            return v
-    return None
-
-
-def event_from_global(msg) -> tuple[int, Event]:
-    """(seq, Event) of a record of a global topic; raises ValueError if it
-    lacks kdsync headers (something else wrote to the topic)."""
-    hs = msg.headers() or []
-    seq = _hget(hs, H_SEQ)
-    if seq is None:
-        raise FatalError(f"{msg.topic()}[{msg.partition()}] offset {msg.offset()} has no {H_SEQ} header: kdsync must be "
-                         f"the only writer of its global topics (topics.global_suffix)")
-    src = [(k, v) for k, v in hs if not k.startswith("kdsync.")]
-    ev = Event(origin=_hget(hs, H_ORIGIN).decode(), partition=int(_hget(hs, H_OPART)), offset=int(_hget(hs, H_OOFF)),
-               payload=pack_payload(msg.key(), msg.value(), src), timestamp_ms=int(_hget(hs, H_OTS) or b"0"))
-    return int(seq), ev
-
-
-def global_partition(key: bytes | None, seq: int, partitions: int) -> int:
-    """Partition of a global record: by key hash (CRC-32, identical in every
-    cluster), keyless records by position."""
-    if partitions == 1:
-        return 0
-    return (zlib.crc32(key) if key is not None else seq) % partitions
 
 
 # ---------------------------------------------------------------- hard state
@@ -590,10 +545,7 @@ class Member:
             self.fatal(f"internal: delivery at position {seq} but {g.global_topic} continues at {g.produced_end}")
             return
         for ev in d.events:
-            key, value, headers = unpack_payload(ev.payload)
-            headers = headers + [(H_SEQ, str(seq).encode()), (H_ORIGIN, ev.origin.encode()),
-                                 (H_OPART, str(ev.partition).encode()), (H_OOFF, str(ev.offset).encode()),
-                                 (H_OTS, str(ev.timestamp_ms).encode())]
+            key, value, headers = global_record(seq, ev)
             g.pending[seq] = ev
             if ev.origin == self.me:
                 g.own.append((seq, ev.partition, ev.offset))
@@ -794,10 +746,7 @@ class Member:
                             log.warning("consumer", **_kv(error=err.str()))
                         continue
                     consumed[(m.topic(), m.partition())] = m.offset() + 1
-                    ts_type, ts = m.timestamp()
-                    batch.setdefault(m.topic(), []).append(
-                        Event(self.me, m.partition(), m.offset(), pack_payload(m.key(), m.value(), m.headers()),
-                              ts if ts > 0 else int(time.time() * 1000)))
+                    batch.setdefault(m.topic(), []).append(event_from_source(self.me, m))
                 if batch:
                     self.loop.call_soon_threadsafe(self._on_source_batch, batch)
         except Exception as e:  # a bug or an unexpected client error: stop with one line

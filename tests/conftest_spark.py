@@ -99,6 +99,7 @@ def write_global(cluster, topic: str, order: list[Rec], seqs: list[int] | None =
     `deliver_delay_ms` after its source timestamp."""
     from confluent_kafka import Producer
 
+    from kdsync.kafka.records import global_headers
     from kdsync.kafka.topic import ensure_topic
 
     ensure_topic(cluster.bootstrap, topic, 1)
@@ -107,8 +108,5 @@ def write_global(cluster, topic: str, order: list[Rec], seqs: list[int] | None =
     for k, r in enumerate(order):
         seq = k if seqs is None else seqs[k]
         p.produce(topic, key=r.key, value=r.value, partition=0, timestamp=r.ts + deliver_delay_ms,
-                  headers=[("kdsync.seq", str(seq).encode()), ("kdsync.origin", r.origin.encode()),
-                           ("kdsync.origin.partition", str(r.partition).encode()),
-                           ("kdsync.origin.offset", str(r.offset).encode()),
-                           ("kdsync.origin.ts", str(r.ts).encode())])
+                  headers=global_headers(seq, r.origin, r.partition, r.offset, r.ts))
     assert p.flush(30) == 0

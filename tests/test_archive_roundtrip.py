@@ -27,6 +27,7 @@ def clusters():
 def _write(cluster, first: int, n: int, partitions: int = 2):
     from confluent_kafka import Producer
 
+    from kdsync.kafka.records import H_ORIGIN, H_SEQ
     from kdsync.kafka.topic import ensure_topic
 
     ensure_topic(cluster.bootstrap, TOPIC, partitions)
@@ -36,7 +37,7 @@ def _write(cluster, first: int, n: int, partitions: int = 2):
     for i in range(first, first + n):
         p.produce(TOPIC, key=b"k%d" % i, value=b"payload-%d" % i * 3, partition=i % partitions,
                   timestamp=now_ms + i,
-                  headers=[("kdsync.seq", str(i).encode()), ("kdsync.origin", b"dc1"), ("empty", None)])
+                  headers=[(H_SEQ, str(i).encode()), (H_ORIGIN, b"dc1"), ("empty", None)])
     assert p.flush(30) == 0
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
 from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
+from kdsync.kafka.records import H_SEQ, global_headers
 from kdsync.kafka.topic import ensure_topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -233,7 +234,7 @@ def test_global_partitions_by_key_hash_identical_everywhere(tmp_path):
             t.join()
 
         def parts(i):
-            return [[(m.key(), dict(m.headers())["kdsync.seq"]) for m in read_partition(g.bootstrap(i), g.global_topic, p)]
+            return [[(m.key(), dict(m.headers())[H_SEQ]) for m in read_partition(g.bootstrap(i), g.global_topic, p)]
                     for p in range(3)]
 
         _wait(lambda: all(sum(map(len, parts(i))) == 400 for i in g.data), 40, "400 records in each global topic")
@@ -289,9 +290,8 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
         ensure_topic(c.bootstrap, "g-global", partitions=3)
         p = Producer({"bootstrap.servers": c.bootstrap})
         for seq, part, off in [(0, 0, 0), (1, 1, 1), (3, 2, 3)]:
-            p.produce("g-global", key=b"k", value=b"v", partition=seq % 3, headers=[
-                ("kdsync.seq", str(seq).encode()), ("kdsync.origin", b"dc1"), ("kdsync.origin.partition", b"0"),
-                ("kdsync.origin.offset", str(off).encode()), ("kdsync.origin.ts", b"1")])
+            p.produce("g-global", key=b"k", value=b"v", partition=seq % 3,
+                      headers=global_headers(seq, "dc1", 0, off, 1))
         assert p.flush(10) == 0
         cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
                                 "kafka": {"bootstrap.servers": c.bootstrap},

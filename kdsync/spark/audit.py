@@ -27,6 +27,8 @@ import os
 import sys
 from pathlib import Path
 
+from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ
+
 MAX_EXAMPLES = 5
 MAX_RUNS_IN_JSON = 1000
 
@@ -122,11 +124,11 @@ def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suff
     slim = raw.select(
         run_id.alias("run_id"), F.col("cluster").alias("member"), is_global.alias("is_global"),
         F.col("partition"), F.col("offset"), F.col("timestamp"),
-        hs("kdsync.origin").alias("origin"),
-        hs("kdsync.origin.partition").cast("int").alias("origin_partition"),
-        hs("kdsync.origin.offset").cast("long").alias("origin_offset"),
-        hs("kdsync.seq").cast("long").alias("seq"),
-        hs("kdsync.origin.ts").cast("long").alias("origin_ts")).persist()
+        hs(H_ORIGIN).alias("origin"),
+        hs(H_OPART).cast("int").alias("origin_partition"),
+        hs(H_OOFF).cast("long").alias("origin_offset"),
+        hs(H_SEQ).cast("long").alias("seq"),
+        hs(H_OTS).cast("long").alias("origin_ts")).persist()
     g = slim.where(F.col("is_global"))
     trace = g.select(
         "run_id", "member", "origin", "origin_partition", "origin_offset", "seq",
