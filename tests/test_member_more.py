@@ -284,6 +284,7 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
     from confluent_kafka import Producer
 
     from kdsync.config import config_from_dict
+    from kdsync.kafka.reader import scan_global
     from kdsync.member import Member
 
     with EmbeddedCluster("gap", log_dir=tmp_path) as c:
@@ -296,5 +297,5 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
         cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
                                 "kafka": {"bootstrap.servers": c.bootstrap},
                                 "topics": {"source": "g", "global_partitions": 3}}, base_dir=str(tmp_path))
-        end, wm, present = Member(cfg)._scan_global("g-global", 3)
+        end, wm, present = scan_global(Member(cfg).kafka_conf, "g-global", 3)
         assert (end, wm, present) == (2, {("dc1", 0): 1}, {3})

@@ -1,0 +1,241 @@
+"""The source side of a member: its own cluster's source topics, consumed in a
+thread, handed to the event loop as runs of one partition.
+
+Kafka's blocking calls stay off the loop: one thread consumes every source
+topic in batches, commits offsets and refreshes watermarks.  Each batch is cut
+into runs — consecutive offsets of one partition, in the order they were
+consumed — and handed to the loop in one call (`on_runs`).  An offset is
+committed only once the member says its event is durable in the global topic
+(`commit`; enable.auto.commit is off).  When too many consumed records are not
+committed yet, the thread stops fetching (back-pressure).
+
+Assignment is manual: a topic is consumed once the member adds it
+(`add_topic`), every partition from max(committed offset, the start the
+member gives), and partitions that appear later are picked up by the next
+metadata refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kdsync.core import Event
+from kdsync.kafka.records import event_from_source
+from kdsync.logs import kv
+
+__all__ = ["MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
+
+log = logging.getLogger("kdsync.source")
+
+MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
+
+
+def consumer_conf(member_id: str, overrides: dict) -> dict:
+    """librdkafka properties of this member's consumers: kdsync's defaults,
+    then the configured `overrides`, then what kdsync cannot do without."""
+    conf = {"group.id": f"kdsync-{member_id}", "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5,
+            "log_level": 3, "socket.connection.setup.timeout.ms": 5000}
+    conf.update(overrides)
+    conf["enable.auto.commit"] = False  # an offset is committed only once its event is durable
+    conf["enable.auto.offset.store"] = False
+    return conf
+
+
+@dataclass
+class SourceRun:
+    """Records of one source partition at consecutive offsets, as core events
+    (in offset order; origin = this member)."""
+
+    topic: str
+    partition: int
+    events: list[Event]
+
+
+class SourceConsumer:
+    """Consumes the source topics in a thread of its own.
+
+    `on_runs(runs)` and `on_fatal(message)` are called in the event loop's
+    thread (through `loop.call_soon_threadsafe`), `on_lag(topic, partition,
+    lag)` in the consumer thread.  `conf` comes from `consumer_conf` (plus an
+    `error_cb`).
+    """
+
+    def __init__(self, conf: dict, origin: str, loop: asyncio.AbstractEventLoop, *,
+                 on_runs: Callable[[list[SourceRun]], None], on_fatal: Callable[[str], None],
+                 on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT):
+        # the source follows its topics for ever: a partition EOF means nothing here
+        self.conf = {**conf, "enable.partition.eof": False}
+        self.origin = origin
+        self.loop = loop
+        self.on_runs, self.on_fatal, self.on_lag = on_runs, on_fatal, on_lag
+        self.batch = batch
+        self.max_inflight = max_inflight
+        self._topics: dict[str, dict[int, int]] = {}  # topic -> partition -> lowest offset to consume
+        self._commit_q: queue.Queue = queue.Queue()
+        self._committed: dict[tuple[str, int], int] = {}  # source offsets committed (durably ordered below)
+        self._stop = threading.Event()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ the loop's side
+    def add_topic(self, topic: str, start: dict[int, int]) -> None:
+        """Consume `topic`, each partition p from at least offset start.get(p, 0)."""
+        self._topics[topic] = dict(start)
+
+    def commit(self, topic: str, offsets: dict[int, int]) -> None:
+        """Commit `offsets` (partition -> next offset) of `topic` soon, in the consumer thread."""
+        if offsets:
+            self._commit_q.put((topic, offsets))
+
+    def start(self) -> None:
+        """Start the consumer thread."""
+        self._thread = threading.Thread(target=self._run, name="kdsync-consumer", daemon=True)
+        self._thread.start()
+
+    def pause(self) -> None:
+        """Hand over no more records; commits still go out."""
+        self._resume.clear()
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop the thread after a last synchronous commit; blocks up to `timeout` s."""
+        self._stop.set()
+        self._resume.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        from confluent_kafka import Consumer
+
+        c = Consumer(self.conf)
+        assigned: dict[tuple[str, int], bool] = {}
+        consumed: dict[tuple[str, int], int] = {}  # next offset to consume, per source partition
+        last_meta = 0.0
+        last_lag = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now - last_meta > (0.5 if not assigned else 5.0):
+                    last_meta = now
+                    self._refresh(c, assigned)
+                self._drain_commits(c)
+                if not self._resume.wait(0.05):
+                    continue
+                # back-pressure: too many consumed records not yet durably ordered and committed
+                if sum(nxt - self._committed.get(tp, 0) for tp, nxt in consumed.items()) > self.max_inflight:
+                    self._stop.wait(0.02)
+                    continue
+                if not assigned:
+                    self._stop.wait(0.1)
+                    continue
+                if now - last_lag > 1.0:
+                    last_lag = now
+                    self._update_lag(c, assigned)
+                # poll() returns as soon as one record is there; consume(n, timeout) would
+                # wait for n records or the timeout, adding up to the timeout to latency
+                first = c.poll(0.05)
+                if first is None:
+                    continue
+                runs = self._runs([first] + c.consume(self.batch - 1, timeout=0), consumed)
+                if runs:
+                    self.loop.call_soon_threadsafe(self.on_runs, runs)
+        except Exception as e:  # a bug or an unexpected client error: stop with one line
+            self.loop.call_soon_threadsafe(self.on_fatal, f"kafka consumer: {e}")
+        finally:
+            self._drain_commits(c, final=True)
+            c.close()
+
+    def _runs(self, msgs: list, consumed: dict[tuple[str, int], int]) -> list[SourceRun]:
+        """Cut consumed messages into runs (a new run at every change of
+        partition and every offset gap), keeping their order."""
+        runs: list[SourceRun] = []
+        last = None  # (topic, partition, next offset) of the run being filled
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    self.loop.call_soon_threadsafe(self.on_fatal, f"kafka consumer: {err.str()}")
+                else:
+                    log.warning("consumer", **kv(error=err.str()))
+                continue
+            topic, part, off = m.topic(), m.partition(), m.offset()
+            consumed[(topic, part)] = off + 1
+            if last != (topic, part, off):
+                runs.append(SourceRun(topic, part, []))
+            runs[-1].events.append(event_from_source(self.origin, m))
+            last = (topic, part, off + 1)
+        return runs
+
+    def _refresh(self, c, assigned: dict[tuple[str, int], bool]) -> None:
+        """Assign the partitions of added topics not assigned yet."""
+        from confluent_kafka import TopicPartition
+
+        new = []
+        try:
+            md = c.list_topics(timeout=5)
+        except Exception as e:
+            log.warning("source metadata unavailable", **kv(error=str(e)))
+            return
+        for t in list(self._topics):
+            tm = md.topics.get(t)
+            if tm is None or tm.error is not None:
+                continue
+            for p in tm.partitions:
+                if (t, p) not in assigned:
+                    new.append(TopicPartition(t, p))
+        if not new:
+            return
+        try:
+            committed = c.committed(new, timeout=10)
+        except Exception as e:
+            log.warning("reading committed offsets failed", **kv(error=str(e)))
+            return
+        for tp in committed:
+            start = max(tp.offset if tp.offset >= 0 else 0, self._topics[tp.topic].get(tp.partition, 0))
+            tp.offset = start
+            self._committed.setdefault((tp.topic, tp.partition), start)
+            assigned[(tp.topic, tp.partition)] = True
+            log.info("consuming", **kv(topic=tp.topic, partition=tp.partition, offset=start))
+        c.incremental_assign(committed)
+
+    def _update_lag(self, c, assigned) -> None:
+        """lag = source high watermark (from fetch responses, which Tansu
+        reports right) - offset below which every event is durably ordered."""
+        from confluent_kafka import TopicPartition
+
+        for (t, p) in list(assigned):
+            try:
+                lo, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
+            except Exception:
+                continue
+            if hi is not None and hi >= 0:
+                self.on_lag(t, p, max(0, hi - self._committed.get((t, p), 0)))
+
+    def _drain_commits(self, c, final: bool = False) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        merged: dict[tuple[str, int], int] = {}
+        while True:
+            try:
+                topic, commits = self._commit_q.get_nowait()
+            except queue.Empty:
+                break
+            for p, off in commits.items():
+                merged[(topic, p)] = max(off, merged.get((topic, p), 0))
+        if not merged:
+            return
+        tps = [TopicPartition(t, p, off) for (t, p), off in sorted(merged.items())]
+        for (t, p), off in merged.items():
+            self._committed[(t, p)] = max(off, self._committed.get((t, p), 0))
+        try:
+            c.commit(offsets=tps, asynchronous=not final)
+        except KafkaException as e:
+            # not fatal: a later commit covers it; on restart the watermarks skip what is durable
+            log.warning("offset commit failed", **kv(error=str(e)))
