@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     a = p.parse_args(argv)
 
-    from kdsync.spark.audit import build_parser
+    from kdsync.spark.audit import AuditArgs
     from kdsync.spark.audit import run as audit_run
     from kdsync.spark.session import spark_session
     from kdsync.spark.synth import synthetic_trace
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         synthetic_trace(spark, events).write.parquet(str(d / "trace.parquet"))
         gen_s = time.perf_counter() - t0
-        args = build_parser().parse_args(["--trace", str(d), "--master", a.master] + (["--approx"] if a.approx else []))
+        args = AuditArgs(trace=[str(d)], master=a.master, approx=a.approx)
         t0 = time.perf_counter()
         code, report = audit_run(args)
         wall = time.perf_counter() - t0

@@ -1,49 +1,127 @@
-"""The `kdsync` command.  Each subcommand lives in its own module and is
-imported lazily, so `kdsync run` does not pay for PySpark and `kdsync audit`
-does not need confluent-kafka's producer path.
+"""The `kdsync` command.
 
-Every subcommand module exposes `main(argv: list[str]) -> int` and owns its
-own argument parsing (a user error prints one line and returns 2).
+`kdsync run` is defined here (its runtime is kdsync.member); every other
+subcommand lives in its own module as a typer command and is imported only
+when it is used, so `kdsync run` does not pay for PySpark.  Every command
+follows kdsync.clikit: help text with defaults, and bad usage as one line,
+exit 2.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
+import typer
+from typer.core import TyperGroup
+
+from kdsync.clikit import UsageError, command, new_app
+from kdsync.clikit import run as run_cli
+
+# subcommand -> module defining it (as `app`, a typer app with a command of that name)
 SUBCOMMANDS = {
-    "run": ("kdsync.member", "one member: source topic(s) in, agreed order out to the global topic(s)"),
-    "demo": ("kdsync.demo", "embedded brokers + one member per cluster, concurrent writes, agreement check"),
-    "audit": ("kdsync.spark.audit", "PySpark job: agreement, loss, duplicates, order, latency"),
-    "archive": ("kdsync.spark.archive", "write a cluster's global topic to Parquet segments"),
-    "compact": ("kdsync.spark.archive", "merge level-0 archive segments into level-1 segments"),
-    "restore": ("kdsync.spark.archive", "replay an archive into a cluster's global topic"),
+    "run": __name__,
+    "demo": "kdsync.demo",
+    "audit": "kdsync.spark.audit",
+    "archive": "kdsync.spark.archive",
+    "compact": "kdsync.spark.archive",
+    "restore": "kdsync.spark.archive",
 }
 
 
-def _usage() -> str:
-    lines = ["usage: kdsync COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    return "\n".join(lines)
+class _LazyCommands(TyperGroup):
+    """The subcommands of SUBCOMMANDS, each imported when it is used (or listed by --help)."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(SUBCOMMANDS)
+
+    def get_command(self, ctx, name: str):
+        if name not in SUBCOMMANDS:
+            return None
+        return command(importlib.import_module(SUBCOMMANDS[name]).app, name)
+
+    def resolve_command(self, ctx, args):
+        if args[0] not in SUBCOMMANDS:
+            raise UsageError(f"unknown command {args[0]!r} (expected one of: {', '.join(SUBCOMMANDS)})")
+        return super().resolve_command(ctx, args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
-        return 0 if argv else 2
-    if argv[0] in ("--version", "-V"):
+top = new_app("Keep several Kafka clusters in the same order: Derecho-style atomic multicast of topic events.",
+              cls=_LazyCommands)
+
+
+@top.callback(invoke_without_command=True)
+def _top(ctx: typer.Context,
+         version: bool = typer.Option(False, "--version", "-V", help="print the version and exit")) -> None:
+    if version:
         from kdsync import __version__
 
         print(f"kdsync {__version__}")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        raise UsageError(f"give a command: {', '.join(SUBCOMMANDS)} (see kdsync --help)")
+
+
+# ---------------------------------------------------------------- kdsync run
+app = new_app()
+
+
+@app.command("run", help="Run one kdsync member: source topic(s) in, the agreed order out to the global topic(s). "
+                         "Give --config FILE, or the original form N BROKERS TOPIC.")
+def _run(
+    config: str | None = typer.Option(None, "--config", "-c", metavar="FILE", show_default="none",
+                                      help="TOML configuration file"),
+    log_level: str | None = typer.Option(None, "--log-level", metavar="LEVEL", show_default="[log] level",
+                                         help="debug, info, warning or error; overrides [log] level"),
+    n: str | None = typer.Argument(None, metavar="N", show_default="2",
+                                   help="original form: number of members; peers come from derecho.cfg or "
+                                        "$DERECHO_CONF_FILE"),
+    brokers: str | None = typer.Argument(None, metavar="BROKERS", show_default="127.0.0.1:9092",
+                                         help="original form: bootstrap servers of this member's cluster"),
+    topic: str | None = typer.Argument(None, metavar="TOPIC", show_default="test",
+                                       help="original form: the source topic"),
+) -> int:
+    import asyncio
+
+    from kdsync.config import ConfigError, legacy_config, load_config
+    from kdsync.errors import FatalError
+    from kdsync.logs import setup_logging
+
+    if log_level is not None and log_level not in ("debug", "info", "warning", "error"):
+        raise UsageError(f"--log-level must be debug, info, warning or error, not {log_level!r}")
+    try:
+        if config:
+            if n is not None:
+                raise UsageError("give either --config FILE or N BROKERS TOPIC, not both")
+            cfg = load_config(config)
+        else:
+            try:
+                members = int(n) if n is not None else 2
+            except ValueError:
+                raise UsageError(f"N must be a number of members, got {n!r}") from None
+            cfg_file = os.environ.get("DERECHO_CONF_FILE") or "derecho.cfg"
+            cfg = legacy_config(members, brokers or "127.0.0.1:9092", topic or "test", cfg_file)
+    except ConfigError as e:
+        raise UsageError(str(e), prefix=False) from None
+    setup_logging(cfg.member.id, cfg.log.format, log_level or cfg.log.level)
+    from kdsync.member import Member
+
+    try:
+        return asyncio.run(Member(cfg).run())
+    except FatalError as e:
+        print(f"kdsync run: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
         return 0
-    name = argv[0]
-    if name not in SUBCOMMANDS:
-        print(f"kdsync: unknown command {name!r} (expected one of: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
-        return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    entry = getattr(module, f"main_{name}", None) or module.main
-    return int(entry(argv[1:]) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kdsync ARGS`; returns the exit code of the subcommand (2 on bad usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["help"]:  # `kdsync help` = `kdsync --help`
+        argv = ["--help"]
+    return run_cli(typer.main.get_group(top), argv, "kdsync")
 
 
 if __name__ == "__main__":

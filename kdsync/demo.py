@@ -16,7 +16,6 @@ The pieces are reusable (the member tests and the benchmark use them):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -27,8 +26,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
+import typer
+
+from kdsync.clikit import UsageError, command, new_app
+from kdsync.clikit import run as run_cli
 from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, read_global_headers
 from kdsync.kafka.topic import consumer, ensure_topic, iter_partition, read_to_eof
@@ -484,42 +487,44 @@ def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kdsync demo", description="Embedded brokers, one member per cluster, "
-                                 "concurrent writes, agreement check.")
-    ap.add_argument("--clusters", type=int, default=3, help="number of clusters / members (default 3)")
-    ap.add_argument("--events", type=int, default=3000, help="events written in total (default 3000)")
-    ap.add_argument("--protocol", choices=["derecho", "sequencer", "mirror"], default="derecho")
-    ap.add_argument("--rate", type=float, default=1000.0,
-                    help="total write rate in events/s (default 1000; 0 = as fast as possible, a burst)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for agreement (default 120)")
-    ap.add_argument("--keep", metavar="DIR", help="keep configs and logs in DIR")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0) if e.code in (0, None) else 2
-    if not 1 <= args.clusters <= 16:
-        print("kdsync demo: --clusters must be between 1 and 16", file=sys.stderr)
-        return 2
-    if args.rate < 0:
-        print("kdsync demo: --rate must be >= 0", file=sys.stderr)
-        return 2
-    if args.events < 1:
-        print("kdsync demo: --events must be at least 1", file=sys.stderr)
-        return 2
+app = new_app()
+
+
+@app.command("demo", help="Embedded brokers, one member per cluster, concurrent writes, agreement check: "
+                          "exit 0 when every cluster's global topic holds the same sequence, 1 otherwise.")
+def _demo(
+    clusters: int = typer.Option(3, help="number of clusters / members (1 to 16)"),
+    events: int = typer.Option(3000, help="events written in total"),
+    protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
+    rate: float = typer.Option(1000.0, help="total write rate in events/s (0 = as fast as possible, a burst)"),
+    timeout: float = typer.Option(120.0, help="seconds to wait for agreement"),
+    keep: str | None = typer.Option(None, metavar="DIR", show_default="a temporary directory, removed",
+                                    help="keep configs and logs in DIR"),
+) -> int:
+    if not 1 <= clusters <= 16:
+        raise UsageError("--clusters must be between 1 and 16")
+    if rate < 0:
+        raise UsageError("--rate must be >= 0")
+    if events < 1:
+        raise UsageError("--events must be at least 1")
     # Ctrl-C: turn SIGINT/SIGTERM into KeyboardInterrupt so the context managers clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        if args.keep:
-            return run_demo(args.clusters, args.events, args.protocol, Path(args.keep), args.timeout, args.rate or None)
+        if keep:
+            return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None)
         with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
-            return run_demo(args.clusters, args.events, args.protocol, Path(d), args.timeout, args.rate or None)
+            return run_demo(clusters, events, protocol, Path(d), timeout, rate or None)
     except KeyboardInterrupt:
         print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
     except Exception as e:  # broker binary missing, ports...: one line
         print(f"kdsync demo: {e}", file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kdsync demo ARGS`; returns the exit code (0 agreement, 1 none, 2 bad usage, 130 interrupted)."""
+    return run_cli(command(app, "demo"), argv, "kdsync demo")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,8 @@ close, exit 0.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import random
 import signal
 import sys
@@ -51,7 +49,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kdsync.config import Config, ConfigError, legacy_config, load_config, parse_address
+from kdsync.config import Config, parse_address
 from kdsync.core import (
     Delivery,
     Event,
@@ -66,7 +64,7 @@ from kdsync.errors import FatalError
 from kdsync.kafka.reader import GlobalReader, scan_global
 from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
-from kdsync.logs import kv, setup_logging
+from kdsync.logs import kv
 from kdsync.state import HardStateFile
 from kdsync.transport.channels import frame_channel, split_channel
 
@@ -474,69 +472,3 @@ class Member:
             self.metrics.close()
         log.info("member stopped", **kv(clean=self._fatal is None, **{
             f"end_{t}": p.durable_end for t, p in self.pipelines.items()}))
-
-
-# ---------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kdsync run", description="Run one kdsync member.", add_help=True)
-    ap.add_argument("--config", "-c", metavar="FILE", help="TOML configuration file")
-    ap.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="overrides [log] level")
-    ap.add_argument("positional", nargs="*", metavar="N BROKERS TOPIC",
-                    help="original form: N members (default 2), brokers (default 127.0.0.1:9092), topic (default test); "
-                         "peers from derecho.cfg or $DERECHO_CONF_FILE")
-    return ap
-
-
-class _ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise _ArgError(message)
-
-
-def _config_from_args(argv: list[str]) -> tuple[Config, str | None]:
-    ap = _parser()
-    ap.__class__ = _Parser
-    args = ap.parse_args(argv)
-    if args.config:
-        if args.positional:
-            raise _ArgError("give either --config FILE or N BROKERS TOPIC, not both")
-        return load_config(args.config), args.log_level
-    pos = args.positional
-    if len(pos) > 3:
-        raise _ArgError(f"too many arguments: {' '.join(pos[3:])}")
-    try:
-        n = int(pos[0]) if pos else 2
-    except ValueError:
-        raise _ArgError(f"N must be a number of members, got {pos[0]!r}") from None
-    brokers = pos[1] if len(pos) > 1 else "127.0.0.1:9092"
-    topic = pos[2] if len(pos) > 2 else "test"
-    cfg_file = os.environ.get("DERECHO_CONF_FILE") or "derecho.cfg"
-    return legacy_config(n, brokers, topic, cfg_file), args.log_level
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, level = _config_from_args(argv)
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except _ArgError as e:
-        print(f"kdsync run: {e}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.member.id, cfg.log.format, level or cfg.log.level)
-    member = Member(cfg)
-    try:
-        return asyncio.run(member.run())
-    except FatalError as e:
-        print(f"kdsync run: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

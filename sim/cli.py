@@ -9,41 +9,18 @@ Exit codes: 0 every invariant holds, 1 a violation (each one printed with a
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
+import typer
+
+from kdsync.clikit import UsageError, new_app
+from kdsync.clikit import run as run_cli
 from sim.scenario import ScenarioError, dump_scenario, load_scenario
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (not argparse's usage dump)
-        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kdsync-sim", description="SimPy simulator that runs the kdsync ordering core through faults.")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    r = sub.add_parser("run", help="run one scenario file")
-    r.add_argument("scenario", help="scenario YAML file (see shared/specs/scenario.md)")
-    r.add_argument("--seed", type=int, default=None, help="run seed (default: the scenario's seed)")
-    r.add_argument("--out", default=None, help="directory for summary.json and trace.parquet")
-    w = sub.add_parser("swarm", help="N runs with topology, rates and faults drawn from seeds S..S+N-1")
-    w.add_argument("--seeds", type=int, required=True, help="how many seeds")
-    w.add_argument("--first", type=int, default=0, help="first seed (default 0)")
-    w.add_argument("--protocol", choices=("derecho", "sequencer", "mirror"), default="derecho")
-    w.add_argument(
-        "--out", default="swarm-failures", help="where failing runs' scenarios are written (default swarm-failures/)"
-    )
-    return p
 
 
 @contextmanager
@@ -110,48 +87,81 @@ def _states(summary: dict) -> str:
     )
 
 
-def _cmd_run(args) -> int:
+app = new_app("SimPy simulator that runs the kdsync ordering core through faults.  Exit 0 when every invariant "
+              "holds, 1 on a violation (with a repro: line), 2 on a bad scenario or bad arguments.")
+
+
+@app.callback(invoke_without_command=True)
+def _top(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand is None:
+        raise UsageError("give a command: run SCENARIO.yaml or swarm --seeds N (see kdsync-sim --help)")
+
+
+@contextmanager
+def _scenario_errors() -> Iterator[None]:
+    """A ScenarioError (it names file, line and key) as the one line, exit 2."""
+    try:
+        yield
+    except ScenarioError as err:
+        raise UsageError(str(err), prefix=False) from None
+
+
+@app.command("run", help="Run one scenario file.")
+def _cmd_run(
+    scenario_file: str = typer.Argument(..., metavar="SCENARIO",
+                                        help="scenario YAML file (see shared/specs/scenario.md)"),
+    seed: int | None = typer.Option(None, metavar="N", show_default="the scenario's seed", help="run seed"),
+    out: str | None = typer.Option(None, metavar="DIR", show_default="none: nothing written",
+                                   help="directory for summary.json and trace.parquet"),
+) -> int:
     from sim.runner import run_scenario
 
-    scenario = load_scenario(args.scenario)
-    seed = scenario.seed if args.seed is None else args.seed
-    with _progress(scenario.duration_s + scenario.settle_s, f"{scenario.name} (sim s)") as tick:
-        result = run_scenario(scenario, seed, progress=tick)
-    if args.out:
-        write_outputs(result, Path(args.out))
-    _report(result, f"kdsync-sim run {args.scenario} --seed {seed}")
+    with _scenario_errors():
+        scenario = load_scenario(scenario_file)
+        seed = scenario.seed if seed is None else seed
+        with _progress(scenario.duration_s + scenario.settle_s, f"{scenario.name} (sim s)") as tick:
+            result = run_scenario(scenario, seed, progress=tick)
+    if out:
+        write_outputs(result, Path(out))
+    _report(result, f"kdsync-sim run {scenario_file} --seed {seed}")
     return result.exit_code
 
 
-def _cmd_swarm(args) -> int:
+@app.command("swarm", help="N runs with topology, rates and faults drawn from seeds S..S+N-1.")
+def _cmd_swarm(
+    seeds: int = typer.Option(..., metavar="N", help="how many seeds"),
+    first: int = typer.Option(0, metavar="S", help="first seed"),
+    protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
+    out: str = typer.Option("swarm-failures", metavar="DIR", help="where failing runs' scenarios are written"),
+) -> int:
     from sim.runner import run_scenario
     from sim.swarm import swarm_scenario
 
-    if args.seeds < 1:
-        raise _UsageError("kdsync-sim swarm: --seeds must be at least 1")
+    if seeds < 1:
+        raise UsageError("--seeds must be at least 1")
     t0 = time.perf_counter()
     failed = []
     events = 0
-    with _progress(args.seeds, "swarm (seeds)") as tick:
-        for i, seed in enumerate(range(args.first, args.first + args.seeds)):
-            scenario = swarm_scenario(seed, args.protocol)
+    with _progress(seeds, "swarm (seeds)") as tick, _scenario_errors():
+        for i, seed in enumerate(range(first, first + seeds)):
+            scenario = swarm_scenario(seed, protocol)
             result = run_scenario(scenario, seed, stop_when_settled=True)
             events += result.summary["events_submitted"]
             if result.failing:  # (mirror's tolerated agreement/split-brain counts are in its summary)
-                out = Path(args.out)
-                out.mkdir(parents=True, exist_ok=True)
-                path = out / f"{scenario.name}.yaml"
+                outdir = Path(out)
+                outdir.mkdir(parents=True, exist_ok=True)
+                path = outdir / f"{scenario.name}.yaml"
                 path.write_text(dump_scenario(scenario), encoding="utf-8")
                 for v in result.failing:
                     print(f"seed {seed}: violation: {v.kind}: {v.detail}")
                 print(f"seed {seed}: members at the end: {_states(result.summary)}")
-                print(f"repro: kdsync-sim run {path} --seed {seed}   (or: kdsync-sim swarm --seeds 1 --first {seed} --protocol {args.protocol})")
+                print(f"repro: kdsync-sim run {path} --seed {seed}   (or: kdsync-sim swarm --seeds 1 --first {seed} --protocol {protocol})")
                 failed.append(seed)
             if tick:
                 tick(i + 1)
     wall = time.perf_counter() - t0
     print(
-        f"swarm: {args.seeds} runs (seeds {args.first}..{args.first + args.seeds - 1}, {args.protocol}), "
+        f"swarm: {seeds} runs (seeds {first}..{first + seeds - 1}, {protocol}), "
         f"{len(failed)} failed, {events} events, {wall:.1f}s wall"
         + (f"; failing seeds: {' '.join(map(str, failed))}" if failed else "")
     )
@@ -159,17 +169,9 @@ def _cmd_swarm(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """`kdsync-sim ARGS`; returns the exit code (0 invariants hold, 1 a violation, 2 bad scenario or usage)."""
     try:
-        args = _parser().parse_args(argv)
-        if args.command is None:
-            raise _UsageError("kdsync-sim: give a command: run SCENARIO.yaml or swarm --seeds N (see kdsync-sim --help)")
-        if args.command == "run":
-            return _cmd_run(args)
-        return _cmd_swarm(args)
-    except (ScenarioError, _UsageError) as err:
-        print(str(err), file=sys.stderr)
-        return 2
+        return run_cli(typer.main.get_group(app), argv, "kdsync-sim")
     except BrokenPipeError:
         return 1
 

@@ -41,24 +41,20 @@ Theory of operation.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import re
 import sys
 import time
 import uuid
 
+import typer
+
+from kdsync.clikit import UsageError, command, new_app
+from kdsync.clikit import run as run_cli
+
 SEGMENT_RE = re.compile(r"^(\d{20})-(\d{20})$")
 CHECKPOINT = "_checkpoint.json"
-
-
-class UsageError(Exception):
-    """Bad arguments or input: one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
 
 
 def seg_name(start: int, end: int) -> str:
@@ -171,13 +167,9 @@ def _cluster_arg(items: list[str]) -> tuple[str, str]:
 
 
 def _check_brokers(name: str, brokers: str) -> None:
-    from kdsync.spark.audit import UsageError as AuditUsage
     from kdsync.spark.audit import check_brokers
 
-    try:
-        check_brokers({name: brokers}, {})
-    except AuditUsage as e:
-        raise UsageError(str(e)) from None
+    check_brokers({name: brokers}, {})
 
 
 def _positive(name: str, v):
@@ -380,102 +372,113 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
 
 # ---------------------------------------------------------------- commands
 
-def _spark(master: str, app: str):
+def _spark(master: str, name: str):
     from kdsync.spark.session import spark_session
 
-    return spark_session(master, app)
+    return spark_session(master, name)
 
 
-def _run(fn, argv) -> int:
+def _report(prog: str, fn, *args) -> int:
+    """Run `fn(*args)` and print its summary as JSON: 0; a failure: one line, 1."""
     try:
-        out = fn(argv)
-    except UsageError as e:
-        print(f"kdsync {fn.__name__.removeprefix('_cmd_')}: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:
-        return int(e.code or 0)
+        out = fn(*args)
+    except UsageError:
+        raise
     except Exception as e:  # a failed Spark job or broker: one line (KDSYNC_DEBUG=1 for the traceback)
-        import os
-
         from kdsync.spark.audit import one_line
 
         if os.environ.get("KDSYNC_DEBUG"):
             raise
-        print(f"kdsync {fn.__name__.removeprefix('_cmd_')}: failed: {one_line(e)}", file=sys.stderr)
+        print(f"{prog}: failed: {one_line(e)}", file=sys.stderr)
         return 1
     print(json.dumps(out, indent=2))
     return 0
 
 
-def _cmd_archive(argv):
-    p = _Parser(prog="kdsync archive")
-    p.add_argument("--cluster", action="append", default=[], metavar="NAME=BROKERS", required=True)
-    p.add_argument("--topic", required=True, help="the topic to archive (normally T-global)")
-    p.add_argument("--path", required=True, help="archive prefix (local path or any Hadoop URI)")
-    p.add_argument("--max-records", type=int, default=100_000)
-    p.add_argument("--max-bytes", type=int, default=64 << 20)
-    p.add_argument("--max-age-s", type=float, default=300.0)
-    p.add_argument("--flush", action="store_true", help="also close each partition's last, partial segment")
-    p.add_argument("--master", default="local[*]")
-    a = p.parse_args(argv)
-    name, brokers = _cluster_arg(a.cluster)
-    for k in ("max_records", "max_bytes", "max_age_s"):
-        _positive("--" + k.replace("_", "-"), getattr(a, k))
+app = new_app()
+_CLUSTER = "NAME=BROKERS"
+
+
+@app.command("archive", help="Write a cluster's global topic to Parquet segments (level 0), from the checkpoint to "
+                             "partition EOF; prints a JSON summary.")
+def _cmd_archive(
+    cluster: list[str] = typer.Option(..., metavar=_CLUSTER, help="the cluster to read (bootstrap servers "
+                                                                   "comma-separated)"),
+    topic: str = typer.Option(..., metavar="TOPIC", help="the topic to archive (normally T-global)"),
+    path: str = typer.Option(..., metavar="PREFIX", help="archive prefix (local path or any Hadoop URI)"),
+    max_records: int = typer.Option(100_000, metavar="N", help="a segment ends every N records"),
+    max_bytes: int = typer.Option(64 << 20, metavar="B", help="a segment ends every B bytes"),
+    max_age_s: float = typer.Option(300.0, metavar="S", help="write a partition's last, partial segment once its "
+                                                             "first record is S seconds old"),
+    flush: bool = typer.Option(False, "--flush", show_default="off",
+                               help="also close each partition's last, partial segment"),
+    master: str = typer.Option("local[*]", metavar="URL", help="Spark master"),
+) -> int:
+    name, brokers = _cluster_arg(cluster)
+    for opt, v in (("--max-records", max_records), ("--max-bytes", max_bytes), ("--max-age-s", max_age_s)):
+        _positive(opt, v)
     _check_brokers(name, brokers)
-    return archive(_spark(a.master, "kdsync-archive"), name, brokers, a.topic, a.path, a.max_records,
-                   a.max_bytes, a.max_age_s, a.flush)
+    return _report("kdsync archive", lambda: archive(_spark(master, "kdsync-archive"), name, brokers, topic, path,
+                                                     max_records, max_bytes, max_age_s, flush))
 
 
-def _cmd_compact(argv):
-    p = _Parser(prog="kdsync compact")
-    p.add_argument("--path", required=True)
-    p.add_argument("--cluster", help="only this cluster name (default: all)")
-    p.add_argument("--topic", help="only this topic (default: all)")
-    p.add_argument("--target-bytes", type=int, default=256 << 20, help="size of a level-1 segment")
-    p.add_argument("--all", action="store_true", help="also merge the last run of segments below the target")
-    p.add_argument("--master", default="local[*]")
-    a = p.parse_args(argv)
-    _positive("--target-bytes", a.target_bytes)
-    if a.cluster and "=" in a.cluster:
-        a.cluster = a.cluster.split("=", 1)[0]
-    spark = _spark(a.master, "kdsync-compact")
-    if not FS(spark, a.path).exists(a.path):
-        raise UsageError(f"--path {a.path}: does not exist")
-    return compact(spark, a.path, a.cluster, a.topic, a.target_bytes, a.all)
+@app.command("compact", help="Merge runs of level-0 archive segments into level-1 segments; prints a JSON summary.")
+def _cmd_compact(
+    path: str = typer.Option(..., metavar="PREFIX", help="archive prefix (local path or any Hadoop URI)"),
+    cluster: str | None = typer.Option(None, metavar="NAME", show_default="all", help="only this cluster"),
+    topic: str | None = typer.Option(None, metavar="TOPIC", show_default="all", help="only this topic"),
+    target_bytes: int = typer.Option(256 << 20, metavar="B", help="size of a level-1 segment"),
+    all_: bool = typer.Option(False, "--all", show_default="off",
+                              help="also merge the last run of segments below the target"),
+    master: str = typer.Option("local[*]", metavar="URL", help="Spark master"),
+) -> int:
+    _positive("--target-bytes", target_bytes)
+    if cluster and "=" in cluster:
+        cluster = cluster.split("=", 1)[0]
+
+    def go():
+        spark = _spark(master, "kdsync-compact")
+        if not FS(spark, path).exists(path):
+            raise UsageError(f"--path {path}: does not exist")
+        return compact(spark, path, cluster, topic, target_bytes, all_)
+
+    return _report("kdsync compact", go)
 
 
-def _cmd_restore(argv):
-    p = _Parser(prog="kdsync restore")
-    p.add_argument("--path", required=True)
-    p.add_argument("--cluster", action="append", default=[], metavar="NAME=BROKERS", required=True,
-                   help="where to write; NAME also names the archived cluster unless --from is given")
-    p.add_argument("--topic", required=True)
-    p.add_argument("--from", dest="from_", metavar="NAME", help="archived cluster to replay (default: NAME)")
-    p.add_argument("--master", default="local[*]")
-    a = p.parse_args(argv)
-    name, brokers = _cluster_arg(a.cluster)
+@app.command("restore", help="Replay an archive into a cluster's (empty) global topic; prints a JSON summary.")
+def _cmd_restore(
+    path: str = typer.Option(..., metavar="PREFIX", help="archive prefix (local path or any Hadoop URI)"),
+    cluster: list[str] = typer.Option(..., metavar=_CLUSTER, help="where to write; NAME also names the archived "
+                                                                   "cluster unless --from is given"),
+    topic: str = typer.Option(..., metavar="TOPIC", help="the topic to restore (normally T-global)"),
+    from_: str | None = typer.Option(None, "--from", metavar="NAME", show_default="NAME of --cluster",
+                                     help="archived cluster to replay"),
+    master: str = typer.Option("local[*]", metavar="URL", help="Spark master"),
+) -> int:
+    name, brokers = _cluster_arg(cluster)
     _check_brokers(name, brokers)
-    return restore(_spark(a.master, "kdsync-restore"), a.path, a.from_ or name, brokers, a.topic)
+    return _report("kdsync restore", lambda: restore(_spark(master, "kdsync-restore"), path, from_ or name, brokers,
+                                                     topic))
 
 
 def main_archive(argv: list[str]) -> int:
-    return _run(_cmd_archive, argv)
+    """`kdsync archive ARGS`; returns the exit code (0 done, 1 failed, 2 bad input)."""
+    return run_cli(command(app, "archive"), argv, "kdsync archive")
 
 
 def main_compact(argv: list[str]) -> int:
-    return _run(_cmd_compact, argv)
+    """`kdsync compact ARGS`; returns the exit code (0 done, 1 failed, 2 bad input)."""
+    return run_cli(command(app, "compact"), argv, "kdsync compact")
 
 
 def main_restore(argv: list[str]) -> int:
-    return _run(_cmd_restore, argv)
+    """`kdsync restore ARGS`; returns the exit code (0 done, 1 failed, 2 bad input)."""
+    return run_cli(command(app, "restore"), argv, "kdsync restore")
 
 
-def main(argv: list[str]) -> int:  # `python -m kdsync.spark.archive archive|compact|restore ...`
-    cmds = {"archive": main_archive, "compact": main_compact, "restore": main_restore}
-    if not argv or argv[0] not in cmds:
-        print("usage: archive|compact|restore ARGS...", file=sys.stderr)
-        return 2
-    return cmds[argv[0]](argv[1:])
+def main(argv: list[str]) -> int:
+    """`python -m kdsync.spark.archive archive|compact|restore ARGS`; returns the exit code."""
+    return run_cli(typer.main.get_group(app), argv, "python -m kdsync.spark.archive")
 
 
 if __name__ == "__main__":

@@ -20,46 +20,21 @@ Exit 0 when all invariants hold, 1 on a violation, 2 on bad input.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import typer
+
+from kdsync.clikit import UsageError, command, new_app
+from kdsync.clikit import run as run_cli
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ
 
 MAX_EXAMPLES = 5
 MAX_RUNS_IN_JSON = 1000
-
-
-class UsageError(Exception):
-    """Bad arguments or input: one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        raise UsageError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kdsync audit", description="Check agreement, loss, duplicates, order and latency.")
-    p.add_argument("--cluster", action="extend", nargs="+", default=[], metavar="NAME=BROKERS",
-                   help="clusters to audit (several after one flag, or repeat the flag; bootstrap servers "
-                        "comma-separated)")
-    p.add_argument("--topic", action="append", default=[],
-                   help="source topic T (the global topic is T + --global-suffix); repeat to audit several "
-                        "topics in one pass, one run per topic")
-    p.add_argument("--global-suffix", default="-global")
-    p.add_argument("--trace", nargs="+", default=[], metavar="PATH",
-                   help="audit kdsync-sim trace.parquet files or run directories instead of clusters")
-    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
-    p.add_argument("--out", help="write the tables as Parquet and report.json here")
-    p.add_argument("--window-s", type=float, default=1.0, help="throughput window in seconds (default 1)")
-    p.add_argument("--approx", action="store_true", help="approximate latency percentiles (huge inputs)")
-    p.add_argument("--kafka-property", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra librdkafka property for every cluster (repeat)")
-    return p
 
 
 def parse_clusters(items: list[str]) -> dict[str, str]:
@@ -317,8 +292,24 @@ def write_tables(tables, out: str, report: dict, malformed=None) -> None:
     Path(out, "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def run(args) -> tuple[int, dict]:
-    """Run the audit described by parsed `args`; (exit code, report)."""
+@dataclass
+class AuditArgs:
+    """What to audit (the options of `kdsync audit`)."""
+
+    cluster: list[str] = field(default_factory=list)  # NAME=BROKERS
+    topic: list[str] = field(default_factory=list)
+    global_suffix: str = "-global"
+    trace: list[str] = field(default_factory=list)
+    master: str = "local[*]"
+    out: str | None = None
+    window_s: float = 1.0
+    approx: bool = False
+    kafka_property: list[str] = field(default_factory=list)  # KEY=VALUE
+
+
+def run(args: AuditArgs) -> tuple[int, dict]:
+    """Run the audit described by `args`; (exit code, report).  Raises
+    UsageError on bad input, anything else when Spark or a broker fails."""
     from kdsync.spark.analysis import analyse
     from kdsync.spark.session import spark_session
 
@@ -364,16 +355,38 @@ def one_line(e: BaseException) -> str:
     return type(e).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+app = new_app()
+
+
+@app.command("audit", greedy=("--cluster", "--trace"),
+             help="PySpark job: check agreement, loss, duplicates, per-origin order and latency of real clusters "
+                  "(--cluster ... --topic T) or of kdsync-sim traces (--trace ...).  Prints one JSON report; exit 0 "
+                  "when every invariant holds, 1 on a violation, 2 on bad input.")
+def _audit(
+    cluster: list[str] = typer.Option([], metavar="NAME=BROKERS", show_default="none",
+                                      help="clusters to audit (several after one flag, or repeat the flag; bootstrap "
+                                           "servers comma-separated)"),
+    topic: list[str] = typer.Option([], metavar="T", show_default="none",
+                                    help="source topic T (the global topic is T + --global-suffix); repeat to audit "
+                                         "several topics in one pass, one run per topic"),
+    global_suffix: str = typer.Option("-global", metavar="SUFFIX", help="suffix of the global topics"),
+    trace: list[str] = typer.Option([], metavar="PATH", show_default="none",
+                                    help="audit kdsync-sim trace.parquet files or run directories instead of clusters "
+                                         "(several after one flag)"),
+    master: str = typer.Option("local[*]", metavar="URL", help="Spark master"),
+    out: str | None = typer.Option(None, metavar="DIR", show_default="none: report on stdout only",
+                                   help="write the tables as Parquet and report.json here"),
+    window_s: float = typer.Option(1.0, metavar="SECONDS", help="throughput window in seconds"),
+    approx: bool = typer.Option(False, "--approx", show_default="off",
+                                help="approximate latency percentiles (huge inputs)"),
+    kafka_property: list[str] = typer.Option([], metavar="KEY=VALUE", show_default="none",
+                                             help="extra librdkafka property for every cluster (repeat)"),
+) -> int:
+    args = AuditArgs(cluster, topic, global_suffix, trace, master, out, window_s, approx, kafka_property)
     try:
-        args = build_parser().parse_args(argv)
         code, report = run(args)
-    except UsageError as e:
-        print(f"kdsync audit: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
+    except UsageError:
+        raise
     except Exception as e:  # a failed Spark job or broker: one line (KDSYNC_DEBUG=1 for the traceback)
         if os.environ.get("KDSYNC_DEBUG"):
             raise
@@ -381,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(report, indent=2, default=str))
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kdsync audit ARGS`; returns the exit code (0 all invariants hold, 1 a violation or failure, 2 bad input)."""
+    return run_cli(command(app, "audit"), argv, "kdsync audit")
 
 
 if __name__ == "__main__":
