@@ -56,10 +56,10 @@ class KdsyncCommand(TyperCommand):
     greedy: tuple[str, ...] = ()
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, self._argparse_style(args))
+        return super().parse_args(ctx, self._argparse_style(ctx, args))
 
-    def _argparse_style(self, args: list[str]) -> list[str]:
-        longs = sorted({o for p in self.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
+    def _argparse_style(self, ctx, args: list[str]) -> list[str]:
+        longs = sorted({o for p in self.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
         out: list[str] = []
         greedy = None
         for i, a in enumerate(args):
