@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "archive": ("kdsync.spark.archive", "write a cluster's global topic to Parquet segments"),
     "compact": ("kdsync.spark.archive", "merge level-0 archive segments into level-1 segments"),
     "restore": ("kdsync.spark.archive", "replay an archive into a cluster's global topic"),
+    "offsets": ("kdsync.offsets_cli", "move a consumer group between clusters by offset; translate source offsets"),
 }
 
 
