@@ -433,7 +433,12 @@ class Member:
         from kdsync.kafka.topic import ensure_topic
 
         want = self.cfg.topics.global_partitions
-        have = ensure_topic(self._consumer_conf(), gt, want, timeout=3.0)
+        try:
+            have = ensure_topic(self._consumer_conf(), gt, want, timeout=3.0,
+                                replication_factor=self.cfg.topics.replication_factor,
+                                config=self.cfg.topics.global_topic_config())
+        except ValueError as e:  # TopicSettingsError: the cluster refuses [topics] settings
+            raise FatalError(f"topics: {e}") from None
         if have != want:
             raise FatalError(f"topics.global_partitions = {want} but {gt} already has {have} partitions")
         return have
