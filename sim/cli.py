@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kdsync-sim", description="SimPy simulator that runs the kdsync ordering core through faults.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     r = sub.add_parser("run", help="run one scenario file")
-    r.add_argument("scenario", help="scenario YAML file (see shared/specs/scenario.md)")
+    r.add_argument("scenario", help="scenario YAML file (format: docs/scenario.md)")
     r.add_argument("--seed", type=int, default=None, help="run seed (default: the scenario's seed)")
     r.add_argument("--out", default=None, help="directory for summary.json and trace.parquet")
     w = sub.add_parser("swarm", help="N runs with topology, rates and faults drawn from seeds S..S+N-1")
@@ -61,7 +61,7 @@ def _progress(total: float, label: str) -> Iterator:
 
 
 def write_outputs(result, out: Path) -> None:
-    """DIR/summary.json and DIR/trace.parquet (columns and types of interfaces.md)."""
+    """DIR/summary.json and DIR/trace.parquet (columns and types: docs/outputs.md)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
