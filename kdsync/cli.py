@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "archive": "kdsync.spark.archive",
     "compact": "kdsync.spark.archive",
     "restore": "kdsync.spark.archive",
+    "offsets": "kdsync.offsets_cli",
 }
 
 

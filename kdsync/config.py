@@ -1,6 +1,6 @@
 """Configuration of one member (`kdsync run --config FILE`), validated with pydantic.
 
-The TOML file (see shared/specs/interfaces.md) with every optional section::
+The TOML file (reference: docs/config.md) with every optional section::
 
     state_dir = "/var/lib/kdsync/dc1"   # HardState; default: .kdsync-state/<id> next to the file
 
@@ -25,6 +25,10 @@ The TOML file (see shared/specs/interfaces.md) with every optional section::
     source = "test"                     # or ["a", "b"] or { allow = "^app-.*", deny = "-global$" }
     global_suffix = "-global"
     global_partitions = 1               # >1: partitioned by key hash, same in every cluster
+    replication_factor = 3              # of the global topics; absent: the broker's default
+    min_insync_replicas = 2             # absent: the broker's default
+    [topics.config]                     # any topic config of the global topics, as is
+    "retention.ms" = 604800000
 
     [transport]
     kind = "auto"                       # auto | tcp | rdma
@@ -140,6 +144,39 @@ class TopicsSection(_Model):
     source: Any  # a name, a list of names, or TopicFilter (normalised by _source)
     global_suffix: str = "-global"
     global_partitions: Annotated[int, Field(ge=1, le=10_000)] = 1
+    replication_factor: Annotated[int, Field(ge=1, le=32_767)] | None = None  # None: the broker's default
+    min_insync_replicas: Annotated[int, Field(ge=1, le=32_767)] | None = None
+    config: dict[str, KafkaValue] = Field(default_factory=dict)  # topic configs of the global topics, as is
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _topic_config(cls, v):
+        if not isinstance(v, dict):
+            raise ValueError("must be a table of topic configs, e.g. \"retention.ms\" = 604800000")
+        for k, x in v.items():
+            if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", k):
+                raise ValueError(f"{_KEY}\"{k}\"{_KEY}not a topic config name (lower-case letters, digits, . _ -)")
+            if not isinstance(x, (str, int, float, bool)):
+                raise ValueError(f"{_KEY}\"{k}\"{_KEY}a topic config value must be a string, number or boolean")
+        return v
+
+    @model_validator(mode="after")
+    def _settings(self):
+        if self.min_insync_replicas is not None and "min.insync.replicas" in self.config:
+            raise ValueError(f"{_KEY}config.\"min.insync.replicas\"{_KEY}set min_insync_replicas or "
+                             f"config.\"min.insync.replicas\", not both")
+        if (self.min_insync_replicas is not None and self.replication_factor is not None
+                and self.min_insync_replicas > self.replication_factor):
+            raise ValueError(f"{_KEY}min_insync_replicas{_KEY}{self.min_insync_replicas} is more than "
+                             f"replication_factor = {self.replication_factor}: no write could ever succeed")
+        return self
+
+    def global_topic_config(self) -> dict[str, str]:
+        """Topic configs the global topics are created with (strings, as Kafka takes them)."""
+        out = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in self.config.items()}
+        if self.min_insync_replicas is not None:
+            out["min.insync.replicas"] = str(self.min_insync_replicas)
+        return out
 
     @field_validator("source", mode="before")
     @classmethod

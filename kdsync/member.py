@@ -257,7 +257,8 @@ class Member:
             start_seq, watermarks, parts, present = 0, {}, 1, set()
             if not self.witness:
                 want = self.cfg.topics.global_partitions
-                parts = await self._retry(f"creating {gt}", ensure_global, self.kafka_conf, gt, want)
+                parts = await self._retry(f"creating {gt}", ensure_global, self.kafka_conf, gt, want,
+                                          self.cfg.topics.replication_factor, self.cfg.topics.global_topic_config())
                 start_seq, watermarks, present = await self._retry(f"reading {gt} to its end", scan_global,
                                                                    self.kafka_conf, gt, parts)
             state = HardStateFile(self.cfg.state_path() / f"{topic}.hardstate")

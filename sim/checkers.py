@@ -2,7 +2,7 @@
 
 They judge only what each member's global topic holds (and, for split brain,
 what a member handed over while it was cut off from the majority), never a
-node's own view of itself.  Kinds (scenario.md): `agreement`, `integrity`,
+node's own view of itself.  Kinds (docs/scenario.md): `agreement`, `integrity`,
 `loss`, `origin_order`, `split_brain`; plus `expect` for a scenario's own
 extra assertions.
 """

@@ -38,7 +38,7 @@ def _progress(total: float, label: str) -> Iterator:
 
 
 def write_outputs(result, out: Path) -> None:
-    """DIR/summary.json and DIR/trace.parquet (columns and types of interfaces.md)."""
+    """DIR/summary.json and DIR/trace.parquet (columns and types: docs/outputs.md)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -109,7 +109,7 @@ def _scenario_errors() -> Iterator[None]:
 @app.command("run", help="Run one scenario file.")
 def _cmd_run(
     scenario_file: str = typer.Argument(..., metavar="SCENARIO",
-                                        help="scenario YAML file (see shared/specs/scenario.md)"),
+                                        help="scenario YAML file (format: docs/scenario.md)"),
     seed: int | None = typer.Option(None, metavar="N", show_default="the scenario's seed", help="run seed"),
     out: str | None = typer.Option(None, metavar="DIR", show_default="none: nothing written",
                                    help="directory for summary.json and trace.parquet"),

@@ -474,7 +474,7 @@ def run_scenario(
         "throughput_eps": round(everywhere / s.duration_s, 3),
         "sim_time_s": round(sim.env.now, 6),
         "wall_time_s": round(wall, 3),
-        # extensions (interfaces.md allows new keys)
+        # extensions (docs/outputs.md: keys are only ever added)
         "violation_counts": counts,
         "exit_code": 1 if failing else 0,
         "tick_ms": TICK_S * 1000,

@@ -1,4 +1,4 @@
-"""Scenario files: YAML in, validated `Scenario` out (format: shared/specs/scenario.md).
+"""Scenario files: YAML in, validated `Scenario` out (format: docs/scenario.md).
 
 Validation is pydantic (`extra="forbid"`, so an unknown key is an error); the
 YAML is composed node by node first so that every error can name the file

@@ -5,36 +5,18 @@ VirtualBox or libvirt, which CI does not have)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from kdsync.config import load_config
+from tool_helpers import ensure_tool as _ensure_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 SCRIPTS = sorted(INFRA.rglob("*.sh"))
 SITES = "dc1=192.168.56.11:7401:member,dc2=192.168.56.12:7401:member,dc3=192.168.56.13:7401:member,arb=192.168.56.14:7401:witness"
-
-
-def _ensure_tool(cmd: str, package: str) -> str:
-    """Path of `cmd`, apt-installing `package` if we can; pytest.skip otherwise."""
-    path = shutil.which(cmd)
-    if path:
-        return path
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(f"skipped: {cmd} is not installed and apt-get cannot be used here (not root / no apt)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=300)
-    r = subprocess.run(
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", package], capture_output=True, text=True, env=env, timeout=600
-    )
-    path = shutil.which(cmd)
-    if r.returncode != 0 or not path:
-        pytest.skip(f"skipped: apt-get install {package} failed: {(r.stderr or r.stdout).strip()[-200:]}")
-    return path
 
 
 def test_infra_has_the_scripts():

@@ -44,14 +44,21 @@ def make_producer(conf: dict):
     return Producer(conf)
 
 
-def ensure_global(conf: dict, global_topic: str, partitions: int) -> int:
-    """Create the global topic with `partitions` partitions unless it exists;
-    return its partition count.  Raises FatalError when an existing topic has
-    another count (positions would land elsewhere than in the other clusters),
-    KafkaException/TimeoutError when the brokers do not answer."""
-    from kdsync.kafka.topic import ensure_topic
+def ensure_global(conf: dict, global_topic: str, partitions: int, replication_factor: int | None = None,
+                  config: dict[str, str] | None = None) -> int:
+    """Create the global topic with `partitions` partitions (and the [topics]
+    replication factor and topic configs) unless it exists; return its
+    partition count.  Raises FatalError when an existing topic has another
+    count (positions would land elsewhere than in the other clusters) or the
+    cluster refuses the settings, KafkaException/TimeoutError when the brokers
+    do not answer."""
+    from kdsync.kafka.topic import TopicSettingsError, ensure_topic
 
-    have = ensure_topic(conf, global_topic, partitions, timeout=3.0)
+    try:
+        have = ensure_topic(conf, global_topic, partitions, timeout=3.0, replication_factor=replication_factor,
+                            config=config)
+    except TopicSettingsError as e:  # the cluster refuses [topics] settings: no retry can fix that
+        raise FatalError(f"topics: {e}") from None
     if have != partitions:
         raise FatalError(f"topics.global_partitions = {partitions} but {global_topic} already has {have} partitions")
     return have

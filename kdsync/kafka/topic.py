@@ -7,14 +7,26 @@ multi-record batches; on Kafka with transactions control records take offsets).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-__all__ = ["PartitionEndError", "admin_conf", "consumer", "ensure_topic", "iter_partition", "partition_count",
-           "read_partition", "read_to_eof"]
+__all__ = ["PartitionEndError", "TopicSettingsError", "admin_conf", "consumer", "ensure_topic", "iter_partition",
+           "partition_count", "read_partition", "read_to_eof", "topic_settings", "weaker_settings"]
+
+log = logging.getLogger("kdsync.kafka.topic")
+
+# create_topics errors that no retry can fix: the asked settings are wrong for this cluster
+_SETTINGS_ERRORS = {KafkaError.INVALID_CONFIG, KafkaError.INVALID_REPLICATION_FACTOR, KafkaError.POLICY_VIOLATION,
+                    KafkaError.INVALID_REQUEST, KafkaError.INVALID_PARTITIONS, KafkaError.UNSUPPORTED_VERSION,
+                    KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED}
+
+
+class TopicSettingsError(ValueError):
+    """The cluster refused to create a topic with the asked settings; str() is one line."""
 
 
 def consumer(bootstrap_or_conf: str | dict) -> Consumer:
@@ -125,19 +137,36 @@ def admin_conf(conf: str | dict) -> dict:
     return {k: v for k, v in conf.items() if k not in drop}
 
 
-def ensure_topic(conf: str | dict, topic: str, partitions: int = 1, timeout: float = 10.0) -> int:
+def ensure_topic(conf: str | dict, topic: str, partitions: int = 1, timeout: float = 10.0,
+                 replication_factor: int | None = None, config: dict[str, str] | None = None) -> int:
     """Create `topic` with `partitions` partitions unless it exists; return its
-    partition count (which may differ if it already existed)."""
+    partition count (which may differ if it already existed).
+
+    A new topic gets `replication_factor` (None: the broker's default,
+    default.replication.factor) and the topic `config`.  An existing topic is
+    left as it is; when settings were asked and it has weaker ones, one WARNING
+    line says which.  Raises TopicSettingsError when the cluster refuses the
+    settings, KafkaException / TimeoutError when it cannot be reached."""
     admin = AdminClient(admin_conf(conf))
     md = admin.list_topics(timeout=timeout)  # naming the topic would auto-create it
     t = md.topics.get(topic)
     if t is not None and t.error is None and t.partitions:
+        if replication_factor is not None or config:
+            _warn_if_weaker(admin, topic, replication_factor, config or {}, timeout)
         return len(t.partitions)
-    fut = admin.create_topics([NewTopic(topic, partitions, 1)], operation_timeout=timeout)[topic]
+    # -1: let the broker apply its default (CreateTopics v4+, Kafka 2.4+)
+    new = NewTopic(topic, partitions, replication_factor if replication_factor is not None else -1,
+                   config=dict(config or {}))
+    fut = admin.create_topics([new], operation_timeout=timeout)[topic]
     try:
         fut.result(timeout)
     except KafkaException as e:
-        if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+        err = e.args[0]
+        if err.code() in _SETTINGS_ERRORS:
+            asked = f"replication_factor={replication_factor if replication_factor is not None else 'default'}"
+            asked += "".join(f", {k}={v}" for k, v in sorted((config or {}).items()))
+            raise TopicSettingsError(f"creating {topic} ({asked}): {err.str()}") from None
+        if err.code() != KafkaError.TOPIC_ALREADY_EXISTS:
             raise
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -147,3 +176,57 @@ def ensure_topic(conf: str | dict, topic: str, partitions: int = 1, timeout: flo
             return len(t.partitions)
         time.sleep(0.05)
     raise TimeoutError(f"topic {topic} not visible after creation")
+
+
+def topic_settings(conf: str | dict, topic: str, timeout: float = 10.0) -> tuple[int, dict[str, str]]:
+    """(replication factor, topic configs) of an existing topic as the cluster
+    reports them: the smallest replica count over its partitions, and every
+    config DescribeConfigs returns.  Raises KafkaException, or KeyError when
+    the topic does not exist."""
+    return _settings(AdminClient(admin_conf(conf)), topic, timeout)
+
+
+def _settings(admin: AdminClient, topic: str, timeout: float) -> tuple[int, dict[str, str]]:
+    md = admin.list_topics(timeout=timeout)  # naming the topic would auto-create it
+    t = md.topics.get(topic)
+    if t is None or t.error is not None or not t.partitions:
+        raise KeyError(topic)
+    rf = min(len(p.replicas) for p in t.partitions.values())
+    res = admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)], request_timeout=timeout)
+    entries = next(iter(res.values())).result(timeout)
+    return rf, {k: v.value for k, v in entries.items() if v.value is not None}
+
+
+def weaker_settings(have_rf: int, have: dict[str, str], replication_factor: int | None,
+                    config: dict[str, str]) -> list[str]:
+    """What an existing topic has below (or other than) what was asked, one
+    phrase per setting; empty when it has everything."""
+    out = []
+    if replication_factor is not None and have_rf < replication_factor:
+        out.append(f"replication factor {have_rf} < {replication_factor}")
+    for k, want in sorted(config.items()):
+        got = have.get(k)
+        if got == want:
+            continue
+        if got is None:
+            out.append(f"{k} not set (asked {want})")
+        elif k == "min.insync.replicas" and got.isdigit() and want.isdigit():
+            if int(got) < int(want):
+                out.append(f"{k} {got} < {want}")
+        else:
+            out.append(f"{k} = {got} (asked {want})")
+    return out
+
+
+def _warn_if_weaker(admin: AdminClient, topic: str, replication_factor: int | None, config: dict[str, str],
+                    timeout: float) -> None:
+    try:
+        rf, have = _settings(admin, topic, timeout)
+    except Exception as e:  # the topic works all the same: say we could not check
+        log.warning("cannot read the settings of an existing topic", extra={"kv": {"topic": topic, "error": str(e)}})
+        return
+    weaker = weaker_settings(rf, have, replication_factor, config)
+    if weaker:
+        log.warning("existing topic has weaker settings than [topics] asks; kdsync does not change them "
+                    "(kafka-configs / kafka-reassign-partitions do)",
+                    extra={"kv": {"topic": topic, "weaker": "; ".join(weaker)}})

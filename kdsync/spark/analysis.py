@@ -1,6 +1,6 @@
 """The checks of `kdsync audit`, as Spark DataFrame transformations.
 
-Input is the trace schema of interfaces.md — one row per (member, delivered
+Input is the trace schema of docs/outputs.md — one row per (member, delivered
 event): run_id, member, event_id, origin, origin_partition, origin_offset,
 seq, submit_ts, deliver_ts (seconds) — plus optional attribute columns
 (scenario, protocol, seed).  Real clusters are converted to the same rows by

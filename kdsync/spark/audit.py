@@ -80,7 +80,7 @@ def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suff
                  props: dict | None = None):
     """(trace, sources, malformed) DataFrames for real clusters.
 
-    trace: the interfaces.md trace rows of every cluster's global topic, plus
+    trace: the trace rows (docs/outputs.md) of every cluster's global topic, plus
     `global_partition`/`position` (where the record sits); sources: (run_id,
     event_id) of every source record; malformed: global records without the
     kdsync headers (run_id, member, global_partition, position)."""
@@ -160,7 +160,7 @@ def trace_table(spark, paths: list[str]):
         raise UsageError(f"--trace: cannot read as Parquet ({str(e).splitlines()[0][:200]})") from None
     miss = missing_columns(df)
     if miss:
-        raise UsageError(f"--trace: missing trace column(s) {', '.join(miss)} (see interfaces.md trace.parquet)")
+        raise UsageError(f"--trace: missing trace column(s) {', '.join(miss)} (see docs/outputs.md, trace.parquet)")
     rows = [(f, a.get("scenario"), a.get("protocol"), a.get("seed")) for f, a in files if a]
     if rows:
         meta = spark.createDataFrame(rows, "trace_root string, s_scenario string, s_protocol string, s_seed string")

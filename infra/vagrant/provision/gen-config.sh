@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Print the kdsync TOML config of one site (format: shared/specs/interfaces.md).
+# Print the kdsync TOML config of one site (format: docs/config.md).
 # Usage: gen-config.sh NAME PRIVATE_IP ROLE PEERS PROTOCOL TRANSPORT SECRET_FILE [STATE_DIR]
 #   PEERS: "name=ip:port:role,..." (every member, this one included)
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kdsync as a systemd service: a venv that sees Debian's pyverbs
 # (--system-site-packages), the project installed from /kdsync, a generated
-# config, and the group secret.
+# config, the group secret, and the unit from packaging/systemd/.
 # Usage: kdsync.sh NAME PRIVATE_IP ROLE PEERS PROTOCOL TRANSPORT SECRET
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/lib.sh
@@ -14,6 +14,7 @@ PROTOCOL="${5:-derecho}"
 TRANSPORT="${6:-auto}"
 SECRET="${7:?missing SECRET}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../../.." && pwd)"  # the project (/kdsync in the VMs)
 
 if [ ! -x /opt/kdsync/venv/bin/python ]; then
     python3 -m venv --system-site-packages /opt/kdsync/venv
@@ -21,29 +22,25 @@ fi
 /opt/kdsync/venv/bin/pip install -q --upgrade pip
 /opt/kdsync/venv/bin/pip install -q /kdsync
 
-install -d -m 0750 /etc/kdsync /var/lib/kdsync
-umask 077
+# The service runs as user kdsync; its state directory (/var/lib/kdsync) is made by systemd (StateDirectory).
+id -u kdsync >/dev/null 2>&1 || useradd --system --home-dir /var/lib/kdsync --shell /usr/sbin/nologin kdsync
+install -d -m 0750 -o root -g kdsync /etc/kdsync
+umask 027
 printf '%s\n' "$SECRET" >/etc/kdsync/secret
 bash "$HERE/gen-config.sh" "$NAME" "$IP" "$ROLE" "$PEERS" "$PROTOCOL" "$TRANSPORT" /etc/kdsync/secret >/etc/kdsync/kdsync.toml
+chgrp kdsync /etc/kdsync/secret /etc/kdsync/kdsync.toml
 umask 022
 
+# The unit is the packaged one (one source of truth); the testbed only adds its ordering.
+install -m 0644 "$ROOT/packaging/systemd/kdsync.service" /etc/systemd/system/kdsync.service
 AFTER="network-online.target kdsync-rxe.service"
 [ "$ROLE" = "member" ] && AFTER="$AFTER kafka.service"
-cat >/etc/systemd/system/kdsync.service <<UNIT
+install -d /etc/systemd/system/kdsync.service.d
+cat >/etc/systemd/system/kdsync.service.d/testbed.conf <<UNIT
 [Unit]
 Description=kdsync member ${NAME} (${ROLE})
 After=${AFTER}
 Wants=${AFTER}
-
-[Service]
-ExecStart=/opt/kdsync/venv/bin/kdsync run --config /etc/kdsync/kdsync.toml
-Restart=on-failure
-RestartSec=2
-# RDMA registers (pins) its buffers.
-LimitMEMLOCK=infinity
-
-[Install]
-WantedBy=multi-user.target
 UNIT
 systemctl daemon-reload
 systemctl enable kdsync.service

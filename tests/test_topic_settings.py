@@ -1,0 +1,180 @@
+"""`[topics] replication_factor`, `min_insync_replicas` and `[topics.config]`:
+validation (one line naming the key), creation of the global topic with them
+by a real `kdsync run` member on a real Tansu broker, read back with the admin
+API, and the warning for an existing global topic with weaker settings.
+
+What Tansu 0.6.0 (the embedded broker) does with them, found by these tests
+and by hand: it stores every topic config it is given and returns exactly
+those from DescribeConfigs (no defaults, no validation: an unknown key or a
+non-numeric retention.ms is accepted); it reports a replication factor of N
+as N replica entries all naming its single node, and -1 (the broker default)
+as 1.  It does not enforce min.insync.replicas (acks=all succeeds with one
+replica) and keeps records past retention.ms in memory storage.  So these
+tests check what kdsync asks for and what the cluster reports, which is what a
+real Kafka cluster would then enforce.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kdsync.config import ConfigError, config_from_dict
+from kdsync.kafka.embedded import EmbeddedCluster, free_port
+from kdsync.kafka.topic import ensure_topic, topic_settings, weaker_settings
+
+
+def _cfg(topics: dict):
+    return config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:7401"}, "peers": {"dc1": "127.0.0.1:7401"},
+                             "kafka": {"bootstrap.servers": "127.0.0.1:9092"}, "topics": {"source": "t", **topics}})
+
+
+def test_defaults_send_nothing():
+    t = _cfg({}).topics
+    assert t.replication_factor is None and t.min_insync_replicas is None and t.config == {}
+    assert t.global_topic_config() == {}
+
+
+def test_settings_become_topic_configs():
+    t = _cfg({"replication_factor": 3, "min_insync_replicas": 2,
+              "config": {"retention.ms": 604800000, "cleanup.policy": "delete", "unclean.leader.election.enable": False}}).topics
+    assert t.replication_factor == 3
+    assert t.global_topic_config() == {"min.insync.replicas": "2", "retention.ms": "604800000",
+                                       "cleanup.policy": "delete", "unclean.leader.election.enable": "false"}
+
+
+@pytest.mark.parametrize("topics,expected", [
+    ({"replication_factor": 0}, "config error: topics.replication_factor: Input should be greater than or equal to 1"),
+    ({"min_insync_replicas": "two"}, "config error: topics.min_insync_replicas: Input should be a valid integer"),
+    ({"replication_factor": 2, "min_insync_replicas": 3},
+     "config error: topics.min_insync_replicas: 3 is more than replication_factor = 2: no write could ever succeed"),
+    ({"min_insync_replicas": 2, "config": {"min.insync.replicas": 2}},
+     'config error: topics.config."min.insync.replicas": set min_insync_replicas or config."min.insync.replicas", '
+     'not both'),
+    ({"config": {"retention.ms": [1]}},
+     'config error: topics.config."retention.ms": a topic config value must be a string, number or boolean'),
+    ({"config": {"Retention MS": 1}},
+     'config error: topics.config."Retention MS": not a topic config name (lower-case letters, digits, . _ -)'),
+    ({"config": "retention.ms=1"}, "config error: topics.config: must be a table of topic configs"),
+])
+def test_bad_settings_are_one_line_naming_the_key(topics, expected):
+    with pytest.raises(ConfigError) as e:
+        _cfg(topics)
+    assert str(e.value).startswith(expected), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_settings_in_a_file_exit_2(tmp_path):
+    p = tmp_path / "m.toml"
+    p.write_text(textwrap.dedent("""
+        [member]
+        id = "dc1"
+        listen = "127.0.0.1:7401"
+        [peers]
+        dc1 = "127.0.0.1:7401"
+        [kafka]
+        "bootstrap.servers" = "127.0.0.1:9092"
+        [topics]
+        source = "t"
+        [topics.config]
+        "retention.ms" = { days = 7 }
+    """))
+    r = subprocess.run([sys.executable, "-m", "kdsync.cli", "run", "--config", str(p)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ('config error: topics.config."retention.ms": a topic config value must be a string, '
+                                'number or boolean')
+
+
+def test_weaker_settings_phrases():
+    assert weaker_settings(3, {"min.insync.replicas": "2"}, 3, {"min.insync.replicas": "2"}) == []
+    assert weaker_settings(1, {"min.insync.replicas": "1", "retention.ms": "1000"}, 3,
+                           {"min.insync.replicas": "2", "retention.ms": "604800000", "cleanup.policy": "delete"}) == [
+        "replication factor 1 < 3", "cleanup.policy not set (asked delete)", "min.insync.replicas 1 < 2",
+        "retention.ms = 1000 (asked 604800000)"]
+    assert weaker_settings(3, {"min.insync.replicas": "3"}, None, {"min.insync.replicas": "2"}) == []  # stronger
+
+
+# ---------------------------------------------------------------- real broker, real member
+def _solo_config(tmp_path, bootstrap: str, source: str, topics_extra: str) -> str:
+    listen = f"127.0.0.1:{free_port()}"
+    return textwrap.dedent(f"""
+        state_dir = "{tmp_path / ('state-' + source)}"
+        [member]
+        id = "solo"
+        listen = "{listen}"
+        [peers]
+        solo = "{listen}"
+        [kafka]
+        "bootstrap.servers" = "{bootstrap}"
+        [topics]
+        source = "{source}"
+        """) + textwrap.dedent(topics_extra)
+
+
+def _run_until(cfg_path, log_path, what: str, timeout: float = 60.0) -> str:
+    """Run a solo member until its log says `what`, stop it (SIGTERM), return the log."""
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg_path)], stdout=log,
+                             stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while what not in log_path.read_text():
+            assert p.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"no {what!r} within {timeout}s:\n{log_path.read_text()}"
+            time.sleep(0.1)
+    finally:
+        p.terminate()
+        assert p.wait(30) == 0, log_path.read_text()
+    return log_path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_member_creates_the_global_topic_with_the_settings_and_warns_about_weaker_ones(tmp_path):
+    with EmbeddedCluster("settings", log_dir=tmp_path) as c:
+        ensure_topic(c.bootstrap, "orders")
+        cfg = tmp_path / "orders.toml"
+        cfg.write_text(_solo_config(tmp_path, c.bootstrap, "orders", """
+            replication_factor = 3
+            min_insync_replicas = 2
+            [topics.config]
+            "retention.ms" = 604800000
+            "cleanup.policy" = "delete"
+            "message.timestamp.type" = "LogAppendTime"
+            """))
+        log = _run_until(cfg, tmp_path / "orders.log", "topic ready")
+        assert "weaker" not in log
+        rf, configs = topic_settings(c.bootstrap, "orders-global")
+        assert rf == 3
+        assert configs == {"min.insync.replicas": "2", "retention.ms": "604800000", "cleanup.policy": "delete",
+                           "message.timestamp.type": "LogAppendTime"}
+
+        # without settings: nothing is sent, the broker's defaults apply (Tansu: one replica, no configs)
+        ensure_topic(c.bootstrap, "plain")
+        cfg = tmp_path / "plain.toml"
+        cfg.write_text(_solo_config(tmp_path, c.bootstrap, "plain", ""))
+        _run_until(cfg, tmp_path / "plain.log", "topic ready")
+        assert topic_settings(c.bootstrap, "plain-global") == (1, {})
+
+        # an existing global topic with weaker settings: kept as it is, one WARNING line says what is weaker
+        ensure_topic(c.bootstrap, "audit")
+        ensure_topic(c.bootstrap, "audit-global", replication_factor=1, config={"min.insync.replicas": "1"})
+        cfg = tmp_path / "audit.toml"
+        cfg.write_text(_solo_config(tmp_path, c.bootstrap, "audit", """
+            replication_factor = 3
+            min_insync_replicas = 2
+            [topics.config]
+            "retention.ms" = 604800000
+            """))
+        log = _run_until(cfg, tmp_path / "audit.log", "topic ready")
+        warn = [line for line in log.splitlines() if "weaker settings" in line]
+        assert len(warn) == 1, log
+        assert "level=warning" in warn[0] and "topic=audit-global" in warn[0]
+        assert ('weaker="replication factor 1 < 3; min.insync.replicas 1 < 2; retention.ms not set '
+                '(asked 604800000)"') in warn[0]
+        assert topic_settings(c.bootstrap, "audit-global") == (1, {"min.insync.replicas": "1"})
