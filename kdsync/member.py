@@ -68,6 +68,7 @@ from kdsync.core import (
     HardState,
     LocalProtocolError,
     LogChunk,
+    batches_from_events,
     NodeConfig,
     Ready,
     RemoteProtocolError,
@@ -538,7 +539,7 @@ class Member:
             if g is None:
                 continue
             self.metrics.consumed.labels(topic).inc(len(events))
-            g.node.submit(events)
+            g.node.submit(batches_from_events(events))
             self._process(g)
 
     def _process_scheduled(self, g: Group) -> None:
@@ -589,7 +590,7 @@ class Member:
         if seq != g.produced_end:
             self.fatal(f"internal: delivery at position {seq} but {g.global_topic} continues at {g.produced_end}")
             return
-        for ev in d.events:
+        for ev in d.events():
             key, value, headers = unpack_payload(ev.payload)
             headers = headers + [(H_SEQ, str(seq).encode()), (H_ORIGIN, ev.origin.encode()),
                                  (H_OPART, str(ev.partition).encode()), (H_OOFF, str(ev.offset).encode()),
@@ -665,7 +666,7 @@ class Member:
                 return
         log.info("served a read from the global topic", **_kv(topic=g.topic, start=start, stop=stop, events=len(events)))
         for i in range(0, len(events), chunk):
-            g.node.step(LogChunk(start + i, tuple(events[i:i + chunk])))
+            g.node.step(LogChunk(start + i, tuple(batches_from_events(events[i:i + chunk]))))
             self._process(g)
 
     def _read_range(self, g: Group, start: int, stop: int, timeout: float = 60.0) -> list[Event]:

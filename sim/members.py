@@ -35,7 +35,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Callable
 
-from kdsync.core import Event, HardState, LocalProtocolError, LogChunk, NodeConfig, RemoteProtocolError
+from kdsync.core import Batch, Event, HardState, LocalProtocolError, LogChunk, NodeConfig, RemoteProtocolError
+from kdsync.core import batches_from_events
 from sim.scenario import ScenarioError
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ class Member:
         pos = self.positions
         while len(pos) < len(src):
             pos.append(0)
-        batch: list[Event] = []
+        batch: list[Batch] = []
         for p, part in enumerate(src):
             i = start = pos[p]
             v = vis[p]
@@ -215,7 +216,7 @@ class Member:
             while i < n and v[i] <= horizon:
                 i += 1
             if i > start:
-                batch.extend(part[start:i])
+                batch.append(Batch.from_events(part[start:i]))
                 pos[p] = i
         if batch:
             self.node.submit(batch)
@@ -273,7 +274,7 @@ class Member:
         for d in deliveries:
             if d.first_seq != len(ge):
                 self.sim.checker.gap(me, len(ge), d.first_seq)
-            for e in d.events:
+            for e in d.events():
                 ge.append(e)
                 gts.append(now)
                 k = (e[0], e[1])
@@ -310,6 +311,6 @@ class Member:
 
         def answer() -> None:
             for s in range(start, stop, chunk):
-                self.node.step(LogChunk(s, tuple(ge[s : min(stop, s + chunk)])))
+                self.node.step(LogChunk(s, tuple(batches_from_events(ge[s : min(stop, s + chunk)]))))
 
         self._input(answer)

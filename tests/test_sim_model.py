@@ -153,7 +153,7 @@ def test_restart_recovers_from_the_global_topic_and_committed_offsets():
     # so events already ordered come again and the core drops them
     again = 0
     for p in (0, 1):
-        first_again = next(e.offset for e in resubmitted if e.partition == p)
+        first_again = next(b.first_offset for b in resubmitted if b.partition == p)
         own_wm = kw["watermarks"].get(("dc2", p), -1)
         assert first_again <= own_wm + 1
         again += own_wm + 1 - first_again
