@@ -314,7 +314,8 @@ Snapshot = _message(11, "Snapshot", "For a witness: the view start and the origi
 Hint = _message(12, "Hint", "A newer view exists (its id, members and incarnations).",
                 ("view", INT), ("members", MEMBERS), ("incs", INTS), check=_same_length("members", "incs"))
 Forward = _message(13, "Forward", "Sequencer variant: a member's own batches, numbered from `first` within the "
-                   "view, for the view's sequencer to order.", ("view", INT), ("first", INT), ("batches", BATCHES))
+                   "view, for the view's sequencer to order; every number below `done` is delivered already.",
+                   ("view", INT), ("done", INT), ("first", INT), ("batches", BATCHES))
 
 DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
                     Snapshot, Hint)

@@ -64,11 +64,14 @@ class SequencerNode(DerechoNode):
     def _on_forward(self, msg: Forward) -> None:
         if self._sequencer() != self.me or self.wedged or not self._in_current_view(msg):
             return
-        exp = self.fwd_expected.get(msg.sender, 0)
+        # numbers below `done` were delivered at the forwarder (maybe through its
+        # catch-up, never reaching us): nothing to wait for there
+        exp = max(self.fwd_expected.get(msg.sender, 0), msg.done)
         first, batches = msg.first, msg.batches
-        if first <= exp < first + len(batches):
+        if first <= exp < first + len(batches):  # in order; a gap waits for the retransmission
             self.pending.extend(batches[exp - first :])
-            self.fwd_expected[msg.sender] = first + len(batches)
+            exp = first + len(batches)
+        self.fwd_expected[msg.sender] = exp
 
     # ------------------------------------------------------------ views
     def _reset_view_state(self) -> None:
@@ -125,7 +128,7 @@ class SequencerNode(DerechoNode):
             return
         if self.out_progress < self.now - 1 and first == self.out_head:
             self.out_progress = self.now  # the retransmission clock starts with the first send
-        self._send(self._sequencer(), Forward(self.me, self.incarnation, self.view.view_id, first,
+        self._send(self._sequencer(), Forward(self.me, self.incarnation, self.view.view_id, self.out_head, first,
                                               tuple(batches)).encode())
 
     def has_ready(self) -> bool:
