@@ -10,7 +10,7 @@ import pytest
 import simpy
 
 from kdsync.core import make_node
-from sim.network import Network
+from sim.network import SimNetwork
 from sim.runner import run_scenario
 from sim.scenario import LinkSpec, NetworkSpec, parse_scenario
 
@@ -21,7 +21,7 @@ def _net(default: dict, links=(), seed=1):
     env = simpy.Environment()
     got: list[tuple[float, str, str, bytes]] = []
     spec = NetworkSpec.model_validate({"default": default, "links": list(links)})
-    net = Network(env, ("a", "b", "c"), spec, seed, lambda s, d, b: got.append((env.now, s, d, b)))
+    net = SimNetwork(env, ("a", "b", "c"), spec, seed, lambda s, d, b: got.append((env.now, s, d, b)))
     return env, net, got
 
 
