@@ -243,7 +243,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.unresponsive: set[str] = set()  # heard from, but not answering our COLLECT
         self.rejoined: dict[str, int] = {}  # view member -> its new incarnation
         self._mine_acked: dict[str, int] = {}  # peer -> how many of our slots it acknowledged
-        self._ack_urgent = False
+        self._ack_round = -1  # round of the earliest data slot received and not yet acknowledged
         self.lead_round: LeaderRound | None = None
 
     # ------------------------------------------------------------- inputs
@@ -291,10 +291,10 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self._on_ack_vector(s, msg.recv)
         if self.wedged or s not in self.view.senders:
             return
-        grew, data = self.stream.add(self.view.senders.index(s), msg.first, msg.slots)
+        grew, data_round = self.stream.add(self.view.senders.index(s), msg.first, msg.slots)
         if grew:
-            if data:
-                self._ack_urgent = True
+            if data_round >= 0 and (self._ack_round < 0 or data_round < self._ack_round):
+                self._ack_round = data_round
             self._try_deliver()
 
     def _on_ack_vector(self, s: str, recv) -> None:
@@ -364,14 +364,15 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                         self.lead_round = None
             elif silent - self.suspected:
                 self._suspect(silent - self.suspected)
-            # heartbeats, and acknowledgements that were not urgent
-            cur = tuple(self.stream.received)
+            if self._ack_round >= 0:
+                self._flush_urgent_acks()
+            # heartbeats: they also carry the acknowledgements of nulls
             for p in v.members:
                 if p == self.me:
                     continue
                 # suspected peers still hear from us, slowly: a newer view there answers with it
                 every = cfg.heartbeat_ticks * (4 if p in self.suspected else 1)
-                if now - self.last_sent[p] >= every or (p not in self.suspected and self.acked_sent[p] != cur):
+                if now - self.last_sent[p] >= every:
                     self._send_ack(p)
         # retransmit own slots to lagging peers
         st = self.stream
@@ -381,7 +382,8 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                 if p in self.suspected:
                     continue
                 have = acks[k]
-                if have < st.cut_upto and now - self.ack_progress[p] >= cfg.retransmit_ticks:
+                # a null is acknowledged with the next heartbeat: give it that long too
+                if have < st.cut_upto and now - self.ack_progress[p] >= cfg.retransmit_ticks + cfg.heartbeat_ticks:
                     self.ack_progress[p] = now
                     self._send_slots(p, have, have + 64)
         if self.target is not None and now - self.catchup_asked >= cfg.retransmit_ticks * 2:
@@ -429,16 +431,22 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                     self.acked_sent[p] = cur
                     self._send(p, data)
             self._try_deliver()
-        if self._ack_urgent:
-            self._ack_urgent = False
-            if self._is_member():
-                cur = tuple(st.received)
-                for p in self.view.members:
-                    if p != self.me and p not in self.suspected and self.acked_sent.get(p) != cur:
-                        self._send_ack(p)
+        if self._ack_round >= 0 and min(st.received, default=0) > self._ack_round:
+            # acknowledge data once its round is complete here: one vector then
+            # covers the whole round (with many senders, one message instead of one
+            # per slot); a round that stays incomplete is acknowledged at the tick
+            self._flush_urgent_acks()
+
+    def _flush_urgent_acks(self) -> None:
+        self._ack_round = -1
+        if self._is_member():
+            cur = tuple(self.stream.received)
+            for p in self.view.members:
+                if p != self.me and p not in self.suspected and self.acked_sent.get(p) != cur:
+                    self._send_ack(p)
 
     def has_ready(self) -> bool:
-        if super().has_ready() or self._ack_urgent:
+        if super().has_ready() or (self._ack_round >= 0 and min(self.stream.received, default=0) > self._ack_round):
             return True
         st = self.stream
         if st.my_k < 0 or self.wedged:

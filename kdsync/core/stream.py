@@ -20,16 +20,22 @@ records' count, so every member assigns the same positions.
 nulls at once (the proactive nulls of Derecho's SST), and the last slot of
 such a fill carries its pending data: data rides in a message that goes out
 anyway.  A new round is opened only while fewer than `window` of the
-sender's own data slots are unacknowledged by some peer; meanwhile new
-records accumulate and leave as one slot when the window opens — an idle
-sender sends at once, a busy one coalesces.  Acknowledgements are
-cumulative vectors: piggybacked on every APPEND; sent alone at once only
-when they cover a data slot the peer has not seen acknowledged (it is
-waiting for stability), otherwise at the next tick (nulls need no
-stability, only a retransmission timer that outlasts a tick).
+sender's own data slots are unacknowledged by some peer, and while no
+sender is `window` rounds behind the highest round (with many senders, a
+round every sender fills is worth more than a round each: every round costs
+every sender a message); meanwhile new records accumulate and leave as one
+slot when the window opens — an idle sender sends at once, a busy one
+coalesces.  Acknowledgements are
+cumulative vectors, piggybacked on every APPEND.  A data slot needs every
+member's acknowledgement (stability); a member sends its vector alone once
+the round of the data it has not acknowledged yet is complete here (every
+sender's slot of that round arrived: with many senders, one message per
+round instead of one per slot), or at the next tick if the round stays
+incomplete.  Nulls need no stability: their acknowledgement rides on the
+next heartbeat, and retransmission waits that long.
 
 *Retransmission.*  A peer whose acknowledgement of our slots lags for
-`retransmit_ticks` gets them again.  An own slot missing from our store at
+`retransmit_ticks` + `heartbeat_ticks` gets them again.  An own slot missing from our store at
 or above that peer's acknowledgement can only be a null we passed: data is
 removed only when stable, i.e. acknowledged by every peer.
 """
@@ -90,9 +96,9 @@ class Stream:
         self.cut_upto = 0  # own slots cut (and multicast)
 
     # ------------------------------------------------------------- receiving
-    def add(self, k: int, first: int, slots: tuple[Slot, ...]) -> tuple[bool, bool]:
-        """Sender k's slots first.. arrived.  Returns (received[k] grew, a data
-        slot became contiguous)."""
+    def add(self, k: int, first: int, slots: tuple[Slot, ...]) -> tuple[bool, int]:
+        """Sender k's slots first.. arrived.  Returns (received[k] grew, round of
+        the first data slot that became contiguous, or -1)."""
         have = self.received[k]
         store = self.slots[k]
         idx = first
@@ -100,20 +106,22 @@ class Stream:
             if idx >= have and idx not in store:
                 store[idx] = s
             idx += 1
-        data = False
+        data = -1
         start = have
         while have in store:
-            if store[have]:
-                data = True
+            if data < 0 and store[have]:
+                data = have
             have += 1
         if have == start:
-            return False, False
+            return False, -1
         self.received[k] = have
         return True, data
 
     def ack(self, peer: str, recv) -> bool:
         """A peer's received vector.  Returns True when any count grew."""
         cur = self.acks[peer]
+        if tuple(cur) == recv:
+            return False
         grew = False
         for k, v in enumerate(recv):
             if v > cur[k]:
@@ -134,7 +142,9 @@ class Stream:
         return k >= 0 and self.received[k] < max(self.received)
 
     def may_open(self, window: int) -> bool:
-        return len(self.inflight) < window
+        """A new round may be opened: fewer than `window` own data slots are
+        unacknowledged and no sender is `window` rounds behind the top."""
+        return len(self.inflight) < window and max(self.received) - min(self.received) < window
 
     def cut(self, pending: list[Batch], window: int, max_batch: int) -> tuple[int, list[Slot]]:
         """Cut own slots: nulls up to the highest round any sender opened (the
@@ -156,7 +166,8 @@ class Stream:
             if s:
                 self.inflight.append(count)
             count += 1
-        while pending and len(self.inflight) < window:
+        low = min(self.received)
+        while pending and len(self.inflight) < window and count - low < window:
             s = _take(pending, max_batch)
             store[count] = s
             out.append(s)
