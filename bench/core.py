@@ -61,9 +61,9 @@ def _direct(batch: int = 1000, rounds: int = 4, repeats: int = 2) -> list[dict]:
         for _ in range(repeats):
             try:
                 net = Network(["a", "b", "c"], protocol=proto, seed=1, max_batch=batch)
-                if proto == "derecho":
+                if proto != "mirror":
                     net.run_until(lambda: all(net.node(i).status == "active" for i in "abc"), 100)
-                batches = {i: [net.make_events(i, batch) for _ in range(rounds)] for i in "abc"}
+                batches = {i: [[net.make_batch(i, batch)] for _ in range(rounds)] for i in "abc"}
                 t0 = time.perf_counter()
                 for r in range(rounds):
                     for i in "abc":
@@ -73,7 +73,7 @@ def _direct(batch: int = 1000, rounds: int = 4, repeats: int = 2) -> list[dict]:
             except ImportError as e:
                 raise NotMeasured(f"protocol {proto} not available: {e}") from None
             total = 3 * batch * rounds
-            if not all(len(net.topic(i)) == total for i in "abc"):
+            if not all(net.topic_len(i) == total for i in "abc"):
                 raise NotMeasured(f"{proto}: not every member delivered the {total} events in the core harness")
         best = min(times)
         rows.append({"protocol": proto, "method": f"in-process harness, batch {batch} x {rounds} rounds",

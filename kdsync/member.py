@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from kdsync.config import Config, parse_address
 from kdsync.core import (
+    Batch,
     Delivery,
     Event,
     LocalProtocolError,
@@ -58,6 +59,7 @@ from kdsync.core import (
     NodeConfig,
     OrderingNode,
     RemoteProtocolError,
+    batches_from_events,
     make_node,
 )
 from kdsync.errors import FatalError
@@ -371,7 +373,7 @@ class Member:
             if p is None:
                 continue
             self.metrics.consumed.labels(run.topic).inc(len(run.events))
-            p.node.submit(run.events)
+            p.node.submit([Batch.from_events(run.events)])
             touched[run.topic] = p
         for p in touched.values():
             self._process(p)
@@ -445,7 +447,7 @@ class Member:
                 return
         log.info("served a read from the global topic", **kv(topic=p.topic, start=start, stop=stop, events=len(events)))
         for i in range(0, len(events), chunk):
-            p.node.step(LogChunk(start + i, tuple(events[i:i + chunk])))
+            p.node.step(LogChunk(start + i, tuple(batches_from_events(events[i:i + chunk]))))
             self._process(p)
 
     # ------------------------------------------------------------ stop

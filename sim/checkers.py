@@ -47,7 +47,7 @@ class Checker:
             return
         out = self.minority.setdefault(member, [])
         for d in deliveries:
-            out.extend((d.first_seq + i, e) for i, e in enumerate(d.events))
+            out.extend((d.first_seq + i, e) for i, e in enumerate(d.events()))
 
     def gap(self, member: str, expected: int, got: int) -> None:
         self.gaps.append(

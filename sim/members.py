@@ -1,23 +1,19 @@
-"""The Kafka model of one cluster and the adapter that drives one member's node.
+"""The adapter that drives one member's ordering node inside the simulation.
 
 Theory of operation
 -------------------
-`Cluster` is what a member's Kafka cluster holds and what survives a crash:
-the source topic (partitions of acknowledged events), the committed input
-offsets, the durable global topic, and the member's disk (`HardState`).  The
-brokers themselves never fail in this model.
+`SimMember` owns the node (the real `kdsync.core` object) while the process
+is up, and drives it the way `kdsync/core/__init__.py` documents:
 
-`Member` owns the node (the real `kdsync.core` object) while the process is
-up, and drives it the way `kdsync/core/__init__.py` documents:
-
-* inputs — peer bytes (`receive`), consumed source events (`submit`, all that
-  one fetch returned in one call), `durable`, `LogChunk` answers, `tick` —
-  are fed in as they happen; after any input the member asks the simulation
-  for one flush at the current instant, so `ready()` runs once per simulated
-  instant, not once per input;
+* inputs — peer bytes (`receive`), consumed source batches (`submit`, all
+  that one fetch returned in one call), `durable`, `LogChunk` answers,
+  `tick` — are fed in as they happen; after any input the member asks the
+  host for one flush at the current instant, so `ready()` runs once per
+  simulated instant, not once per input;
 * a flush does the Ready handshake: persist hard state to the disk, send the
-  messages, append deliveries to the global topic (durable `produce_ms` later,
-  then `node.durable(end)`), answer reads `consume_ms` later, `advance()`.
+  messages, append deliveries to the global topic (durable `produce_ms`
+  later, then `node.durable(end)`), answer reads `consume_ms` later,
+  `advance()`.
 
 A crash drops the node object, the consumer position and every produce not
 yet acknowledged by the brokers (`epoch` bumps, so callbacks scheduled by the
@@ -25,63 +21,75 @@ dead process are ignored).  A restart builds a new node from the durable
 state: start_seq = length of the global topic, watermarks = highest origin
 offset per (origin, partition) in it, hard state from disk; the consumer
 resumes from the committed offsets (committed `commit_ms` after the member's
-own events became durable), so already ordered events are submitted again and
-the core's exactly-once rule must drop them.  A clock pause buffers
-every input until the member resumes.
+own records became durable), so already ordered records are submitted again
+and the core's exactly-once rule must drop them.  A clock pause holds every
+input until the member resumes.
+
+The member talks to the rest of the simulation only through `Host` (time,
+scheduling, the network, the checker's observations): it never imports the
+runner.
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
-from kdsync.core import Event, HardState, LocalProtocolError, LogChunk, NodeConfig, RemoteProtocolError
-from sim.scenario import ScenarioError
+from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
+from sim.kafka import Cluster
 
-if TYPE_CHECKING:
-    from sim.runner import Simulation
-
-
-class Cluster:
-    """One Kafka cluster: source topic, committed offsets, global topic, the member's disk."""
-
-    __slots__ = ("name", "source", "source_ack", "source_vis", "committed", "global_events", "global_ts", "watermarks", "disk")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.source: list[list[Event]] = []  # per partition, index = offset
-        self.source_ack: list[list[float]] = []  # ack time (s) of source[p][o]
-        self.source_vis: list[list[float]] = []  # when source[p][o] reaches the consumer
-        self.committed: list[int] = []  # per partition: next offset to consume after a restart
-        self.global_events: list[Event] = []  # durable global topic, index = kdsync.seq
-        self.global_ts: list[float] = []  # when each record became durable
-        self.watermarks: dict[tuple[str, int], int] = {}
-        self.disk: HardState | None = None
-
-    def ensure_partitions(self, n: int) -> None:
-        while len(self.source) < n:
-            self.source.append([])
-            self.source_ack.append([])
-            self.source_vis.append([])
-            self.committed.append(0)
+__all__ = ["Host", "SimMember"]
 
 
-class Member:
+class Host(Protocol):
+    """What a member needs from the simulation around it."""
+
+    seed: int
+    produce_s: float
+    consume_s: float
+    commit_s: float
+
+    @property
+    def now(self) -> float: ...
+
+    def after(self, delay: float, fn: Callable[[Any], None], arg: Any) -> None:
+        """Call fn(arg) `delay` seconds from now."""
+
+    def request_flush(self, member: "SimMember") -> None:
+        """Call member.flush() once at this instant, after its inputs."""
+
+    def send(self, src: str, dst: str, data: bytes) -> None: ...
+
+    def make_node(self, config: NodeConfig, **kwargs) -> OrderingNode:
+        """The node for `config`; raises ScenarioError when the core refuses it."""
+
+    def witness_disk(self, member: str) -> HardState | None: ...
+
+    def save_witness_disk(self, member: str, hs: HardState) -> None: ...
+
+    def observe_deliveries(self, member: str, deliveries: tuple[Delivery, ...]) -> None:
+        """The checker's view of what a member handed over (split-brain check)."""
+
+    def observe_gap(self, member: str, expected: int, got: int) -> None: ...
+
+
+class SimMember:
     """One kdsync member process (and, unless a witness, its cluster)."""
 
-    def __init__(self, sim: "Simulation", member_id: str, config: NodeConfig, cluster: Cluster | None) -> None:
-        self.sim = sim
+    def __init__(self, host: Host, member_id: str, config: NodeConfig, cluster: Cluster | None) -> None:
+        self.host = host
         self.id = member_id
         self.config = config
         self.cluster = cluster
-        self.node = None
+        self.node: OrderingNode | None = None
         self.up = False
         self.epoch = 0  # bumps on crash: stale callbacks compare against it
         self.starts = 0
         self.paused_until = -1.0
         self._buffer: list[Callable[[], None]] = []  # inputs held during a clock pause
         self.flush_pending = False
-        self.positions: list[int] = []  # consumer position per source partition
+        self.positions: list[int] = []  # consumer position (next offset) per source partition
+        self._cursor: list[int] = []  # index of the batch holding positions[p]
         self.status = ""
         self.views = 0
         self.bad_messages = 0
@@ -92,25 +100,22 @@ class Member:
         if self.up:
             return
         c = self.cluster
-        kwargs: dict = {"rng": random.Random(f"{self.sim.seed}/node/{self.id}/{self.starts}")}
+        host = self.host
+        kwargs: dict = {"rng": random.Random(f"{host.seed}/node/{self.id}/{self.starts}")}
         if c is not None:
-            kwargs.update(start_seq=len(c.global_events), watermarks=dict(c.watermarks), hard_state=c.disk)
+            kwargs.update(start_seq=c.topic.length, watermarks=dict(c.topic.watermarks), hard_state=c.disk)
             self.positions = list(c.committed)
+            self._cursor = [part.index_of(off) for part, off in zip(c.source, self.positions)]
         else:
-            kwargs["hard_state"] = self.sim.witness_disk.get(self.id)
+            kwargs["hard_state"] = host.witness_disk(self.id)
         self.starts += 1
-        try:
-            self.node = self.sim.node_factory(self.config, **kwargs)
-        except LocalProtocolError as err:  # the core refuses this configuration
-            raise ScenarioError(
-                f"{self.sim.scenario.name}: protocol {self.config.protocol} refuses member {self.id}: {err}"
-            ) from None
+        self.node = host.make_node(self.config, **kwargs)
         self.up = True
         self.paused_until = -1.0
         self._buffer.clear()
         if c is not None:
-            self.sim.after(self.sim.consume_s, self._poll_cb, self.epoch)
-        self.sim.request_flush(self)
+            host.after(host.consume_s, self._poll_cb, self.epoch)
+        host.request_flush(self)
 
     def crash(self) -> None:
         if not self.up:
@@ -126,7 +131,7 @@ class Member:
     def pause(self, until: float) -> None:
         if self.up:
             self.paused_until = max(self.paused_until, until)
-            self.sim.after(until - self.sim.env.now, self._resume_cb, self.epoch)
+            self.host.after(until - self.host.now, self._resume_cb, self.epoch)
 
     def resume(self) -> None:
         """End a clock pause now (run every input held meanwhile, in order)."""
@@ -139,10 +144,10 @@ class Member:
                 break
             fn()
         self.poll()
-        self.sim.request_flush(self)
+        self.host.request_flush(self)
 
     def _resume_cb(self, epoch: int) -> None:
-        if epoch == self.epoch and self.paused_until >= 0 and self.sim.env.now >= self.paused_until:
+        if epoch == self.epoch and self.paused_until >= 0 and self.host.now >= self.paused_until:
             self.resume()
 
     @property
@@ -150,10 +155,8 @@ class Member:
         return self.paused_until >= 0
 
     def _collect_stats(self) -> None:
-        node = self.node
-        stats = getattr(node, "stats", None)
-        if isinstance(stats, dict):
-            self.deduplicated += int(stats.get("deduplicated", 0))
+        if self.node is not None:
+            self.deduplicated += int(self.node.stats.get("deduplicated", 0))
 
     # ---------------------------------------------------------------- inputs
     def _input(self, fn: Callable[[], None]) -> None:
@@ -162,7 +165,7 @@ class Member:
             return
         fn()
         if not self.flush_pending:
-            self.sim.request_flush(self)
+            self.host.request_flush(self)
 
     def on_message(self, src: str, data: bytes) -> None:
         if not self.up:
@@ -170,12 +173,9 @@ class Member:
         if self.paused_until >= 0:
             self._buffer.append(lambda: self._receive(src, data))
             return
-        try:
-            self.node.receive(src, data)
-        except RemoteProtocolError:
-            self.bad_messages += 1
+        self._receive(src, data)
         if not self.flush_pending:
-            self.sim.request_flush(self)
+            self.host.request_flush(self)
 
     def _receive(self, src: str, data: bytes) -> None:
         try:
@@ -188,7 +188,7 @@ class Member:
         if self.up and self.paused_until < 0:
             self.node.tick()
 
-    def _wake(self, ev) -> None:
+    def wake(self, _arg: Any = None) -> None:
         """A fetch returned (kafka.poll_ms = 0): hand it over at once.  Whatever
         process is running now consumes it (the source topic outlives crashes)."""
         self.poll()
@@ -198,29 +198,31 @@ class Member:
             self.poll()
 
     def poll(self) -> None:
-        """Fetch everything visible past the consumer position; submit it in one call."""
+        """Fetch every batch visible past the consumer position; submit them in one call."""
         if not self.up or self.paused_until >= 0 or self.cluster is None:
             return
-        c = self.cluster
-        src, vis = c.source, c.source_vis
-        horizon = self.sim.env.now + 1e-9  # float slack: the wake-up time is vis, give or take an ulp
-        pos = self.positions
+        src = self.cluster.source
+        horizon = self.host.now + 1e-9  # float slack: the wake-up time is vis, give or take an ulp
+        pos, cur = self.positions, self._cursor
         while len(pos) < len(src):
             pos.append(0)
-        batch: list[Event] = []
+            cur.append(0)
+        out: list[Batch] = []
         for p, part in enumerate(src):
-            i = start = pos[p]
-            v = vis[p]
-            n = len(part)
-            while i < n and v[i] <= horizon:
+            i = cur[p]
+            batches, vis = part.batches, part.vis
+            n = len(batches)
+            while i < n and vis[i] <= horizon:
+                b = batches[i]
+                skip = pos[p] - b.first_offset
+                out.append(b.slice(skip) if skip > 0 else b)
+                pos[p] = b.first_offset + b.count
                 i += 1
-            if i > start:
-                batch.extend(part[start:i])
-                pos[p] = i
-        if batch:
-            self.node.submit(batch)
+            cur[p] = i
+        if out:
+            self.node.submit(out)
             if not self.flush_pending:
-                self.sim.request_flush(self)
+                self.host.request_flush(self)
 
     # ----------------------------------------------------------------- flush
     def flush(self) -> None:
@@ -229,7 +231,9 @@ class Member:
         node = self.node
         if node is None or self.paused_until >= 0:
             return
-        sim = self.sim
+        host = self.host
+        send = host.send
+        me = self.id
         rounds = 0
         while node.has_ready() and rounds < 16:
             rounds += 1
@@ -238,52 +242,45 @@ class Member:
                 if self.cluster is not None:
                     self.cluster.disk = rd.hard_state
                 else:
-                    sim.witness_disk[self.id] = rd.hard_state
-            send = sim.network.send
-            me = self.id
+                    host.save_witness_disk(self.id, rd.hard_state)
             for m in rd.messages:
                 send(me, m.to, m.data)
             if rd.deliveries:
                 self._deliver(rd.deliveries)
             for r in rd.reads:
-                sim.after(sim.consume_s, self._serve_read, (self.epoch, r.start, r.stop))
+                host.after(host.consume_s, self._serve_read, (self.epoch, r.start, r.stop))
             if rd.views:
                 self.views += len(rd.views)
             if rd.status:
                 self.status = rd.status
             node.advance(rd)
 
-    def _deliver(self, deliveries) -> None:
-        sim = self.sim
-        sim.checker.on_deliveries(self.id, deliveries, sim.in_majority(self.id))
+    def _deliver(self, deliveries: tuple[Delivery, ...]) -> None:
+        host = self.host
+        host.observe_deliveries(self.id, deliveries)
         if self.cluster is None:  # a witness has no global topic: durable as soon as handed over
-            sim.after(0.0, self._witness_durable_cb, (self.epoch, deliveries[-1].end_seq))
+            host.after(0.0, self._witness_durable_cb, (self.epoch, deliveries[-1].end_seq))
             return
-        sim.after(sim.produce_s, self._durable_cb, (self.epoch, deliveries))
+        host.after(host.produce_s, self._durable_cb, (self.epoch, deliveries))
 
     def _durable_cb(self, arg) -> None:
         epoch, deliveries = arg
         if epoch != self.epoch:
             return  # the producer died before the brokers acknowledged: the append is lost
-        c = self.cluster
-        now = self.sim.env.now
-        ge, gts, wm = c.global_events, c.global_ts, c.watermarks
+        topic = self.cluster.topic
+        now = self.host.now
         me = self.id
         commits: dict[int, int] = {}
         for d in deliveries:
-            if d.first_seq != len(ge):
-                self.sim.checker.gap(me, len(ge), d.first_seq)
-            for e in d.events:
-                ge.append(e)
-                gts.append(now)
-                k = (e[0], e[1])
-                if e[2] > wm.get(k, -1):
-                    wm[k] = e[2]
-                if e[0] == me:
-                    commits[e[1]] = e[2] + 1
+            if d.first_seq != topic.length:
+                self.host.observe_gap(me, topic.length, d.first_seq)
+            for b in d.batches:
+                topic.append(b, now)
+                if b.origin == me:
+                    commits[b.partition] = b.first_offset + b.count
         if commits:
-            self.sim.after(self.sim.commit_s, self._commit_cb, (self.epoch, commits))
-        end = len(ge)
+            self.host.after(self.host.commit_s, self._commit_cb, (self.epoch, commits))
+        end = topic.length
         self._input(lambda: self.node.durable(end))
 
     def _commit_cb(self, arg) -> None:
@@ -304,12 +301,12 @@ class Member:
         epoch, start, stop = arg
         if epoch != self.epoch or self.cluster is None:
             return
-        ge = self.cluster.global_events
-        stop = min(stop, len(ge))
+        topic = self.cluster.topic
+        stop = min(stop, topic.length)
         chunk = max(1, self.config.catchup_chunk)
 
         def answer() -> None:
             for s in range(start, stop, chunk):
-                self.node.step(LogChunk(s, tuple(ge[s : min(stop, s + chunk)])))
+                self.node.step(LogChunk(s, tuple(topic.read(s, min(stop, s + chunk)))))
 
         self._input(answer)

@@ -56,7 +56,7 @@ def _apply(base: LinkProps, spec: LinkSpec) -> LinkProps:
     return replace(base, **changes) if changes else base
 
 
-class Network:
+class SimNetwork:
     """Directed links between every pair of members.
 
     `deliver(src, dst, data)` is called at arrival time; the receiver decides
@@ -99,11 +99,12 @@ class Network:
         self.bytes = 0
 
     # ------------------------------------------------------------- fault state
-    def set_partition(self, groups: list[list[str]] | None) -> None:
-        """Cut every link between different groups; an unlisted member is a group of its own."""
+    def set_partition(self, groups: list[list[str]] | None) -> object:
+        """Cut every link between different groups (an unlisted member is a group
+        of its own); None ends any partition.  Returns a token for end_partition."""
         if groups is None:
             self._group = None
-            return
+            return None
         g = {m: i for i, grp in enumerate(groups) for m in grp}
         n = len(groups)
         for m in self.members:
@@ -111,14 +112,31 @@ class Network:
                 g[m] = n
                 n += 1
         self._group = g
+        return g
 
-    def set_link_fault(self, src: str, dst: str, spec: LinkSpec | None) -> None:
+    def end_partition(self, token: object) -> bool:
+        """End the partition `token` names, unless another one replaced it."""
+        if token is not None and self._group is token:
+            self._group = None
+            return True
+        return False
+
+    def set_link_fault(self, src: str, dst: str, spec: LinkSpec | None) -> object:
+        """Override the link src->dst with `spec` (None restores it); returns a token."""
         if spec is None:
             self._faults.pop((src, dst), None)
             self._props[(src, dst)] = self._base[(src, dst)]
-        else:
-            self._faults[(src, dst)] = spec
-            self._props[(src, dst)] = _apply(self._base[(src, dst)], spec)
+            return None
+        self._faults[(src, dst)] = spec
+        self._props[(src, dst)] = _apply(self._base[(src, dst)], spec)
+        return spec
+
+    def end_link_fault(self, src: str, dst: str, token: object) -> bool:
+        """End the link fault `token` names, unless another one replaced it."""
+        if token is not None and self._faults.get((src, dst)) is token:
+            self.set_link_fault(src, dst, None)
+            return True
+        return False
 
     def heal(self) -> None:
         self._group = None
@@ -182,4 +200,4 @@ class Network:
             Timeout(self.env, delay, (src, dst, data)).callbacks.append(self._arrive)
 
     def _arrive(self, ev) -> None:
-        self._deliver(*ev._value)
+        self._deliver(*ev.value)

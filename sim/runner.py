@@ -3,13 +3,16 @@
 Theory of operation
 -------------------
 One `simpy.Environment` (time in seconds) holds everything.  Each member
-ticks its node every `TICK_S` from a phase drawn from the seed; workloads
-append to the source topic of their cluster and wake the member's consumer
+ticks its node every `TICK_S` from a phase drawn from the seed; the workload
+(`sim.workload`: producer batches, one per linger tick and partition) is
+appended to the source topic of its cluster and wakes the member's consumer
 `produce_ms + consume_ms` after the producer sent (the source acknowledgement
-is `produce_ms` after sending: that is the event's `submit_ts`); faults run
+is `produce_ms` after sending: that is the records' `submit_ts`); faults run
 from one process in file order; at `duration_s` every partition, link fault
 and clock pause ends, and the run goes on for `settle_s` so live members can
-converge.  Then the checkers judge the global topics.
+converge.  Then the checkers judge the global topics.  The simulation is the
+members' `Host`: they reach time, scheduling, the network and the checker
+only through it.
 
 Everything random comes from its own `random.Random` seeded with a string
 derived from the run seed (string seeds hash with SHA-512, so the stream does
@@ -21,17 +24,20 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from bisect import bisect_right
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import simpy
 from simpy.events import Timeout
 
-from kdsync.core import Event, NodeConfig, make_node
+from kdsync.core import Batch, Delivery, Event, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
 from sim.checkers import MIRROR_TOLERATED, Checker, Violation
-from sim.members import Cluster, Member
-from sim.network import Network
-from sim.scenario import Scenario
+from sim.kafka import Cluster
+from sim.members import SimMember
+from sim.network import SimNetwork
+from sim.scenario import Scenario, ScenarioError
+from sim.workload import writes
 
 TICK_S = 0.010  # one node tick = 10 ms of simulated time
 GRACE_S = 0.5  # stop_when_settled: how long to keep running after convergence
@@ -80,24 +86,35 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
 class _TraceSource:
     run_id: str
     clusters: list[tuple[str, Cluster]]
-    submit_ts: dict[tuple[str, int, int], float]
+    sources: dict[str, Cluster]
 
     def columns(self) -> dict[str, list]:
+        """One row per (member, record in its global topic): expanded only here."""
         t: dict[str, list] = {c: [] for c in TRACE_COLUMNS}
-        nan = float("nan")
         for mid, c in self.clusters:
-            evs = c.global_events
-            n = len(evs)
+            topic = c.topic
+            n = topic.length
             t["run_id"].extend([self.run_id] * n)
             t["member"].extend([mid] * n)
-            t["event_id"].extend(f"{e[0]}/{e[1]}/{e[2]}" for e in evs)  # as kdsync audit
-            t["origin"].extend(e[0] for e in evs)
-            t["origin_partition"].extend(e[1] for e in evs)
-            t["origin_offset"].extend(e[2] for e in evs)
             t["seq"].extend(range(n))
-            t["submit_ts"].extend(self.submit_ts.get((e[0], e[1], e[2]), nan) for e in evs)
-            t["deliver_ts"].extend(c.global_ts)
+            for b, dts in zip(topic.batches, topic.ts):
+                o, p, f, k = b.origin, b.partition, b.first_offset, b.count
+                offs = range(f, f + k)
+                t["event_id"].extend(f"{o}/{p}/{x}" for x in offs)  # as kdsync audit
+                t["origin"].extend([o] * k)
+                t["origin_partition"].extend([p] * k)
+                t["origin_offset"].extend(offs)
+                t["submit_ts"].extend([_ack_time(self.sources, b)] * k)
+                t["deliver_ts"].extend([dts] * k)
         return t
+
+
+def _ack_time(sources: dict[str, Cluster], b: Batch) -> float:
+    """When the origin cluster acknowledged the records of `b` (one source batch)."""
+    c = sources.get(b.origin)
+    if c is None or b.partition >= len(c.source) or b.first_offset >= c.source[b.partition].end:
+        return float("nan")
+    return c.source[b.partition].ack_time(b.first_offset)
 
 
 @dataclass
@@ -123,25 +140,15 @@ class RunResult:
 NodeFactory = Callable[..., Any]
 
 
-def _arrivals(spec, duration_s: float, rng: random.Random):
-    """Send times of one workload entry at one cluster: Poisson, or a burst."""
-    if spec.burst is not None:
-        for _ in range(spec.burst):
-            yield spec.at_s
-        return
-    stop = duration_s if spec.stop_s is None else spec.stop_s
-    t = (spec.start_s or 0.0) + rng.expovariate(spec.rate_eps)
-    while t < stop:
-        yield t
-        t += rng.expovariate(spec.rate_eps)
-
-
 def _call(ev) -> None:
-    fn, arg = ev._value
+    fn, arg = ev.value
     fn(arg)
 
 
 class Simulation:
+    """One run: the SimPy environment, the members (as their `Host`), the
+    network, the workload, the faults and the checker's observations."""
+
     def __init__(self, scenario: Scenario, seed: int, node_factory: NodeFactory | None = None) -> None:
         self.scenario = scenario
         self.seed = seed
@@ -152,26 +159,29 @@ class Simulation:
         self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.node_factory = node_factory or make_node
         self.checker = Checker()
-        self.witness_disk: dict = {}
-        self.members: dict[str, Member] = {}
+        self._witness_disk: dict[str, HardState] = {}
+        self.members: dict[str, SimMember] = {}
         for spec in scenario.members:
             cluster = Cluster(spec.id) if spec.role == "member" else None
-            self.members[spec.id] = Member(self, spec.id, node_config(scenario, spec.id), cluster)
+            self.members[spec.id] = SimMember(self, spec.id, node_config(scenario, spec.id), cluster)
         self.order = list(self.members.values())  # rank order
-        self.network = Network(self.env, scenario.member_ids, scenario.network, seed, self._on_message)
-        self._flush_list: list[Member] = []
+        self.clusters = {m.id: m.cluster for m in self.order if m.cluster is not None}
+        self.network = SimNetwork(self.env, scenario.member_ids, scenario.network, seed, self._on_message)
+        self._flush_list: list[SimMember] = []
         self._flush_scheduled = False
         self._majority_cache: dict[str, bool] | None = None
-        self.submitted: dict[tuple[str, int, int], Event] = {}
-        self.submit_ts: dict[tuple[str, int, int], float] = {}
         self.end_s = scenario.duration_s + scenario.settle_s
 
-    # ----------------------------------------------------------- scheduling
+    # ------------------------------------------------------------ the Host
+    @property
+    def now(self) -> float:
+        return self.env.now
+
     def after(self, delay: float, fn: Callable[[Any], None], arg: Any) -> None:
         """Call fn(arg) `delay` seconds from now."""
         Timeout(self.env, delay, (fn, arg)).callbacks.append(_call)
 
-    def request_flush(self, m: Member) -> None:
+    def request_flush(self, m: SimMember) -> None:
         """Flush `m` once at this instant, after every input of the instant.
 
         When nothing else is scheduled for this instant the flush runs at once;
@@ -191,6 +201,29 @@ class Simulation:
         for m in todo:
             if m.flush_pending:
                 m.flush()
+
+    def send(self, src: str, dst: str, data: bytes) -> None:
+        self.network.send(src, dst, data)
+
+    def make_node(self, config: NodeConfig, **kwargs) -> OrderingNode:
+        try:
+            return self.node_factory(config, **kwargs)
+        except LocalProtocolError as err:  # the core refuses this configuration: the scenario's fault
+            raise ScenarioError(
+                f"{self.scenario.name}: protocol {config.protocol} refuses member {config.member_id}: {err}"
+            ) from None
+
+    def witness_disk(self, member: str) -> HardState | None:
+        return self._witness_disk.get(member)
+
+    def save_witness_disk(self, member: str, hs: HardState) -> None:
+        self._witness_disk[member] = hs
+
+    def observe_deliveries(self, member: str, deliveries: tuple[Delivery, ...]) -> None:
+        self.checker.on_deliveries(member, deliveries, self.in_majority(member))
+
+    def observe_gap(self, member: str, expected: int, got: int) -> None:
+        self.checker.gap(member, expected, got)
 
     def _on_message(self, src: str, dst: str, data: bytes) -> None:
         self.members[dst].on_message(src, data)
@@ -230,67 +263,43 @@ class Simulation:
     # ------------------------------------------------------------- workload
     def _setup_workload(self) -> None:
         s = self.scenario
-        per_cluster: dict[str, list] = {m: [] for m in s.clusters}
-        for i, spec in enumerate(s.workload):
-            targets = s.clusters if spec.member == "all" else (spec.member,)
-            for m in targets:
-                self.members[m].cluster.ensure_partitions(spec.partitions)
-                rng = random.Random(f"{self.seed}/workload/{i}/{m}")
-                per_cluster[m].append((i, spec, rng, _arrivals(spec, s.duration_s, rng)))
         for m in s.clusters:
-            if per_cluster[m]:
-                self.env.process(self._producer(self.members[m], per_cluster[m]))
+            parts = max((w.partitions for w in s.workload if w.member in ("all", m)), default=0)
+            if parts:
+                self.clusters[m].ensure_partitions(parts)
+                self.env.process(self._producer(self.members[m]))
 
-    def _producer(self, member: Member, entries: list):
+    def _producer(self, member: SimMember):
         """Writes the cluster's source topic one block of WORKLOAD_BLOCK_S ahead:
-        arrivals of every workload entry, merged in time order, get their
+        the producer batches of `sim.workload`, merged in time order, get their
         offsets; each becomes visible to the consumer produce+consume later."""
         env = self.env
         c = member.cluster
         origin = member.id
         lag = self.produce_s + self.consume_s
         wake = self.poll_s <= 0.0
-        submitted, submit_ts = self.submitted, self.submit_ts
-        pending = [next(it, None) for (_, _, _, it) in entries]
-        block = 0
-        while any(t is not None for t in pending):
-            block_end = (block + 1) * WORKLOAD_BLOCK_S
-            arrivals = []
-            for j, (_, spec, rng, it) in enumerate(entries):
-                t = pending[j]
-                while t is not None and t < block_end:
-                    arrivals.append((t, j))
-                    t = next(it, None)
-                pending[j] = t
-            arrivals.sort()  # by time, then entry (file order); stable
+        for block, ws in enumerate(writes(self.scenario, self.seed, origin, WORKLOAD_BLOCK_S)):
             last_vis = None
-            for t, j in arrivals:
-                _, spec, rng, _ = entries[j]
-                p = rng.randrange(spec.partitions) if spec.partitions > 1 else 0
-                part = c.source[p]
-                off = len(part)
-                head = f"{origin}/{p}/{off}/".encode()
-                n = spec.payload_bytes
-                payload = head + b"." * (n - len(head)) if n > len(head) else head[:n]
-                ack = t + self.produce_s
-                vis = t + lag
-                e = Event(origin, p, off, payload, int(round(t * 1000)))
-                part.append(e)
-                c.source_ack[p].append(ack)
-                c.source_vis[p].append(vis)
-                k = (origin, p, off)
-                submitted[k] = e
-                submit_ts[k] = ack
+            for w in ws:
+                part = c.source[w.partition]
+                ack = w.t + self.produce_s
+                vis = w.t + lag
+                part.append(Batch.uniform(origin, w.partition, part.end, w.count, w.payload_bytes,
+                                          int(round(w.t * 1000)), fill=_FILL[part.end % len(_FILL)]), ack, vis)
                 if wake and vis != last_vis:  # the consumer wakes when a fetch returns
-                    Timeout(env, vis - env.now).callbacks.append(member._wake)
+                    Timeout(env, vis - env.now).callbacks.append(member.wake)
                     last_vis = vis
-            block += 1
-            if any(t is not None for t in pending):
-                yield env.timeout(block * WORKLOAD_BLOCK_S - env.now)
+            nxt = (block + 1) * WORKLOAD_BLOCK_S
+            if nxt > env.now:
+                yield env.timeout(nxt - env.now)
+
+    def acknowledged(self) -> int:
+        """Records every source cluster acknowledged so far."""
+        return sum(c.acknowledged() for c in self.clusters.values())
 
     def _poller(self, ev) -> None:
         """kafka.poll_ms > 0: each member's consume loop hands over a batch every poll_ms."""
-        m = ev._value
+        m = ev.value
         Timeout(self.env, self.poll_s, m).callbacks.append(self._poller)
         m.poll()
 
@@ -307,31 +316,26 @@ class Simulation:
             elif a == "restart":
                 self.members[f.restart].start()
             elif a == "partition":
-                groups = [list(g) for g in f.partition]
-                net.set_partition(groups)
+                token = net.set_partition([list(g) for g in f.partition])
                 if f.until_s is not None:
-                    token = net._group
                     self.after(f.until_s - env.now, self._end_partition, token)
             elif a == "heal":
                 net.heal()
             elif a == "link":
                 lf = f.link
-                net.set_link_fault(lf.from_, lf.to, lf)
+                token = net.set_link_fault(lf.from_, lf.to, lf)
                 if f.until_s is not None:
-                    self.after(f.until_s - env.now, self._end_link_fault, (lf.from_, lf.to, lf))
+                    self.after(f.until_s - env.now, self._end_link_fault, (lf.from_, lf.to, token))
             elif a == "clock_pause":
                 self.members[f.clock_pause].pause(env.now + f.for_s)
             self.topology_changed()
 
     def _end_partition(self, token) -> None:
-        if self.network._group is token:
-            self.network.set_partition(None)
+        if self.network.end_partition(token):
             self.topology_changed()
 
     def _end_link_fault(self, arg) -> None:
-        src, dst, spec = arg
-        if self.network._faults.get((src, dst)) is spec:
-            self.network.set_link_fault(src, dst, None)
+        if self.network.end_link_fault(*arg):
             self.topology_changed()
 
     def _settle(self):
@@ -343,7 +347,7 @@ class Simulation:
 
     # ---------------------------------------------------------------- ticks
     def _tick(self, ev) -> None:
-        m = ev._value
+        m = ev.value
         Timeout(self.env, TICK_S, m).callbacks.append(self._tick)
         if m.up:
             m.tick()
@@ -351,12 +355,12 @@ class Simulation:
 
     # ------------------------------------------------------------------ run
     def _settled(self) -> bool:
-        n = len(self.submitted)
-        return all(m.up and (m.cluster is None or len(m.cluster.global_events) >= n) for m in self.order)
+        n = self.acknowledged()
+        return all(m.up and (m.cluster is None or m.cluster.topic.length >= n) for m in self.order)
 
     def _watch_settle(self):
         """Liveness phase shortcut (swarm): once every member is up and every
-        cluster holds as many events as were acknowledged, run GRACE_S more
+        cluster holds as many records as were acknowledged, run GRACE_S more
         (late wrong deliveries still show) and stop."""
         env = self.env
         yield env.timeout(self.scenario.duration_s)
@@ -389,14 +393,41 @@ class Simulation:
                 progress(t)
             t = self.env.now  # the settle watcher may have stopped the run early
 
+    # ------------------------------------------------------------- results
+    def latencies(self) -> list[tuple[float, int]]:
+        """(latency ms, records) per delivered batch, every cluster."""
+        out: list[tuple[float, int]] = []
+        for c in self.clusters.values():
+            t = c.topic
+            for b, dts in zip(t.batches, t.ts):
+                ack = _ack_time(self.clusters, b)
+                if ack == ack:  # not NaN
+                    out.append(((dts - ack) * 1000.0, b.count))
+        return out
 
-def _percentile(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
+
+# Source records carry a fill byte that changes with the batch, so a record
+# moved to another place is not byte-equal to the one submitted there.
+_FILL = [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz"]
+
+
+def _weighted_percentile(pairs: list[tuple[float, int]], total: int, q: float) -> float:
+    """Percentile q of the values, each repeated `weight` times (pairs sorted by value),
+    interpolated like _percentile on the expanded list."""
+    if not total:
         return 0.0
-    pos = (len(sorted_vals) - 1) * q
+    pos = (total - 1) * q
     lo = int(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+    frac = pos - lo
+    seen = 0
+    for i, (v, w) in enumerate(pairs):
+        if seen + w > lo:
+            if frac == 0.0 or seen + w > lo + 1:
+                return v
+            nxt = pairs[i + 1][0] if i + 1 < len(pairs) else v
+            return v + (nxt - v) * frac
+        seen += w
+    return pairs[-1][0]
 
 
 def run_scenario(
@@ -421,25 +452,18 @@ def run_scenario(
     wall = time.perf_counter() - t0
 
     s = scenario
-    topics = {m.id: m.cluster.global_events for m in sim.order if m.cluster is not None}
     live = [m.id for m in sim.order if m.up and m.cluster is not None]
-    violations = sim.checker.finish(topics, sim.submitted, live)
+    violations = sim.checker.finish(*_checker_inputs(sim), live)
 
-    lat: list[float] = []
-    submit_ts = sim.submit_ts
-    for m in sim.order:
-        c = m.cluster
-        if c is not None:
-            lat.extend((dts - submit_ts[(e[0], e[1], e[2])]) * 1000.0 for e, dts in zip(c.global_events, c.global_ts)
-                       if (e[0], e[1], e[2]) in submit_ts)
-    lat.sort()
-    delivered = {mid: len(t) for mid, t in topics.items()}
-    n_sub = len(sim.submitted)
+    lat = sorted(sim.latencies())
+    n_lat = sum(w for _, w in lat)
+    delivered = {mid: c.topic.length for mid, c in sim.clusters.items()}
+    n_sub = sim.acknowledged()
     latency = {
-        "p50": round(_percentile(lat, 0.50), 3),
-        "p90": round(_percentile(lat, 0.90), 3),
-        "p99": round(_percentile(lat, 0.99), 3),
-        "max": round(lat[-1], 3) if lat else 0.0,
+        "p50": round(_weighted_percentile(lat, n_lat, 0.50), 3),
+        "p90": round(_weighted_percentile(lat, n_lat, 0.90), 3),
+        "p99": round(_weighted_percentile(lat, n_lat, 0.99), 3),
+        "max": round(lat[-1][0], 3) if lat else 0.0,
     }
     everywhere = min((delivered[m] for m in live), default=0)
     if s.expect.max_p99_ms is not None and latency["p99"] > s.expect.max_p99_ms:
@@ -498,4 +522,16 @@ def run_scenario(
         },
     }
     clusters = [(m.id, m.cluster) for m in sim.order if m.cluster is not None]
-    return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", clusters, submit_ts))
+    return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", clusters, sim.clusters))
+
+
+def _checker_inputs(sim: Simulation) -> tuple[dict[str, list[Event]], dict[tuple[str, int, int], Event]]:
+    """The global topics and the acknowledged source records, as Events."""
+    topics = {mid: [e for b in c.topic.batches for e in b.events()] for mid, c in sim.clusters.items()}
+    submitted = {}
+    for c in sim.clusters.values():
+        for part in c.source:
+            for b in part.batches:
+                for e in b.events():
+                    submitted[(e.origin, e.partition, e.offset)] = e
+    return topics, submitted

@@ -59,6 +59,10 @@ class KafkaSpec(_Strict):
     # events became durable (the member commits asynchronously from its
     # consume loop); a crash in between means they are consumed again
     commit_ms: float = Field(default=50.0, ge=0, le=60_000)
+    # extension: producers send one batch per partition every linger_ms with
+    # the records written meanwhile (Kafka's linger.ms; librdkafka's default
+    # is 5); 0 = every record its own batch at its own Poisson arrival time
+    linger_ms: float = Field(default=5.0, ge=0, le=10_000)
 
 
 class WorkloadSpec(_Strict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kdsync.core import Delivery, Event, HardState, RemoteProtocolError
+from kdsync.core import batches_from_events
 from kdsync.errors import FatalError
 from kdsync.kafka.records import H_SEQ, pack_payload
 from kdsync.kafka.sink import GlobalWriter
@@ -42,6 +43,11 @@ def ev(origin, part, off):
     return Event(origin, part, off, pack_payload(f"k{off}".encode(), b"v", []), 1000 + off)
 
 
+def delivery(first, events, catchup=False):
+    """A core Delivery of these records (cut into batches as the core hands them over)."""
+    return Delivery(first, tuple(batches_from_events(events)), catchup)
+
+
 def writer(prod, start=0, present=None, partitions=1):
     got = {"durable": [], "written": [], "fatal": [], "scheduled": []}
     w = GlobalWriter(prod, "t-global", partitions, start, origin="me", present=present,
@@ -59,7 +65,7 @@ def run_scheduled(got):
 def test_writer_reports_the_contiguous_prefix_and_commits_only_own_events_below_it():
     prod = FakeProducer()
     w, got = writer(prod, start=10)
-    w.write(Delivery(10, (ev("me", 0, 5), ev("dc2", 0, 7), ev("me", 1, 3), ev("me", 0, 6))))
+    w.write(delivery(10, (ev("me", 0, 5), ev("dc2", 0, 7), ev("me", 1, 3), ev("me", 0, 6))))
     assert w.produced_end == 14 and w.outstanding == 4
     assert [dict(r[3])[H_SEQ] for r in prod.records] == [b"10", b"11", b"12", b"13"]
     prod.report(1)  # position 11 before 10: nothing durable yet
@@ -79,14 +85,14 @@ def test_writer_reports_the_contiguous_prefix_and_commits_only_own_events_below_
 def test_writer_skips_positions_already_present_and_refuses_gaps_and_failed_writes():
     prod = FakeProducer()
     w, got = writer(prod, start=2, present={3}, partitions=3)
-    w.write(Delivery(2, (ev("dc2", 0, 1), ev("dc2", 0, 2)), catchup=True))
+    w.write(delivery(2, (ev("dc2", 0, 1), ev("dc2", 0, 2)), catchup=True))
     assert len(prod.records) == 1  # position 3 is in the topic already: not written twice
     prod.report(0)
     run_scheduled(got)
     assert got["durable"] == [(4, {})] and got["written"] == [(2, True), (1, True)]
-    w.write(Delivery(9, (ev("me", 0, 9),)))
+    w.write(delivery(9, (ev("me", 0, 9),)))
     assert got["fatal"] == ["internal: delivery at position 9 but t-global continues at 4"]
-    w.write(Delivery(4, (ev("me", 0, 9),)))
+    w.write(delivery(4, (ev("me", 0, 9),)))
     prod.report(1, Err())
     assert got["fatal"][-1].startswith("writing position 4 to t-global failed: Broker: not enough replicas")
     assert w.durable_end == 4

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from kdsync.core import Delivery, make_node
+from kdsync.core import Delivery, batches_from_events, make_node
 from sim.cli import main
 from sim.runner import run_scenario
 from sim.scenario import parse_scenario
@@ -39,9 +39,9 @@ class Rewriter:
         for d in rd.deliveries:
             if self.out_next is None:
                 self.out_next = d.first_seq
-            evs = tuple(self.fn(d.events))
+            evs = tuple(self.fn(d.events()))
             if evs:
-                out.append(Delivery(self.out_next, evs, d.catchup))
+                out.append(Delivery(self.out_next, tuple(batches_from_events(evs)), d.catchup))
             self.out_next += len(evs)
             self.marks.append((self.out_next, d.end_seq))
         return dataclasses.replace(rd, deliveries=tuple(out))

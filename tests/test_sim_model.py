@@ -10,7 +10,7 @@ import pytest
 import simpy
 
 from kdsync.core import make_node
-from sim.network import Network
+from sim.network import SimNetwork
 from sim.runner import run_scenario
 from sim.scenario import LinkSpec, NetworkSpec, parse_scenario
 
@@ -21,7 +21,7 @@ def _net(default: dict, links=(), seed=1):
     env = simpy.Environment()
     got: list[tuple[float, str, str, bytes]] = []
     spec = NetworkSpec.model_validate({"default": default, "links": list(links)})
-    net = Network(env, ("a", "b", "c"), spec, seed, lambda s, d, b: got.append((env.now, s, d, b)))
+    net = SimNetwork(env, ("a", "b", "c"), spec, seed, lambda s, d, b: got.append((env.now, s, d, b)))
     return env, net, got
 
 
@@ -153,7 +153,7 @@ def test_restart_recovers_from_the_global_topic_and_committed_offsets():
     # so events already ordered come again and the core drops them
     again = 0
     for p in (0, 1):
-        first_again = next(e.offset for e in resubmitted if e.partition == p)
+        first_again = next(b.first_offset for b in resubmitted if b.partition == p)
         own_wm = kw["watermarks"].get(("dc2", p), -1)
         assert first_again <= own_wm + 1
         again += own_wm + 1 - first_again

@@ -5,7 +5,7 @@ package and enforces it).  Every adapter drives a node the same way::
 
     node = make_node(config, rng=random.Random(seed), start_seq=0,
                      watermarks={}, hard_state=None)
-    node.submit(events)            # local source events (members, not witnesses)
+    node.submit(batches)           # local source Batches (members, not witnesses)
     node.receive(peer_id, data)    # bytes a peer sent; RemoteProtocolError if bad
     node.step(LogChunk(...))       # answer to a ReadRequest
     node.durable(seq_end)          # positions < seq_end are in our global topic
@@ -18,15 +18,21 @@ package and enforces it).  Every adapter drives a node the same way::
 Observable attributes (read-only for adapters): `node.status` — "forming",
 "active", "wedged", "minority", "joining" or "catching-up" (the baselines are
 always "active"); `node.next_seq` (next position to deliver);
-`node.durable_seq`; `node.view` (derecho: the current View); `node.stats`, a
+`node.durable_seq`; `node.view` (derecho, sequencer: the current View); `node.stats`, a
 dict of counters with the keys "submitted", "delivered", "deduplicated",
 "resubmitted" and "bad_messages".
 
 `make_node` picks the variant named by `config.protocol`: "derecho" (the
-product), "sequencer" (fixed leader assigns positions) or "mirror" (no
-agreement; the MirrorMaker-style baseline).
+product), "sequencer" (one leader per view assigns positions and fails over
+through the same view change) or "mirror" (no agreement; the
+MirrorMaker-style baseline).
+
+The unit of order is a `Batch`: a contiguous run of one origin partition
+(see `kdsync.core.batch`).  Deliveries are runs of batches at a first
+position; positions are per record.
 """
 
+from kdsync.core.batch import Batch, batches_from_events
 from kdsync.core.types import (
     Delivery,
     Event,
@@ -44,6 +50,7 @@ from kdsync.core.types import (
 from kdsync.core.node import OrderingNode
 
 __all__ = [
+    "Batch",
     "Delivery",
     "Event",
     "HardState",
@@ -57,6 +64,7 @@ __all__ = [
     "Ready",
     "RemoteProtocolError",
     "View",
+    "batches_from_events",
     "make_node",
 ]
 

@@ -6,13 +6,15 @@ A node accumulates outputs (messages, deliveries, installed views, read
 requests, hard state) while it handles inputs.  `ready()` hands them over as
 one frozen `Ready` and `advance()` closes the handshake; the node never does
 I/O itself.  Delivery goes through one door, `_deliver()`, which applies the
-exactly-once rule: an event whose origin offset is not above the origin
-watermark of its (origin, partition) was already delivered and is dropped
-(counted in `stats["deduplicated"]`).  The watermarks are a pure function of
-the delivered sequence, so every member that delivered the same prefix drops
-the same duplicates and assigns the same positions.  Delivered events stay in
-a bounded in-memory log from which catch-up is served; older positions are
-read back from the adapter (`ReadRequest` → `LogChunk`).
+exactly-once rule to whole batches: the part of a batch at or below the
+origin watermark of its (origin, partition) was already delivered and is
+cut off (`Batch.after`; counted in `stats["deduplicated"]`).  The watermarks
+are a pure function of the delivered sequence, so every member that
+delivered the same prefix drops the same duplicates and assigns the same
+positions.  Delivered runs stay in a bounded in-memory log from which
+catch-up is served; older positions are read back from the adapter
+(`ReadRequest` → `LogChunk`).  Nothing here touches a record: the cost of
+ordering is per batch and per message, never per event.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import random
 from collections import deque
 from typing import Iterable, Mapping
 
+from kdsync.core.batch import Batch
 from kdsync.core.types import (
     Delivery,
-    Event,
     HardState,
     LocalProtocolError,
     LogChunk,
@@ -87,9 +89,27 @@ class NodeBase:
         self.status = "active"
 
     # ------------------------------------------------------------------ inputs
-    def submit(self, events: Iterable[Event]) -> None:
-        """Local source events, in origin-offset order per (origin, partition)."""
+    def submit(self, batches: Iterable[Batch]) -> None:
+        """Local source batches, in origin-offset order per (origin, partition)."""
         raise NotImplementedError
+
+    def _own_batches(self, batches: Iterable[Batch]) -> list[Batch]:
+        """Checked and cut to at most max_batch records each; counted as submitted."""
+        if self.is_witness:
+            raise LocalProtocolError("a witness has no source events to submit")
+        out: list[Batch] = []
+        mb = self.cfg.max_batch
+        n = 0
+        for b in batches:
+            if type(b) is not Batch:
+                raise LocalProtocolError(f"submit() takes Batch objects, not {type(b).__name__}")
+            n += b.count
+            if b.count <= mb:
+                out.append(b)
+            else:
+                out.extend(b.slice(i, i + mb) for i in range(0, b.count, mb))
+        self.stats["submitted"] += n
+        return out
 
     def receive(self, sender: str, data: bytes) -> None:
         """Bytes a peer sent. Raises RemoteProtocolError when malformed."""
@@ -152,24 +172,33 @@ class NodeBase:
     def _send(self, to: str, data: bytes) -> None:
         self._msgs.append(Outgoing(to, data))
 
-    def _deliver(self, events: Iterable[Event], catchup: bool = False) -> int:
-        """Deliver events in order, dropping duplicates; returns how many kept."""
+    def _deliver(self, batches: Iterable[Batch], catchup: bool = False) -> int:
+        """Deliver batches in order at next_seq, cutting off what is at or below
+        its origin watermark; returns how many records were kept."""
         wm = self.watermarks
-        kept: list[Event] = []
-        app = kept.append
-        dup = 0
-        for e in events:
-            k = (e.origin, e.partition)
-            if e.offset > wm.get(k, -1):
-                wm[k] = e.offset
-                app(e)
+        kept: list[Batch] = []
+        n = dup = 0
+        for b in batches:
+            k = (b.origin, b.partition)
+            w = wm.get(k, -1)
+            last = b.first_offset + b.count - 1
+            if b.first_offset > w:
+                kept.append(b)
+                n += b.count
+                wm[k] = last
+            elif last <= w:
+                dup += b.count
             else:
-                dup += 1
+                part = b.slice(w + 1 - b.first_offset)
+                kept.append(part)
+                n += part.count
+                dup += b.count - part.count
+                wm[k] = last
         if dup:
             self.stats["deduplicated"] += dup
         if kept:
-            self._emit(Delivery(self.next_seq, tuple(kept), catchup))
-        return len(kept)
+            self._emit(Delivery(self.next_seq, tuple(kept), catchup, n))
+        return n
 
     def _emit(self, d: Delivery) -> None:
         """Append an already-deduplicated run at next_seq."""
@@ -177,28 +206,52 @@ class NodeBase:
             raise LocalProtocolError(f"delivery at {d.first_seq} but next position is {self.next_seq}")
         self._deliveries.append(d)
         self._log.append(d)
-        self._log_len += len(d.events)
+        self._log_len += d.count
         self.next_seq = d.end_seq
-        self.stats["delivered"] += len(d.events)
+        self.stats["delivered"] += d.count
         keep = self.cfg.log_retention
-        while self._log and self._log_len - len(self._log[0].events) >= keep and self._log[0].end_seq <= self.durable_seq:
-            self._log_len -= len(self._log.popleft().events)
+        log = self._log
+        while log and self._log_len - log[0].count >= keep and log[0].end_seq <= self.durable_seq:
+            self._log_len -= log.popleft().count
 
-    def log_slice(self, start: int, stop: int, limit: int) -> tuple[Event, ...] | None:
-        """Events at positions [start, min(stop, start+limit)) from memory, or
-        None when `start` is older than the in-memory log."""
+    def log_slice(self, start: int, stop: int, limit: int) -> tuple[Batch, ...] | None:
+        """The records at positions [start, min(stop, start+limit)) from memory,
+        as batches, or None when `start` is older than the in-memory log."""
         if not self._log or start < self._log[0].first_seq:
             return None if start < self.next_seq else ()
-        out: list[Event] = []
-        stop = min(stop, start + limit, self.next_seq)
-        for d in self._log:
-            if d.end_seq <= start:
-                continue
-            if d.first_seq >= stop:
-                break
-            out.extend(d.events[max(0, start - d.first_seq) : stop - d.first_seq])
-        return tuple(out)
+        return slice_runs(self._log, start, min(stop, start + limit, self.next_seq))
 
     def snapshot(self) -> dict:
         """A plain-data view of the node for transcripts and debugging."""
         return {"member": self.me, "status": self.status, "next_seq": self.next_seq}
+
+
+def slice_runs(runs: Iterable[Delivery], start: int, stop: int) -> tuple[Batch, ...]:
+    """The batches holding positions [start, stop) of consecutive deliveries,
+    the batches at both ends sliced to fit."""
+    out: list[Batch] = []
+    for d in runs:
+        if d.end_seq <= start:
+            continue
+        pos = d.first_seq
+        if pos >= stop:
+            break
+        for b in d.batches:
+            end = pos + b.count
+            if end > start and pos < stop:
+                out.append(b.slice(max(0, start - pos), stop - pos))
+            pos = end
+            if pos >= stop:
+                break
+    return tuple(out)
+
+
+def watermarks_of(batches: Iterable[Batch], into: dict[tuple[str, int], int] | None = None) -> dict[tuple[str, int], int]:
+    """Highest origin offset per (origin, partition) in `batches` (merged into `into`)."""
+    wm = {} if into is None else into
+    for b in batches:
+        k = (b.origin, b.partition)
+        last = b.first_offset + b.count - 1
+        if last > wm.get(k, -1):
+            wm[k] = last
+    return wm

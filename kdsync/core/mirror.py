@@ -2,11 +2,11 @@
 
 Theory of operation
 -------------------
-Each member delivers its own events the moment they are submitted and every
-peer's events the moment they arrive, so two clusters that receive concurrent
+Each member delivers its own batches the moment they are submitted and every
+peer's batches the moment they arrive, so two clusters that receive concurrent
 writes end up with different interleavings: that weakness is what the bench
 measures.  Copying is still reliable: every member keeps a stream of its own
-events numbered from 0 per incarnation, peers acknowledge what they have made
+batches numbered from 0 per incarnation, peers acknowledge what they have made
 *durable*, and unacknowledged suffixes are retransmitted after
 `retransmit_ticks`.  A restarted receiver starts a stream wherever the sender
 resends from; duplicates that this causes are dropped by the shared
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kdsync.core import codec
 from kdsync.core.base import NodeBase
-from kdsync.core.codec import decode_events, encode_events, want_int
-from kdsync.core.types import Event, LocalProtocolError, RemoteProtocolError
-
-DATA, ACK = 1, 2
+from kdsync.core.batch import Batch
+from kdsync.core.messages import MIRROR_MESSAGES, Codec, MirrorAck, MirrorData
 
 
 class MirrorNode(NodeBase):
@@ -32,7 +29,8 @@ class MirrorNode(NodeBase):
 
     def __init__(self, config, **kw) -> None:
         super().__init__(config, **kw)
-        self._stream: list[Event] = []  # own events, index = stream pos - _stream_base
+        self.codec = Codec(MIRROR_MESSAGES, self.members)
+        self._stream: list[Batch] = []  # own batches, index = stream pos - _stream_base
         self._stream_base = 0
         self._sent = 0  # stream positions already multicast once
         self._acked = {p: 0 for p in self.peers}  # durable at peer
@@ -42,31 +40,24 @@ class MirrorNode(NodeBase):
         self._ack_due: dict[str, tuple[int, int]] = {}  # sender -> (inc, stream_end) to ack
 
     # inputs
-    def submit(self, events: Iterable[Event]) -> None:
-        events = list(events)
-        if not events:
-            return
-        if self.is_witness:
-            raise LocalProtocolError("a witness has no source events to submit")
-        self.stats["submitted"] += len(events)
-        self._deliver(events)
-        self._stream.extend(events)
+    def submit(self, batches: Iterable[Batch]) -> None:
+        batches = self._own_batches(batches)
+        if batches:
+            self._deliver(batches)
+            self._stream.extend(batches)
 
     def receive(self, sender: str, data: bytes) -> None:
         try:
-            msg = codec.unpack(data, self.member_set)
-            kind, inc = msg[0], msg[2]
-            if kind == DATA and len(msg) == 6:
-                self._on_data(msg[1], inc, want_int(msg[3], "first"), decode_events(msg[4]), want_int(msg[5], "base"))
-            elif kind == ACK and len(msg) == 5:
-                self._on_ack(msg[1], want_int(msg[3], "incarnation"), want_int(msg[4], "upto"))
-            else:
-                raise RemoteProtocolError(f"unexpected mirror message type {kind}")
+            msg = self.codec.decode(data, sender)
         except RemoteProtocolError:
             self.stats["bad_messages"] += 1
             raise
+        if type(msg) is MirrorData:
+            self._on_data(msg.sender, msg.inc, msg.first, msg.batches, msg.base)
+        else:
+            self._on_ack(msg.sender, msg.stream_inc, msg.upto)
 
-    def _on_data(self, sender: str, inc: int, first: int, events: tuple[Event, ...], base: int) -> None:
+    def _on_data(self, sender: str, inc: int, first: int, events: tuple[Batch, ...], base: int) -> None:
         cur = self._recv.get(sender)
         # a stream we have no state for starts where the sender knows we are durable
         expected = base if cur is None or cur[0] != inc else cur[1]
@@ -113,25 +104,36 @@ class MirrorNode(NodeBase):
             if self._acked[p] < min(self._sent, end) and self.now - self._progress[p] >= self.cfg.retransmit_ticks:
                 self._progress[p] = self.now
                 start = max(self._acked[p], self._stream_base)
-                self._send_range(p, start, min(self._sent, start + self.cfg.max_batch))
+                self._send_range(p, start, self._sent)
         self._trim_stream()
 
     # outputs
+    def _chunk_end(self, start: int, stop: int) -> int:
+        """The stream position that closes a message of at most max_batch records from `start`."""
+        n, i, base = 0, start, self._stream_base
+        while i < stop:
+            c = self._stream[i - base].count
+            if i > start and n + c > self.cfg.max_batch:
+                break
+            n += c
+            i += 1
+        return i
+
     def _send_range(self, peer: str, start: int, stop: int) -> None:
-        evs = self._stream[start - self._stream_base : stop - self._stream_base]
-        self._send(peer, codec.pack((DATA, self.me, self.incarnation, start, encode_events(evs), self._acked[peer])))
+        stop = self._chunk_end(start, stop)
+        evs = tuple(self._stream[start - self._stream_base : stop - self._stream_base])
+        self._send(peer, MirrorData(self.me, self.incarnation, start, evs, self._acked[peer]).encode())
 
     def _before_ready(self) -> None:
         end = self._stream_base + len(self._stream)
         while self._sent < end:
-            stop = min(end, self._sent + self.cfg.max_batch)
-            evs = self._stream[self._sent - self._stream_base : stop - self._stream_base]
-            flat = encode_events(evs)
+            stop = self._chunk_end(self._sent, end)
+            evs = tuple(self._stream[self._sent - self._stream_base : stop - self._stream_base])
             for p in self.peers:
                 if self._acked[p] == self._sent:
                     self._progress[p] = self.now
-                self._send(p, codec.pack((DATA, self.me, self.incarnation, self._sent, flat, self._acked[p])))
+                self._send(p, MirrorData(self.me, self.incarnation, self._sent, evs, self._acked[p]).encode())
             self._sent = stop
         for sender, (inc, end_) in sorted(self._ack_due.items()):
-            self._send(sender, codec.pack((ACK, self.me, self.incarnation, inc, end_)))
+            self._send(sender, MirrorAck(self.me, self.incarnation, inc, end_).encode())
         self._ack_due.clear()

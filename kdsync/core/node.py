@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, runtime_checkable
 
-from kdsync.core.types import Event, LogChunk, Ready
+from kdsync.core.types import Batch, LogChunk, Ready
 
 
 @runtime_checkable
@@ -31,8 +31,8 @@ class OrderingNode(Protocol):
     durable_seq: int
     stats: dict[str, int]
 
-    def submit(self, events: Iterable[Event]) -> None:
-        """Local source events, in origin-offset order per (origin, partition).
+    def submit(self, batches: Iterable[Batch]) -> None:
+        """Local source batches, in origin-offset order per (origin, partition).
         Raises LocalProtocolError on a witness."""
 
     def receive(self, sender: str, data: bytes) -> None:

@@ -1,205 +1,147 @@
-"""The `sequencer` variant: a fixed leader assigns every position.
+"""The `sequencer` variant: a leader-based order that fails over.
 
 Theory of operation
 -------------------
-The first configured member is the sequencer for the life of the group.
-Every other member forwards its own events to it over a reliable stream
-(numbered per incarnation, acknowledged, retransmitted after
-`retransmit_ticks`).  The sequencer orders events as they arrive — its own at
-submit time — through the shared exactly-once rule, and multicasts each run
-of positions; members deliver runs strictly by position, buffering gaps, and
-acknowledge their next position so the sequencer can retransmit (from memory,
-or through its adapter for positions only its global topic still holds).
+This is the bench's fair leader-based baseline — what a user would pick
+instead of kdsync (a Raft log, a Kafka partition leader with acks=all): one
+member orders everything, and when it fails another takes over without
+losing or duplicating anything acknowledged.
 
-This is the bench's "fixed sequencer" baseline: agreement holds and latency
-is one hop to the sequencer plus one back, but nothing survives the loss of
-the sequencer — the group stops ordering until it returns, and a sequencer
-that restarts without its memory may reuse positions that members delivered
-but it had not yet made durable.  That is the weakness the comparison shows.
+It is the derecho node with one sender per view: the *sequencer* is the
+lowest-ranked member of the view whose role is "member".  Every other
+member forwards its own batches to the sequencer (FORWARD, numbered per
+view, retransmitted until they are delivered); the sequencer cuts its own
+and the forwarded batches into its slots, and every member delivers a slot
+once every member of the view acknowledged it — the derecho stream with a
+single sender, so one hop to the sequencer, one out, and the
+acknowledgements.  Failure handling is derecho's, unchanged: suspicion
+wedges the view, Paxos agrees on the next one with the ragged trim, and the
+next view's sequencer is again its lowest-ranked member, starting after the
+trim.  Whatever a member forwarded that is not inside the trim is forwarded
+again to the new sequencer (a member keeps its own batches until it has
+delivered them: `outbox`), and the exactly-once rule drops a batch ordered
+twice, so a sequencer crash loses nothing and duplicates nothing.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from kdsync.core import codec
-from kdsync.core.base import NodeBase
-from kdsync.core.codec import decode_events, encode_events, want_int
-from kdsync.core.types import Delivery, Event, LocalProtocolError, LogChunk, ReadRequest, RemoteProtocolError
+from kdsync.core.batch import Batch
+from kdsync.core.derecho import DerechoNode, State
+from kdsync.core.messages import SEQUENCER_MESSAGES, Forward
 
-FWD, FACK, ORD, OACK = 1, 2, 3, 4
+__all__ = ["SequencerNode"]
 
 
-class SequencerNode(NodeBase):
+class SequencerNode(DerechoNode):
     protocol = "sequencer"
+    MESSAGES = SEQUENCER_MESSAGES
 
     def __init__(self, config, **kw) -> None:
+        self.outbox: list[Batch] = []  # own batches not yet delivered here, in submission order
+        self.out_sent = 0  # how many of outbox went to this view's sequencer (or into our slots)
+        self.out_head = 0  # this view's forward number of outbox[0]
+        self.out_progress = 0  # tick of the last delivery of own batches
+        self.fwd_expected: dict[str, int] = {}  # sequencer side: next forward number per member
         super().__init__(config, **kw)
-        self.leader = self.members[0]
-        self.is_leader = self.me == self.leader
-        # member side: forward stream
-        self._stream: list[Event] = []
-        self._stream_base = 0
-        self._sent = 0
-        self._facked = 0
-        self._fprogress = 0
-        self._buffer: dict[int, tuple[Event, ...]] = {}
-        self._oack_due = True
-        # sequencer side
-        self._fwd_recv: dict[str, tuple[int, int]] = {}  # member -> (inc, next stream pos)
-        self._fack_due: dict[str, tuple[int, int]] = {}
-        self._oack = {p: 0 for p in self.peers}
-        self._oprogress = {p: 0 for p in self.peers}
-        self._new_runs: list[Delivery] = []
-        self._pending_reads: dict[int, list[str]] = {}
-        self.status = "active"
+        self._handlers[Forward] = self._on_forward
 
-    # ------------------------------------------------------------------ input
-    def submit(self, events: Iterable[Event]) -> None:
-        if self.is_witness:
-            raise LocalProtocolError("a witness has no source events to submit")
-        events = list(events)
-        self.stats["submitted"] += len(events)
-        if self.is_leader:
-            self._order(events)
-        else:
-            self._stream.extend(events)
+    def _senders_of(self, members) -> tuple[str, ...]:
+        for m in members:
+            if self.cfg.roles.get(m, "member") == "member":
+                return (m,)
+        return ()
 
-    def receive(self, sender: str, data: bytes) -> None:
-        try:
-            msg = codec.unpack(data, self.member_set)
-            kind, s, inc = msg[0], msg[1], msg[2]
-            if kind == FWD and len(msg) == 5 and self.is_leader:
-                self._on_fwd(s, inc, want_int(msg[3], "first"), decode_events(msg[4]))
-            elif kind == FACK and len(msg) == 5 and s == self.leader:
-                if want_int(msg[3], "incarnation") == self.incarnation:
-                    upto = want_int(msg[4], "upto")
-                    if upto > self._facked:
-                        self._facked = upto
-                        self._fprogress = self.now
-                        self._trim_stream()
-            elif kind == ORD and len(msg) == 5 and s == self.leader:
-                self._on_ord(want_int(msg[3], "first"), decode_events(msg[4]))
-            elif kind == OACK and len(msg) == 4 and self.is_leader:
-                nxt = want_int(msg[3], "next")
-                if nxt != self._oack.get(s):
-                    self._oack[s] = nxt
-                    self._oprogress[s] = self.now
-            else:
-                raise RemoteProtocolError(f"unexpected sequencer message type {kind}")
-        except RemoteProtocolError:
-            self.stats["bad_messages"] += 1
-            raise
+    def _sequencer(self) -> str | None:
+        s = self.view.senders
+        return s[0] if s else None
 
-    def _on_fwd(self, s: str, inc: int, first: int, events: tuple[Event, ...]) -> None:
-        cur = self._fwd_recv.get(s)
-        # a forward stream starts at 0 with every incarnation: never skip its start
-        expected = 0 if cur is None or cur[0] != inc else cur[1]
-        end = first + len(events)
-        if first <= expected < end:
-            self._order(events[expected - first :])
-            expected = end
-        self._fwd_recv[s] = (inc, expected)
-        self._fack_due[s] = (inc, expected)
+    # ------------------------------------------------------------ inputs
+    def submit(self, batches: Iterable[Batch]) -> None:
+        self.outbox.extend(self._own_batches(batches))
 
-    def _order(self, events) -> None:
-        before = len(self._deliveries)
-        self._deliver(events)
-        self._new_runs.extend(self._deliveries[before:])
-
-    def _on_ord(self, first: int, events: tuple[Event, ...]) -> None:
-        self._oack_due = True
-        if first + len(events) <= self.next_seq:
+    def _on_forward(self, msg: Forward) -> None:
+        if self._sequencer() != self.me or self.wedged or not self._in_current_view(msg):
             return
-        self._buffer[first] = events
-        while True:
-            run = None
-            for f in (self.next_seq,):
-                run = self._buffer.pop(f, None)
-            if run is None:
-                # a run that starts before next_seq but reaches past it
-                for f in sorted(self._buffer):
-                    if f < self.next_seq < f + len(self._buffer[f]):
-                        evs = self._buffer.pop(f)
-                        run = evs[self.next_seq - f :]
-                        break
-                    if f + len(self._buffer[f]) <= self.next_seq:
-                        del self._buffer[f]
-            if run is None:
-                break
-            wm = self.watermarks
-            for e in run:
-                k = (e.origin, e.partition)
-                if e.offset > wm.get(k, -1):
-                    wm[k] = e.offset
-            self._emit(Delivery(self.next_seq, tuple(run)))
+        # numbers below `done` were delivered at the forwarder (maybe through its
+        # catch-up, never reaching us): nothing to wait for there
+        exp = max(self.fwd_expected.get(msg.sender, 0), msg.done)
+        first, batches = msg.first, msg.batches
+        if first <= exp < first + len(batches):  # in order; a gap waits for the retransmission
+            self.pending.extend(batches[exp - first :])
+            exp = first + len(batches)
+        self.fwd_expected[msg.sender] = exp
 
-    def _trim_stream(self) -> None:
-        low = min(self._facked, self._sent)
-        if low > self._stream_base:
-            del self._stream[: low - self._stream_base]
-            self._stream_base = low
+    # ------------------------------------------------------------ views
+    def _reset_view_state(self) -> None:
+        super()._reset_view_state()
+        # a new view: everything not delivered goes to its sequencer again
+        self.out_sent = 0
+        self.out_head = 0
+        self.fwd_expected = {}
 
-    def _on_log_chunk(self, chunk: LogChunk) -> None:
-        for p in self._pending_reads.pop(chunk.start, []):
-            self._send(p, codec.pack((ORD, self.me, self.incarnation, chunk.start, encode_events(chunk.events))))
+    def _resubmit_own(self) -> None:
+        """The slots of an ended view hold forwarded batches too: those go back
+        to their origins' outboxes, not to ours (see module docstring)."""
+        back = self.stream.undelivered_own()
+        if back:
+            self.stats["resubmitted"] += sum(b.count for b in back if b.origin == self.me)
+        self.pending.clear()
 
-    # ------------------------------------------------------------------ ticks
-    def tick(self) -> None:
-        super().tick()
-        cfg = self.cfg
-        if self.is_leader:
-            for p in self.peers:
-                lag = self._oack[p]
-                if lag < self.next_seq and self.now - self._oprogress[p] >= cfg.retransmit_ticks:
-                    self._oprogress[p] = self.now
-                    evs = self.log_slice(lag, self.next_seq, cfg.catchup_chunk)
-                    if evs is None:
-                        if lag not in self._pending_reads:
-                            self._reads.append(ReadRequest(lag, min(self.durable_seq, lag + cfg.catchup_chunk)))
-                        self._pending_reads.setdefault(lag, []).append(p)
-                    elif evs:
-                        self._send(p, codec.pack((ORD, self.me, self.incarnation, lag, encode_events(evs))))
-        else:
-            end = self._stream_base + len(self._stream)
-            if self._facked < min(self._sent, end) and self.now - self._fprogress >= cfg.retransmit_ticks:
-                self._fprogress = self.now
-                start = max(self._facked, self._stream_base)
-                stop = min(self._sent, start + cfg.max_batch)
-                evs = self._stream[start - self._stream_base : stop - self._stream_base]
-                self._send(self.leader, codec.pack((FWD, self.me, self.incarnation, start, encode_events(evs))))
-            if self.now % max(1, cfg.heartbeat_ticks * 2) == 0:
-                self._oack_due = True
+    def _emit(self, d) -> None:
+        super()._emit(d)
+        self._drop_delivered()
 
-    # ----------------------------------------------------------------- output
-    def has_ready(self) -> bool:
-        if super().has_ready():
-            return True
-        if self.is_leader:
-            return bool(self._new_runs or self._fack_due)
-        return self._sent < self._stream_base + len(self._stream) or self._oack_due
+    def _drop_delivered(self) -> None:
+        out = self.outbox
+        if not out:
+            return
+        wm = self.watermarks
+        i = 0
+        while i < len(out) and out[i].first_offset + out[i].count - 1 <= wm.get((out[i].origin, out[i].partition), -1):
+            i += 1
+        if i:
+            del out[:i]
+            self.out_progress = self.now
+            sent_done = min(i, self.out_sent)
+            self.out_sent -= sent_done
+            self.out_head += sent_done
+
+    # ------------------------------------------------------------ output
+    def _routing(self) -> bool:
+        """Own batches can go somewhere now: into our slots, or to the sequencer."""
+        return self.state in (State.ACTIVE, State.CATCHING_UP) and self._sequencer() is not None
 
     def _before_ready(self) -> None:
-        if self.is_leader:
-            for d in self._new_runs:
-                data = codec.pack((ORD, self.me, self.incarnation, d.first_seq, encode_events(d.events)))
-                for p in self.peers:
-                    if self._oack[p] == d.first_seq:
-                        self._oprogress[p] = self.now
-                    self._send(p, data)
-            self._new_runs.clear()
-            for s, (inc, upto) in sorted(self._fack_due.items()):
-                self._send(s, codec.pack((FACK, self.me, self.incarnation, inc, upto)))
-            self._fack_due.clear()
+        if self.out_sent < len(self.outbox) and self._routing():
+            new = self.outbox[self.out_sent :]
+            if self._sequencer() == self.me:
+                self.pending.extend(new)
+            else:
+                self._forward(self.out_head + self.out_sent, new)
+            self.out_sent = len(self.outbox)
+        super()._before_ready()
+
+    def _forward(self, first: int, batches: list[Batch]) -> None:
+        if not batches:
             return
-        end = self._stream_base + len(self._stream)
-        while self._sent < end:
-            stop = min(end, self._sent + self.cfg.max_batch)
-            evs = self._stream[self._sent - self._stream_base : stop - self._stream_base]
-            if self._facked == self._sent:
-                self._fprogress = self.now
-            self._send(self.leader, codec.pack((FWD, self.me, self.incarnation, self._sent, encode_events(evs))))
-            self._sent = stop
-        if self._oack_due:
-            self._oack_due = False
-            self._send(self.leader, codec.pack((OACK, self.me, self.incarnation, self.next_seq)))
+        if self.out_progress < self.now - 1 and first == self.out_head:
+            self.out_progress = self.now  # the retransmission clock starts with the first send
+        self._send(self._sequencer(), Forward(self.me, self.incarnation, self.view.view_id, self.out_head, first,
+                                              tuple(batches)).encode())
+
+    def has_ready(self) -> bool:
+        return super().has_ready() or (self.out_sent < len(self.outbox) and self._routing())
+
+    def tick(self) -> None:
+        super().tick()
+        self._drop_delivered()  # also what was submitted again after being delivered
+        if (
+            self.out_sent
+            and self._routing()
+            and self._sequencer() != self.me
+            and self.now - self.out_progress >= self.cfg.retransmit_ticks * 2
+        ):
+            self.out_progress = self.now
+            self._forward(self.out_head, self.outbox[: min(self.out_sent, 64)])

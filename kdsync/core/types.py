@@ -9,59 +9,51 @@ runtime) move these values around and report back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
+
+from kdsync.core.batch import Batch, Event
+from kdsync.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+
+__all__ = [
+    "Batch", "Delivery", "Event", "HardState", "LocalProtocolError", "LogChunk", "MemberInfo", "NodeConfig",
+    "Outgoing", "ProtocolError", "ReadRequest", "Ready", "RemoteProtocolError", "Role", "View",
+]
 
 Role = Literal["member", "witness"]
 Protocol = Literal["derecho", "sequencer", "mirror"]
 
 
-class ProtocolError(Exception):
-    """Base class of every error the core raises."""
-
-
-class LocalProtocolError(ProtocolError):
-    """The adapter used the core wrongly (a bug in the caller)."""
-
-
-class RemoteProtocolError(ProtocolError):
-    """A peer sent something malformed; log it, drop it, carry on."""
-
-
-class Event(NamedTuple):
-    """One source record, as the core sees it (a NamedTuple rather than a
-    dataclass: it is built once per event per hop, and tuple construction is
-    several times cheaper).
-
-    `(origin, partition, offset)` identifies the event; offsets of one
-    `(origin, partition)` must be submitted in increasing order.  `payload` is
-    opaque to the core (the Kafka bridge packs key, value and headers into it);
-    `timestamp_ms` is the source record's timestamp, carried for latency.
-    """
-
-    origin: str
-    partition: int
-    offset: int
-    payload: bytes = b""
-    timestamp_ms: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Delivery:
-    """A run of consecutive positions of the agreed order.
+    """A run of consecutive positions of the agreed order, as whole batches.
 
-    `events[i]` has position (`kdsync.seq`) `first_seq + i`.  Positions are
-    contiguous from 0 across views and identical at every member.
-    `catchup` is True when the run was received from a peer to fill the gap a
-    restart left, rather than ordered live.
+    The records of `batches`, in order, take positions (`kdsync.seq`)
+    `first_seq .. first_seq + count - 1`.  Positions are contiguous from 0
+    across views and identical at every member.  `catchup` is True when the
+    run was received from a peer to fill the gap a restart left, rather than
+    ordered live.  Immutable by convention.
     """
 
-    first_seq: int
-    events: tuple[Event, ...]
-    catchup: bool = False
+    __slots__ = ("first_seq", "batches", "count", "catchup")
+
+    def __init__(self, first_seq: int, batches: tuple[Batch, ...], catchup: bool = False, count: int | None = None):
+        self.first_seq = first_seq
+        self.batches = batches
+        self.count = sum(b.count for b in batches) if count is None else count
+        self.catchup = catchup
 
     @property
     def end_seq(self) -> int:
-        return self.first_seq + len(self.events)
+        return self.first_seq + self.count
+
+    def events(self) -> list[Event]:
+        """The records taken apart (adapters and tests; not the hot path)."""
+        out: list[Event] = []
+        for b in self.batches:
+            out.extend(b.events())
+        return out
+
+    def __repr__(self) -> str:
+        return f"Delivery({self.first_seq}+{self.count}, {list(self.batches)}{', catchup' if self.catchup else ''})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +89,12 @@ class ReadRequest:
 
 @dataclass(frozen=True, slots=True)
 class LogChunk:
-    """Adapter's answer to a ReadRequest: events at positions start, start+1, ..."""
+    """Adapter's answer to a ReadRequest: the records at positions start,
+    start+1, ... as batches (cut wherever origin, partition or offset
+    contiguity breaks; `kdsync.core.batch.batches_from_events` does it)."""
 
     start: int
-    events: tuple[Event, ...]
+    batches: tuple[Batch, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +157,7 @@ class NodeConfig:
     heartbeat_ticks: int = 2
     suspect_ticks: int = 10
     retransmit_ticks: int = 3
-    max_batch: int = 10_000  # events per slot
+    max_batch: int = 10_000  # events per slot (a larger submitted batch is cut)
+    window: int = 2  # own data slots in flight (cut, not yet acknowledged by every peer)
     log_retention: int = 1_000_000  # delivered events kept in memory for catch-up
     catchup_chunk: int = 5_000  # events per catch-up message

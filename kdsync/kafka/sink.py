@@ -108,7 +108,7 @@ class GlobalWriter:
             self.on_fatal(f"internal: delivery at position {seq} but {self.global_topic} continues at "
                           f"{self.produced_end}")
             return
-        for ev in d.events:
+        for ev in d.events():
             key, value, headers = global_record(seq, ev)
             self._pending[seq] = ev
             if ev.origin == self.origin:

@@ -2,7 +2,8 @@
 `network` for kdsync): cut, isolate, drop, duplicate, reorder, recover,
 crash, restart, stabilize.  Every message is the real encoded bytes the node
 produced, so the codec is exercised on every hop.  Each member's "global
-topic" is a plain list; a crashed member keeps only that list and its hard
+topic" is a list of delivered batches (`Member.batches`; `topic()` takes it
+apart into Events for tests); a crashed member keeps only that and its hard
 state, like a real member keeps only its Kafka topic and state file.
 
 Used by the unit tests, the interaction transcripts and the property test;
@@ -14,17 +15,42 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from kdsync.core import Event, HardState, LogChunk, NodeConfig, make_node
+from kdsync.core import Batch, Event, batches_from_events, HardState, LogChunk, NodeConfig, OrderingNode, make_node
+from kdsync.core.base import watermarks_of
 
 
 @dataclass
 class Member:
     id: str
-    node: object | None
-    topic: list[Event] = field(default_factory=list)
+    node: OrderingNode | None
+    batches: list[Batch] = field(default_factory=list)  # the global topic, in position order
+    length: int = 0  # records in it
     hard: HardState | None = None
     up: bool = True
     durable_lag: bool = False  # when True, durability is reported only by flush()
+
+    def truncate(self, n: int) -> None:
+        """Keep positions [0, n) (unflushed writes die with the process)."""
+        pos = 0
+        for i, b in enumerate(self.batches):
+            if pos + b.count > n:
+                keep = n - pos
+                self.batches[i:] = [b.slice(0, keep)] if keep > 0 else []
+                break
+            pos += b.count
+        self.length = min(self.length, n)
+
+    def read(self, start: int, stop: int) -> tuple[Batch, ...]:
+        """The batches at positions [start, stop)."""
+        out, pos = [], 0
+        for b in self.batches:
+            end = pos + b.count
+            if end > start and pos < stop:
+                out.append(b.slice(max(0, start - pos), stop - pos))
+            pos = end
+            if pos >= stop:
+                break
+        return tuple(out)
 
 
 class Network:
@@ -56,15 +82,11 @@ class Network:
 
     def _boot(self, i: str) -> None:
         m = self.members[i]
-        wm: dict[tuple[str, int], int] = {}
-        for e in m.topic:
-            k = (e.origin, e.partition)
-            wm[k] = max(wm.get(k, -1), e.offset)
         m.node = make_node(
             self.config(i),
             rng=random.Random(self.rng.randrange(2**32)),
-            start_seq=len(m.topic),
-            watermarks=wm,
+            start_seq=m.length,
+            watermarks=watermarks_of(m.batches),
             hard_state=m.hard,
         )
         m.up = True
@@ -72,7 +94,7 @@ class Network:
     def crash(self, i: str) -> None:
         m = self.members[i]
         if m.durable_lag and m.node is not None:
-            del m.topic[m.node.durable_seq :]  # unflushed writes die with the process
+            m.truncate(m.node.durable_seq)  # unflushed writes die with the process
         m.node, m.up = None, False
         self.queue = [q for q in self.queue if q[1] != i and q[0] != i]
         self.log.append(f"crash {i}")
@@ -83,16 +105,13 @@ class Network:
         not yet in its own global topic are consumed and submitted again)."""
         self._boot(i)
         m = self.members[i]
-        self.log.append(f"restart {i} at position {len(m.topic)}")
+        self.log.append(f"restart {i} at position {m.length}")
         if self.roles.get(i) == "witness":
             return
-        committed: dict[int, int] = {}
-        for e in m.topic:
-            if e.origin == i:
-                committed[e.partition] = max(committed.get(e.partition, -1), e.offset)
-        again = [e for e in self.sources.get(i, []) if e.offset > committed.get(e.partition, -1)]
+        committed = watermarks_of(b for b in m.batches if b.origin == i)
+        again = [e for e in self.sources.get(i, []) if e.offset > committed.get((i, e.partition), -1)]
         if again:
-            m.node.submit(again)
+            m.node.submit(batches_from_events(again))
 
     def node(self, i: str):
         return self.members[i].node
@@ -106,9 +125,14 @@ class Network:
         self.sources.setdefault(origin, []).extend(evs)
         return evs
 
+    def make_batch(self, origin: str, n: int, partition: int = 0) -> Batch:
+        """The next n source records of (origin, partition) as one batch."""
+        return Batch.from_events(self.make_events(origin, n, partition))
+
     def submit(self, i: str, n: int = 1, partition: int = 0) -> list[Event]:
+        """n new source records at member i, submitted as one batch; returns them."""
         evs = self.make_events(i, n, partition)
-        self.node(i).submit(evs)
+        self.node(i).submit([Batch.from_events(evs)])
         return evs
 
     # --------------------------------------------------------------- faults
@@ -155,22 +179,23 @@ class Network:
             for out in rd.messages:
                 self._enqueue(i, out.to, out.data)
             for d in rd.deliveries:
-                assert d.first_seq == len(m.topic), f"{i}: delivery at {d.first_seq}, topic has {len(m.topic)}"
-                m.topic.extend(d.events)
+                assert d.first_seq == m.length, f"{i}: delivery at {d.first_seq}, topic has {m.length}"
+                m.batches.extend(d.batches)
+                m.length += d.count
             for v in rd.views:
                 self.views[i].append(v)
                 self.log.append(f"{i} installs view {v.view_id} {list(v.members)} at {v.start_seq}")
             if rd.deliveries and not m.durable_lag:
-                n.durable(len(m.topic))
+                n.durable(m.length)
             for r in rd.reads:
                 self.reads_served += 1
-                n.step(LogChunk(r.start, tuple(m.topic[r.start : r.stop])))
+                n.step(LogChunk(r.start, m.read(r.start, r.stop)))
             n.advance(rd)
         return progressed
 
     def flush(self, i: str) -> None:
         """Report everything written as durable (when durable_lag is set)."""
-        self.node(i).durable(len(self.members[i].topic))
+        self.node(i).durable(self.members[i].length)
 
     def _enqueue(self, a: str, b: str, data: bytes) -> None:
         if (a, b) in self.cut_links or not self.members[b].up:
@@ -237,14 +262,18 @@ class Network:
 
     # -------------------------------------------------------------- observe
     def topic(self, i: str) -> list[Event]:
-        return self.members[i].topic
+        """Member i's global topic taken apart into Events (index = position)."""
+        return [e for b in self.members[i].batches for e in b.events()]
+
+    def topic_len(self, i: str) -> int:
+        return self.members[i].length
 
     def describe(self) -> str:
         parts = []
         for i in self.ids:
             m = self.members[i]
             st = m.node.snapshot() if m.node is not None else {"status": "down"}
-            parts.append(f"{i}:{st} topic={len(m.topic)}")
+            parts.append(f"{i}:{st} topic={m.length}")
         return "; ".join(parts)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kdsync.core.derecho import ragged_trim, round_robin, stable_counts
+from kdsync.core.stream import ragged_trim, round_robin, stable_counts
 
 
 @pytest.mark.parametrize(

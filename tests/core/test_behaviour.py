@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kdsync.core import Event, LocalProtocolError, NodeConfig, RemoteProtocolError, make_node
+from kdsync.core import Batch, Event, LocalProtocolError, NodeConfig, RemoteProtocolError, make_node
 from kdsync.testing.network import Network, check_invariants
 
 FAST = dict(suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
@@ -96,10 +96,24 @@ def test_origin_watermarks_drop_a_resubmission():
     net = formed()
     evs = net.submit("a", 3)
     net.stabilize()
-    net.node("a").submit(evs)  # the same events again (an origin replaying its source)
+    net.node("a").submit([Batch.from_events(evs)])  # the same events again (an origin replaying its source)
     net.stabilize()
     assert len(net.topic("b")) == 3
     assert net.node("b").stats["deduplicated"] == 3
+
+
+def test_a_partly_duplicated_batch_is_sliced_never_delivered_twice():
+    net = formed()
+    evs = net.submit("a", 4)
+    net.stabilize()
+    more = net.make_events("a", 3)
+    net.node("a").submit([Batch.from_events(evs[2:] + more)])  # offsets 2..6: 2 and 3 are in already
+    net.stabilize()
+    for i in "abc":
+        assert [e.offset for e in net.topic(i)] == list(range(7))
+        assert [e.payload for e in net.topic(i)] == [e.payload for e in evs + more]
+        assert net.node(i).stats["deduplicated"] == 2
+    assert not check_invariants(net, submitted=keys(evs + more))
 
 
 def test_positions_contiguous_and_identical_across_views():
@@ -134,6 +148,9 @@ def test_bad_peer_input_is_a_remote_protocol_error_and_harmless():
         msgpack.packb([1, "b", inc, 1, 0, [[1, 2, 3]], [0, 0, 0]]),
         msgpack.packb([99, "b", inc]),
         msgpack.packb([8, "b", inc, 1, b"not a proposal"]),
+        msgpack.packb([7, "b", inc, 1, b"not a proposal"]),
+        # a batch whose record sizes do not add up to its data
+        msgpack.packb([1, "b", inc, 1, 0, [[["b", 0, 0, 2, b"abc", b"\x01\x00\x00\x00" * 2, b"\x00" * 16]]], [0, 0, 0]]),
     ]
     for junk in junk_list:
         with pytest.raises(RemoteProtocolError):
@@ -152,7 +169,9 @@ def test_bad_local_use_is_a_local_protocol_error():
         make_node(NodeConfig("a", ("a", "b"), protocol="nope"), rng=random.Random(1))  # type: ignore[arg-type]
     w = make_node(NodeConfig("w", ("a", "w"), roles={"w": "witness"}), rng=random.Random(1))
     with pytest.raises(LocalProtocolError):
-        w.submit([Event("w", 0, 0)])
+        w.submit([Batch.of("w", 0, 0, [b""])])
+    with pytest.raises(LocalProtocolError):
+        make_node(NodeConfig("a", ("a", "b")), rng=random.Random(1)).submit([Event("a", 0, 0)])  # not a Batch
     n = make_node(NodeConfig("a", ("a", "b")), rng=random.Random(1))
     rd = n.ready()
     with pytest.raises(LocalProtocolError):
@@ -257,3 +276,45 @@ def test_a_vote_for_an_older_view_does_not_outlive_that_view():
     net.run_until(converged(net, 4), 800)
     net.tick(20)
     assert not check_invariants(net, submitted=sub)
+
+
+def test_fail_over_sequencer_loses_nothing_when_the_sequencer_dies():
+    """The sequencer baseline fails over through the view change: events that
+    members forwarded to a sequencer that died before ordering them are
+    forwarded again to the next view's sequencer; nothing lost, nothing twice."""
+    net = Network(["a", "b", "c", "d"], protocol="sequencer", seed=5, **FAST)
+    net.run_until(lambda: all(net.node(i).status == "active" for i in "abcd"), 100)
+    assert net.node("b").view.senders == ("a",)  # the lowest-ranked member orders
+    sub = keys(net.submit("b", 5)) | keys(net.submit("a", 2))
+    net.stabilize()
+    net.cut_one_way("a", "b")  # a orders c's and d's next events, but b never hears them...
+    net.cut_one_way("a", "c")  # ...nor c: they are not stable anywhere
+    sub |= keys(net.submit("c", 4)) | keys(net.submit("d", 3))
+    net.stabilize()
+    net.crash("a")
+    net.recover()
+    sub |= keys(net.submit("b", 2))
+    net.run_until(lambda: all(net.node(i).status == "active" and net.node(i).view.members == ("b", "c", "d")
+                              for i in "bcd"), 400)
+    assert net.node("c").view.senders == ("b",)  # the next view's sequencer
+    net.run_until(lambda: all(net.topic_len(i) == len(sub) for i in "bcd"), 200)  # before a is back
+    net.restart("a")
+    net.run_until(converged(net, 4), 600)
+    net.tick(10)
+    assert not check_invariants(net, submitted=sub)
+
+
+def test_a_view_nobody_holds_data_of_starts_after_every_delivered_position():
+    """`_new_proposal` when no reporter holds the old view's data (first
+    formation, total restart): the new view starts at the highest *next*
+    position reported, not the highest durable one.  A member that delivered
+    positions 5..7 but made only 0..4 durable (its producer still writing)
+    would otherwise see positions 5..7 given to other records."""
+    node = make_node(NodeConfig("a", ("a", "b", "c")), rng=random.Random(1))
+    # (incarnation, holds data, received, durable, next, accepted ballot, accepted proposal)
+    reps = {"a": (1, False, (0, 0, 0), 5, 5, (0, -1), None),
+            "b": (2, False, (0, 0, 0), 5, 8, (0, -1), None),
+            "c": (3, False, (0, 0, 0), 2, 2, (0, -1), None)}
+    prop = node._new_proposal(["a", "b", "c"], reps)
+    assert prop.base_seq == 8 and prop.source == "b"
+    assert prop.trim == (0, 0, 0)

@@ -32,10 +32,10 @@ op = st.one_of(
 )
 
 
-def run_schedule(n, witness, seed, ops):
+def run_schedule(n, witness, seed, ops, protocol="derecho"):
     ids = [f"m{i}" for i in range(n)]
     wit = (ids[-1],) if witness else ()
-    net = Network(ids, protocol="derecho", seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
+    net = Network(ids, protocol=protocol, seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
     members = [i for i in ids if i not in wit]
     submitted = set()
     down = set()
@@ -92,6 +92,14 @@ def run_schedule(n, witness, seed, ops):
 def test_random_fault_schedules(n, witness, seed, ops):
     RUNS["count"] += 1
     run_schedule(n, witness, seed, ops)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not os.environ.get("KDSYNC_RANDOM"), phases=None if os.environ.get("KDSYNC_SHRINK") else [Phase.explicit, Phase.reuse, Phase.generate])
+@given(n=st.integers(3, 5), witness=st.booleans(), seed=st.integers(0, 2**16), ops=st.lists(op, max_size=int(os.environ.get("KDSYNC_PROPERTY_OPS", "25"))))
+def test_random_fault_schedules_fail_over_sequencer(n, witness, seed, ops):
+    """The leader-based baseline fails over through the same view change:
+    the same schedules, the same invariants (no loss when the sequencer dies)."""
+    run_schedule(n, witness, seed, ops, protocol="sequencer")
 
 
 def test_property_runs_counted():

@@ -8,7 +8,7 @@ import asyncio
 import random
 import time
 
-from kdsync.core import Event, LogChunk, NodeConfig, RemoteProtocolError, make_node
+from kdsync.core import Batch, Event, LogChunk, NodeConfig, RemoteProtocolError, batches_from_events, make_node
 from kdsync.transport.rdma import RdmaTransport
 
 from helpers import group, wait_for
@@ -53,7 +53,7 @@ class Member:
     def submit(self, n: int) -> None:
         evs = [Event(self.id, 0, self.next_offset + j, b"%s-%d" % (self.id.encode(), self.next_offset + j)) for j in range(n)]
         self.next_offset += n
-        self.node.submit(evs)
+        self.node.submit([Batch.from_events(evs)])
         self.schedule()
 
     def process(self) -> None:
@@ -66,12 +66,12 @@ class Member:
             for d in rd.deliveries:
                 if d.first_seq != len(self.topic):
                     self.gaps += 1
-                self.topic.extend(d.events)
+                self.topic.extend(d.events())
             if rd.deliveries:
                 node.durable(len(self.topic))
             self.views.extend(rd.views)
             for r in rd.reads:
-                node.step(LogChunk(r.start, tuple(self.topic[r.start : r.stop])))
+                node.step(LogChunk(r.start, tuple(batches_from_events(self.topic[r.start : r.stop]))))
             node.advance(rd)
 
     async def ticker(self) -> None:

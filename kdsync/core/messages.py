@@ -1,0 +1,330 @@
+"""Wire messages of the core: one frozen, slotted class per message type.
+
+Theory of operation
+-------------------
+A message travels as a msgpack array `[type, sender, incarnation, *fields]`.
+Each class below names its fields once (`FIELDS`: name and kind); `encode()`
+writes them in that order and `decode()` reads them back, checking every
+field's shape, so protocol code reads `msg.view`, `msg.recv`, never
+`msg[6]`.  Every decoding failure — bad msgpack, wrong arity, a field of the
+wrong type, an unknown member, a batch whose sizes do not add up — is a
+`RemoteProtocolError`: the adapter logs it and drops the message; nothing of
+it reaches protocol state.
+
+Batches travel as their seven fields (`Batch.fields()`): a slot of a
+thousand records is a handful of msgpack items, not thousands.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import msgpack
+
+from kdsync.core.batch import Batch
+from kdsync.core.errors import RemoteProtocolError
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
+
+
+def pack(fields) -> bytes:
+    return _packb(fields, use_bin_type=True)
+
+
+def unpack_raw(data) -> Any:
+    """msgpack → Python, with every failure a RemoteProtocolError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RemoteProtocolError("message is not bytes")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise RemoteProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return _unpackb(data, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise RemoteProtocolError(f"undecodable message: {exc.__class__.__name__}") from None
+
+
+# ----------------------------------------------------------------- field kinds
+# A kind is (encode, decode): Python value -> msgpack item, and msgpack item ->
+# checked Python value.  decode(v, name, ids) raises RemoteProtocolError;
+# `ids` is the set of configured member ids.
+def _bad(name: str, v: Any = None):
+    raise RemoteProtocolError(f"bad {name}" + (f": {v!r}" if v is not None and not isinstance(v, (bytes, list)) else ""))
+
+
+def _int(v, name, ids=None):
+    if type(v) is not int or v < 0:
+        _bad(name, v)
+    return v
+
+
+def _int_m1(v, name, ids=None):
+    if type(v) is not int or v < -1:
+        _bad(name, v)
+    return v
+
+
+def _bool(v, name, ids=None):
+    if type(v) is not bool:
+        _bad(name, v)
+    return v
+
+
+def _bytes(v, name, ids=None):
+    if type(v) is not bytes:
+        _bad(name)
+    return v
+
+
+def _ints(v, name, ids=None):
+    # C-speed checks: these vectors have one entry per member, in every ACK
+    if type(v) is not list or (v and (not set(map(type, v)) <= {int} or min(v) < 0)):
+        _bad(name)
+    return tuple(v)
+
+
+def _member_ids(v, name, ids):
+    if type(v) is not list or any(type(x) is not str or x not in ids for x in v):
+        _bad(name)
+    return tuple(v)
+
+
+def _ballot(v, name, ids=None):
+    if type(v) is not list or len(v) != 2 or type(v[0]) is not int or type(v[1]) is not int or v[0] < 0 or v[1] < -1:
+        _bad(name)
+    return (v[0], v[1])
+
+
+def _batches(v, name, ids=None):
+    if type(v) is not list:
+        _bad(name)
+    return tuple(map(Batch.from_fields, v))
+
+
+def _slots(v, name, ids=None):
+    if type(v) is not list or any(type(s) is not list for s in v):
+        _bad(name)
+    return tuple(tuple(map(Batch.from_fields, s)) if s else () for s in v)
+
+
+def _watermarks(v, name, ids=None):
+    if type(v) is not list:
+        _bad(name)
+    out = {}
+    for item in v:
+        if type(item) is not list or len(item) != 3 or type(item[0]) is not str:
+            _bad(name)
+        out[(item[0], _int(item[1], "partition"))] = _int_m1(item[2], "offset")
+    return out
+
+
+def _proposal(v, name, ids):
+    return Proposal.decode(_bytes(v, name), ids)
+
+
+def _maybe_proposal(v, name, ids):
+    return Proposal.decode(v, ids) if _bytes(v, name) else None
+
+
+def _same(v):
+    return v
+
+
+INT = (_same, _int)
+INT_M1 = (_same, _int_m1)
+BOOL = (_same, _bool)
+BYTES = (_same, _bytes)
+INTS = (list, _ints)
+MEMBERS = (list, _member_ids)
+BALLOT = (list, _ballot)
+BATCHES = (lambda v: [b.fields() for b in v], _batches)
+SLOTS = (lambda v: [[b.fields() for b in s] for s in v], _slots)
+WATERMARKS = (lambda v: [[o, p, off] for (o, p), off in sorted(v.items())], _watermarks)
+PROPOSAL = (lambda p: p.data, _proposal)
+MAYBE_PROPOSAL = (lambda p: p.data if p is not None else b"", _maybe_proposal)
+
+
+class Message:
+    """Base of every wire message: `sender`, its incarnation `inc`, then FIELDS.
+
+    Subclasses declare `TYPE`, `FIELDS` ((name, kind), ...) and `__slots__`
+    (the field names, in order).  Instances are frozen."""
+
+    __slots__ = ("sender", "inc")
+    TYPE: ClassVar[int] = 0
+    FIELDS: ClassVar[tuple] = ()
+
+    def __init__(self, sender: str, inc: int, *values) -> None:
+        names = self.__slots__
+        if len(values) != len(names):
+            raise TypeError(f"{type(self).__name__} takes {len(names)} fields, got {len(values)}")
+        setter = object.__setattr__
+        setter(self, "sender", sender)
+        setter(self, "inc", inc)
+        for n, v in zip(names, values):
+            setter(self, n, v)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+    def encode(self) -> bytes:
+        out = [self.TYPE, self.sender, self.inc]
+        for name, (enc, _) in self.FIELDS:
+            out.append(enc(getattr(self, name)))
+        return _packb(out, use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, sender: str, inc: int, rest: list, ids) -> "Message":
+        fields = cls.FIELDS
+        if len(rest) != len(fields):
+            raise RemoteProtocolError(f"{cls.__name__} has {len(fields)} fields, got {len(rest)}")
+        return cls(sender, inc, *[dec(v, name, ids) for (name, (_, dec)), v in zip(fields, rest)])
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and all(
+            getattr(self, n) == getattr(other, n) for n in ("sender", "inc", *self.__slots__))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"{type(self).__name__}({self.sender}#{self.inc}, {body})"
+
+
+class Codec:
+    """Decoding for one protocol variant: its message classes and member ids."""
+
+    def __init__(self, classes, member_ids) -> None:
+        self.table = {c.TYPE: c for c in classes}
+        if len(self.table) != len(classes):
+            raise ValueError("two message classes share a type code")
+        self.member_ids = frozenset(member_ids)
+
+    def decode(self, data, arrived_from: str | None = None) -> Message:
+        """Bytes → a message object.  Raises RemoteProtocolError."""
+        raw = unpack_raw(data)
+        if type(raw) is not list or len(raw) < 3:
+            raise RemoteProtocolError("message is not an array of at least 3 items")
+        kind, sender, inc = raw[0], raw[1], raw[2]
+        if type(kind) is not int or type(inc) is not int:
+            raise RemoteProtocolError("bad message header")
+        if sender not in self.member_ids:
+            raise RemoteProtocolError(f"message from unknown member {sender!r}")
+        if arrived_from is not None and sender != arrived_from:
+            raise RemoteProtocolError(f"message claims to be from {sender!r}, arrived from {arrived_from!r}")
+        cls = self.table.get(kind)
+        if cls is None:
+            raise RemoteProtocolError(f"unknown message type {kind}")
+        return cls.from_wire(sender, inc, raw[3:], self.member_ids)
+
+
+# ------------------------------------------------------------------ proposal
+class Proposal:
+    """The value a view change agrees on: the next view and how the old one ends.
+
+    `trim[k]` is how many slots of the old view's sender k every member
+    delivers (the ragged trim); `source` serves catch-up; `base_seq` >= 0 when
+    nobody held the old view's data (the new view starts there), else -1.
+    Encoded once and compared by bytes.
+    """
+
+    __slots__ = ("old_view", "new_view", "members", "incs", "trim", "source", "base_seq", "data")
+
+    def __init__(self, old_view, new_view, members, incs, trim, source, base_seq):
+        self.old_view, self.new_view = old_view, new_view
+        self.members, self.incs = tuple(members), tuple(incs)
+        self.trim, self.source, self.base_seq = tuple(trim), source, base_seq
+        self.data = pack([old_view, new_view, list(members), list(incs), list(trim), source, base_seq])
+
+    @classmethod
+    def decode(cls, data: bytes, member_ids) -> "Proposal":
+        """Raises RemoteProtocolError on anything malformed."""
+        f = unpack_raw(data)
+        if type(f) is not list or len(f) != 7:
+            raise RemoteProtocolError("undecodable proposal")
+        old, new, members, incs, trim, source, base = f
+        _int(old, "old view")
+        if type(new) is not int or new != old + 1:
+            raise RemoteProtocolError("a proposal names the view after its old view")
+        members = _member_ids(members, "proposal members", member_ids)
+        incs = _ints(incs, "incarnations")
+        trim = _ints(trim, "trim")
+        if not members or len(incs) != len(members) or len(set(members)) != len(members) or source not in members:
+            raise RemoteProtocolError("bad proposal membership")
+        _int_m1(base, "base position")
+        return cls(old, new, members, incs, trim, source, base)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Proposal) and self.data == other.data
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Proposal({self.old_view}->{self.new_view} {list(self.members)} trim={list(self.trim)} "
+                f"source={self.source} base={self.base_seq})")
+
+
+def _message(type_code: int, name: str, doc: str, *fields, check: Callable[[Message], None] | None = None) -> type:
+    """A Message subclass with these fields; `check` sees a decoded message
+    (cross-field rules) and raises RemoteProtocolError."""
+    ns: dict[str, Any] = {"__slots__": tuple(f for f, _ in fields), "TYPE": type_code, "FIELDS": tuple(fields),
+                          "__doc__": doc, "__module__": __name__}
+    if check is not None:
+        def from_wire(cls, sender, inc, rest, ids):
+            msg = Message.from_wire.__func__(cls, sender, inc, rest, ids)
+            check(msg)
+            return msg
+
+        ns["from_wire"] = classmethod(from_wire)
+    return type(name, (Message,), ns)
+
+
+def _same_length(a: str, b: str) -> Callable[[Message], None]:
+    def check(msg: Message) -> None:
+        if len(getattr(msg, a)) != len(getattr(msg, b)):
+            raise RemoteProtocolError(f"{type(msg).__name__}: {a} and {b} differ in length")
+
+    return check
+
+
+# ------------------------------------------------------- derecho (and sequencer)
+# `view` is the sender's view id; `recv` a received vector (slots held per sender
+# of that view); a ballot is (round, leader rank).
+Append = _message(1, "Append", "Own slots first..first+len(slots)-1 of a view, with the received vector.",
+                  ("view", INT), ("first", INT), ("slots", SLOTS), ("recv", INTS))
+Ack = _message(2, "Ack", "Heartbeat and cumulative acknowledgement: received vector, suspicions, "
+               "highest ballot round seen, whether the sender is wedged.",
+               ("view", INT), ("recv", INTS), ("suspected", MEMBERS), ("round", INT), ("wedged", BOOL))
+Collect = _message(3, "Collect", "Paxos phase 1a of the view change out of `view`.",
+                   ("view", INT), ("ballot", BALLOT))
+Report = _message(4, "Report", "Paxos phase 1b: what the reporter holds of `view` and any vote it cast.",
+                  ("view", INT), ("ballot", BALLOT), ("has_data", BOOL), ("recv", INTS), ("durable", INT),
+                  ("next", INT), ("acc_ballot", BALLOT), ("accepted", MAYBE_PROPOSAL))
+Accept = _message(5, "Accept", "Paxos phase 2a.", ("view", INT), ("ballot", BALLOT), ("proposal", PROPOSAL))
+Accepted = _message(6, "Accepted", "Paxos phase 2b.", ("view", INT), ("ballot", BALLOT))
+Install = _message(7, "Install", "The chosen next view of `old_view`.", ("old_view", INT), ("proposal", PROPOSAL))
+Join = _message(8, "Join", "A restarted or excluded member asks to be taken in (its durable and next position).",
+                ("durable", INT), ("next", INT))
+CatchupReq = _message(9, "CatchupReq", "Ask the catch-up source for positions from `start` of view `view`.",
+                      ("view", INT), ("start", INT), ("snapshot_ok", BOOL))
+CatchupData = _message(10, "CatchupData", "Positions first.. as batches; the view starts at view_start.",
+                       ("view", INT), ("first", INT), ("batches", BATCHES), ("view_start", INT))
+Snapshot = _message(11, "Snapshot", "For a witness: the view start and the origin watermarks there.",
+                    ("view", INT), ("view_start", INT), ("watermarks", WATERMARKS))
+Hint = _message(12, "Hint", "A newer view exists (its id, members and incarnations).",
+                ("view", INT), ("members", MEMBERS), ("incs", INTS), check=_same_length("members", "incs"))
+Forward = _message(13, "Forward", "Sequencer variant: a member's own batches, numbered from `first` within the "
+                   "view, for the view's sequencer to order; every number below `done` is delivered already.",
+                   ("view", INT), ("done", INT), ("first", INT), ("batches", BATCHES))
+
+DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
+                    Snapshot, Hint)
+SEQUENCER_MESSAGES = DERECHO_MESSAGES + (Forward,)
+
+# ------------------------------------------------------------------- mirror
+MirrorData = _message(1, "MirrorData", "Own stream entries first.. as batches; `base` = where the sender "
+                      "believes the receiver is durable.", ("first", INT), ("batches", BATCHES), ("base", INT))
+MirrorAck = _message(2, "MirrorAck", "The receiver made the stream of incarnation `stream_inc` durable up to `upto`.",
+                     ("stream_inc", INT), ("upto", INT))
+MIRROR_MESSAGES = (MirrorData, MirrorAck)
