@@ -15,6 +15,16 @@ is up, and drives it the way `kdsync/core/__init__.py` documents:
   later, then `node.durable(end)`), answer reads `consume_ms` later,
   `advance()`.
 
+*CPU.*  With a `member_cost` in the scenario, a member is one server with a
+queue, like the single-threaded real member: an input that arrives while it
+is busy waits; a service takes every input waiting, runs one Ready
+handshake, and its outputs (messages, deliveries, reads) leave when the
+service time has passed — ready_us + message_us per peer message in and
+out + event_us per record submitted or delivered.  Under load inputs pile
+up and one service answers many of them (coalescing), and a member that
+cannot keep up falls behind, as a real one does.  Without it a member costs
+nothing and answers at the instant of its inputs.
+
 A crash drops the node object, the consumer position and every produce not
 yet acknowledged by the brokers (`epoch` bumps, so callbacks scheduled by the
 dead process are ignored).  A restart builds a new node from the durable
@@ -37,6 +47,7 @@ from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
 from sim.kafka import Cluster
+from sim.scenario import MemberCostSpec
 
 __all__ = ["Host", "SimMember"]
 
@@ -76,8 +87,15 @@ class Host(Protocol):
 class SimMember:
     """One kdsync member process (and, unless a witness, its cluster)."""
 
-    def __init__(self, host: Host, member_id: str, config: NodeConfig, cluster: Cluster | None) -> None:
+    def __init__(self, host: Host, member_id: str, config: NodeConfig, cluster: Cluster | None,
+                 cost: MemberCostSpec | None = None) -> None:
         self.host = host
+        self.cost = cost if cost is not None and cost.costs_anything() else None
+        self._queue: list[Callable[[], None]] = []  # inputs waiting for the CPU (cost model)
+        self._queued_msgs = 0
+        self._queued_events = 0
+        self.busy = False  # a service is running (cost model)
+        self.cpu_s = 0.0  # total service time (cost model)
         self.id = member_id
         self.config = config
         self.cluster = cluster
@@ -125,6 +143,9 @@ class SimMember:
         self.node = None
         self.epoch += 1
         self._buffer.clear()
+        self._queue.clear()
+        self._queued_msgs = self._queued_events = 0
+        self.busy = False
         self.paused_until = -1.0
         self.status = "down"
 
@@ -139,6 +160,11 @@ class SimMember:
             return
         self.paused_until = -1.0
         held, self._buffer = self._buffer, []
+        if self.cost is not None:
+            self._queue.extend(held)
+            self.poll()
+            self._kick()
+            return
         for fn in held:
             if self.node is None:
                 break
@@ -159,9 +185,15 @@ class SimMember:
             self.deduplicated += int(self.node.stats.get("deduplicated", 0))
 
     # ---------------------------------------------------------------- inputs
-    def _input(self, fn: Callable[[], None]) -> None:
+    def _input(self, fn: Callable[[], None], msgs: int = 0, events: int = 0) -> None:
         if self.paused_until >= 0:
             self._buffer.append(fn)
+            return
+        if self.cost is not None:
+            self._queue.append(fn)
+            self._queued_msgs += msgs
+            self._queued_events += events
+            self._kick()
             return
         fn()
         if not self.flush_pending:
@@ -170,12 +202,7 @@ class SimMember:
     def on_message(self, src: str, data: bytes) -> None:
         if not self.up:
             return  # a dead process receives nothing
-        if self.paused_until >= 0:
-            self._buffer.append(lambda: self._receive(src, data))
-            return
-        self._receive(src, data)
-        if not self.flush_pending:
-            self.host.request_flush(self)
+        self._input(lambda: self._receive(src, data), msgs=1)
 
     def _receive(self, src: str, data: bytes) -> None:
         try:
@@ -183,10 +210,19 @@ class SimMember:
         except RemoteProtocolError:
             self.bad_messages += 1
 
-    def tick(self) -> None:
-        """One tick; the ticker flushes right after (a tick is its own instant)."""
-        if self.up and self.paused_until < 0:
-            self.node.tick()
+    def on_tick(self) -> None:
+        """One tick of the node (a tick is its own instant; with the cost model it
+        waits for the CPU like any input)."""
+        if not self.up or self.paused_until >= 0:
+            return
+        if self.cost is not None:
+            self._input(self._tick_node)
+            return
+        self.node.tick()
+        self.flush()
+
+    def _tick_node(self) -> None:
+        self.node.tick()
 
     def wake(self, _arg: Any = None) -> None:
         """A fetch returned (kafka.poll_ms = 0): hand it over at once.  Whatever
@@ -220,24 +256,40 @@ class SimMember:
                 i += 1
             cur[p] = i
         if out:
+            if self.cost is not None:
+                self._input(lambda: self.node.submit(out), events=sum(b.count for b in out))
+                return
             self.node.submit(out)
             if not self.flush_pending:
                 self.host.request_flush(self)
 
     # ----------------------------------------------------------------- flush
     def flush(self) -> None:
-        """The Ready handshake, once per simulated instant."""
+        """The Ready handshake, once per simulated instant (no cost model)."""
         self.flush_pending = False
-        node = self.node
-        if node is None or self.paused_until >= 0:
+        if self.node is None or self.paused_until >= 0:
             return
-        host = self.host
-        send = host.send
-        me = self.id
+        self._emit(self._handshake())
+
+    def _handshake(self) -> list:
+        """Drain the node's Ready records; returns them (with hard state
+        already recorded on the node side: the disk is written on emit)."""
+        node = self.node
+        out = []
         rounds = 0
         while node.has_ready() and rounds < 16:
             rounds += 1
             rd = node.ready()
+            out.append(rd)
+            node.advance(rd)
+        return out
+
+    def _emit(self, ready_list: list) -> None:
+        """Do the I/O of Ready records, in their order (see kdsync.core.Ready)."""
+        host = self.host
+        send = host.send
+        me = self.id
+        for rd in ready_list:
             if rd.hard_state is not None:
                 if self.cluster is not None:
                     self.cluster.disk = rd.hard_state
@@ -253,7 +305,41 @@ class SimMember:
                 self.views += len(rd.views)
             if rd.status:
                 self.status = rd.status
-            node.advance(rd)
+
+    # ------------------------------------------------------------- the CPU
+    def _kick(self) -> None:
+        """Start a service soon (after the other inputs of this instant) if idle."""
+        if not self.busy and self._queue and self.paused_until < 0:
+            self.busy = True
+            self.host.after(0.0, self._serve, self.epoch)
+
+    def _serve(self, epoch: int) -> None:
+        if epoch != self.epoch or self.node is None:
+            return
+        if self.paused_until >= 0:  # paused after the service was scheduled: it waits
+            self.busy = False
+            return
+        todo, self._queue = self._queue, []
+        msgs_in, events_in = self._queued_msgs, self._queued_events
+        self._queued_msgs = self._queued_events = 0
+        for fn in todo:
+            fn()
+        out = self._handshake()
+        c = self.cost
+        msgs_out = sum(len(rd.messages) for rd in out)
+        events_out = sum(d.count for rd in out for d in rd.deliveries)
+        t = (c.ready_us * max(1, len(out)) + c.message_us * (msgs_in + msgs_out)
+             + c.event_us * (events_in + events_out)) / 1e6
+        self.cpu_s += t
+        self.host.after(t, self._served, (epoch, out))
+
+    def _served(self, arg) -> None:
+        epoch, out = arg
+        if epoch != self.epoch:
+            return  # the process died meanwhile: its outputs never left
+        self._emit(out)
+        self.busy = False
+        self._kick()
 
     def _deliver(self, deliveries: tuple[Delivery, ...]) -> None:
         host = self.host
@@ -309,4 +395,4 @@ class SimMember:
             for s in range(start, stop, chunk):
                 self.node.step(LogChunk(s, tuple(topic.read(s, min(stop, s + chunk)))))
 
-        self._input(answer)
+        self._input(answer, events=max(0, stop - start))

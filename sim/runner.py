@@ -64,6 +64,9 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
 
     Failure suspicion must outlast a few round trips, or a slow WAN looks like
     a dead peer: suspect_ticks >= 3 worst-case RTTs (and >= the default).
+    Heartbeats come 4 times per suspicion timeout, not more often (every
+    member heartbeats every peer: with 50 sites at the default 2 ticks they
+    would outnumber every other message).
     """
     base = NodeConfig(member_id=member_id, members=s.member_ids)
     worst_ms = s.network.default.latency_ms or 1.0
@@ -78,6 +81,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         roles={m.id: m.role for m in s.members if m.role == "witness"},
         protocol=s.protocol,
         suspect_ticks=suspect,
+        heartbeat_ticks=max(base.heartbeat_ticks, suspect // 4),
         retransmit_ticks=max(base.retransmit_ticks, int(rtt_ticks + 0.999) + 1),
     )
 
@@ -163,7 +167,8 @@ class Simulation:
         self.members: dict[str, SimMember] = {}
         for spec in scenario.members:
             cluster = Cluster(spec.id) if spec.role == "member" else None
-            self.members[spec.id] = SimMember(self, spec.id, node_config(scenario, spec.id), cluster)
+            self.members[spec.id] = SimMember(self, spec.id, node_config(scenario, spec.id), cluster,
+                                              scenario.member_cost)
         self.order = list(self.members.values())  # rank order
         self.clusters = {m.id: m.cluster for m in self.order if m.cluster is not None}
         self.network = SimNetwork(self.env, scenario.member_ids, scenario.network, seed, self._on_message)
@@ -349,9 +354,7 @@ class Simulation:
     def _tick(self, ev) -> None:
         m = ev.value
         Timeout(self.env, TICK_S, m).callbacks.append(self._tick)
-        if m.up:
-            m.tick()
-            m.flush()
+        m.on_tick()
 
     # ------------------------------------------------------------------ run
     def _settled(self) -> bool:

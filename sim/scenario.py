@@ -127,6 +127,17 @@ class FaultSpec(_Strict):
         return next(a for a in _FAULT_ACTIONS if getattr(self, a) is not None)
 
 
+class MemberCostSpec(_Strict):
+    """CPU service time of a member (extension): one server per member."""
+
+    message_us: float = Field(default=0.0, ge=0, le=1e6)  # per peer message received or sent
+    event_us: float = Field(default=0.0, ge=0, le=1e6)  # per record submitted or delivered
+    ready_us: float = Field(default=0.0, ge=0, le=1e6)  # per Ready handshake (one loop iteration)
+
+    def costs_anything(self) -> bool:
+        return bool(self.message_us or self.event_us or self.ready_us)
+
+
 class ExpectSpec(_Strict):
     max_p99_ms: float | None = Field(default=None, gt=0)
     min_delivered_fraction: float | None = Field(default=None, ge=0, le=1)
@@ -144,6 +155,7 @@ class Scenario(_Strict):
     workload: list[WorkloadSpec] = []
     faults: list[FaultSpec] = []
     expect: ExpectSpec = ExpectSpec()
+    member_cost: MemberCostSpec | None = None
 
     @property
     def member_ids(self) -> tuple[str, ...]:

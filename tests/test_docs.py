@@ -107,7 +107,7 @@ def test_every_config_key_is_documented_with_its_default():
 
 
 def test_every_scenario_key_is_documented():
-    from sim.scenario import ExpectSpec, FaultSpec, KafkaSpec, LinkSpec, MemberSpec, Scenario, WorkloadSpec
+    from sim.scenario import ExpectSpec, FaultSpec, KafkaSpec, LinkSpec, MemberCostSpec, MemberSpec, Scenario, WorkloadSpec
 
     text = (DOCS / "scenario.md").read_text()
     want = [f"`{n}" for n in Scenario.model_fields]  # a key, or the first part of its sub-keys
@@ -116,6 +116,7 @@ def test_every_scenario_key_is_documented():
     want += [f"`workload[].{n}`" for n in WorkloadSpec.model_fields if n not in ("start_s", "stop_s", "at_s")]
     want += [f"`faults[].{(f.alias or n)}`" for n, f in FaultSpec.model_fields.items()]
     want += [f"`expect.{n}`" for n in ExpectSpec.model_fields]
+    want += [f"`member_cost.{n}`" for n in MemberCostSpec.model_fields]
     want += [f"link `{n}`" for n in LinkSpec.model_fields]
     want += ["`network.default`", "`network.links`", "`start_s`", "`stop_s`", "`at_s`"]
     missing = [w for w in want if w not in text]

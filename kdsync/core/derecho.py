@@ -364,8 +364,6 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                         self.lead_round = None
             elif silent - self.suspected:
                 self._suspect(silent - self.suspected)
-            if self._ack_round >= 0:
-                self._flush_urgent_acks()
             # heartbeats: they also carry the acknowledgements of nulls
             for p in v.members:
                 if p == self.me:
