@@ -428,6 +428,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                     self.last_sent[p] = now
                     self.acked_sent[p] = cur
                     self._send(p, data)
+            self._ack_round = -1  # that vector acknowledges every data slot received so far
             self._try_deliver()
         if self._ack_round >= 0 and min(st.received, default=0) > self._ack_round:
             # acknowledge data once its round is complete here: one vector then

@@ -72,6 +72,7 @@ class Network:
         self.views: dict[str, list] = {i: [] for i in self.ids}
         self.bad_messages = 0
         self.reads_served = 0
+        self.sent_by_type: dict[int, int] = {}  # messages handed to the network, by type code
         for i in self.ids:
             self.members[i] = Member(i, None)
             self._boot(i)
@@ -198,6 +199,8 @@ class Network:
         self.node(i).durable(self.members[i].length)
 
     def _enqueue(self, a: str, b: str, data: bytes) -> None:
+        t = data[1]  # a msgpack array of < 16 items: the type code is its second byte
+        self.sent_by_type[t] = self.sent_by_type.get(t, 0) + 1
         if (a, b) in self.cut_links or not self.members[b].up:
             return
         p = self.drop_prob.get((a, b), 0.0)

@@ -17,6 +17,7 @@ Commands:
   status                                           view, status and position per node
   topics                                           each member's global topic
   check [live=ID,ID]                               the outside checker
+  messages                                         peer messages sent since the last `messages`, by type
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def _fmt_topic(evs) -> str:
         tag = f"{o}" + (f"/{p}" if p else "")
         parts.append(f"{tag}:{a}" if a == b else f"{tag}:{a}-{b}")
     return " ".join(parts) if parts else "(empty)"
+
+
+def _message_names(protocol: str) -> dict[int, str]:
+    from kdsync.core import messages as m
+
+    classes = m.MIRROR_MESSAGES if protocol == "mirror" else m.SEQUENCER_MESSAGES
+    return {c.TYPE: c.__name__.lower() for c in classes}
 
 
 def run_transcript(text: str) -> str:
@@ -122,6 +130,12 @@ def run_transcript(text: str) -> str:
                     out.append(f"{i}: (witness)")
                 else:
                     out.append(f"{i}: {_fmt_topic(net.topic(i))}")
+        elif name == "messages":
+            counts, net.sent_by_type = net.sent_by_type, {}
+            total = sum(counts.values())
+            names = _message_names(net.protocol)
+            parts = [f"{names.get(t, t)}={n}" for t, n in sorted(counts.items())]
+            out.append(f"{total} messages" + (": " + " ".join(parts) if parts else ""))
         elif name == "check":
             live = kv["live"].split(",") if "live" in kv else None
             problems = check_invariants(net, submitted=submitted, live=live)
