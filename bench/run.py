@@ -5,6 +5,7 @@ on latency, throughput and ordering guarantees; write results/.
 
 Sections (each degrades to "not measured: <reason>" when its part is missing):
   core      ordering-core throughput (pytest-benchmark of tests/core)
+  scale     simulator speed at 100 K events/s, messages per event, fifty sites, sequencer fail-over
   sim       the same workload under the three protocols, RTT x loss x seeds
   audit     the sim traces through the PySpark `kdsync audit` vs summary.json
   real      three embedded Tansu clusters + `kdsync run` members, end to end
@@ -34,14 +35,14 @@ from typing import Callable, Iterator
 from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "sim", "audit", "real", "simreal", "rdma")
+SECTIONS = ("core", "scale", "sim", "audit", "real", "simreal", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
                "simreal": "skipped by --quick (needs the real section)"}
-TITLES = {"core": "Ordering core throughput", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
+TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
           "simreal": "Simulator vs real brokers: the same small workload", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
-GENERATED_PREFIXES = ("core_", "sim_", "audit_", "real_", "rdma_", "simreal_", "summary")
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "rdma_", "simreal_", "summary")
 
 
 class UsageError(Exception):
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    wanted = args.sections or (["core", "sim", "rdma"] if args.quick else list(SECTIONS))
+    wanted = args.sections or (["core", "scale", "sim", "rdma"] if args.quick else list(SECTIONS))
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.audit import audit_section
     from bench.core import core_section
     from bench.rdma import rdma_section
+    from bench.scale import scale_section
     from bench.real import RealParams, real_section
     from bench.sim import (FULL, QUICK, loopback_jobs, loopback_rows, run_job, sweep_jobs, sweep_section,
                            yardstick_jobs, yardstick_rows)
@@ -293,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("core", "Ordering core throughput",
                                        lambda: core_section(work, args.quick, plot, out), prog))
                 prog.step("core")
+            if "scale" in wanted:
+                sections.append(_guard("scale", "Core and simulator at Kafka scale",
+                                       lambda: scale_section(args.quick), prog))
+                prog.step("scale")
             all_jobs = yjobs + jobs + ljobs  # the long yardstick first, so it overlaps the short runs
             all_res: list[dict] = []
             if all_jobs:
