@@ -43,7 +43,9 @@ class CatchupPart:
     def _on_catchup_req(self, msg: CatchupReq) -> None:
         s = msg.sender
         v = self.view
-        if msg.view != v.view_id or not self._caught_up() or self.state is self.State.JOINING:
+        # only a member that holds the view's data knows where it starts: one that
+        # entered it from disk (a restart) would answer with its own position
+        if msg.view != v.view_id or not self._holds_view_data():
             return
         vstart = v.start_seq
         if msg.snapshot_ok and vstart >= 0:

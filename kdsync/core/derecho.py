@@ -21,7 +21,8 @@ member's state and the doors every input comes through.
 
   FORMING      in a view with none of its data (first start): wedged
   REJOINING    restarted (new incarnation, amnesiac) in its persisted view,
-               asking to be taken back: wedged
+               or in an installed view that names an older incarnation of
+               it, asking to be taken back: wedged
   JOINING      not in the current view (excluded, or told of a newer one):
                waits for the INSTALL that takes it in
   CATCHING_UP  taken into a view, pulling the positions before its start;
@@ -199,8 +200,17 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self._reset_view_state()
         self.target = None
         self.state = State.JOINING
-        self.accepted = None
         self._hard_dirty = True
+        self._send_join()
+
+    def _become_rejoining(self, view: View) -> None:
+        """A restarted member of `view` (incarnations unknown, none of its data):
+        wedged, asking to be taken back — what a restart from disk starts as."""
+        self.view = view
+        self._reset_view_state()
+        self.target = None
+        self.state = State.REJOINING
+        self._hard_dirty = True  # the view goes to disk: a restart must not fall back to an older one
         self._send_join()
 
     def _become_catching_up(self, prop) -> None:
@@ -220,6 +230,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         wedged = self.state is State.CATCHING_UP_WEDGED or bool(self.suspected)
         self.view = View(prop.new_view, prop.members, prop.incs, self._senders_of(prop.members), vstart)
         self.state = State.WEDGED if wedged else State.ACTIVE
+        self._hard_dirty = True  # the view entered goes to disk (until now the disk held the vote for it)
         self._entered_view()
         self._try_deliver()
 

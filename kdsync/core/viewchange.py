@@ -34,6 +34,13 @@ telling its position) first, so no position can be reused.
 
 A restarted member (new incarnation, amnesiac) or an excluded one sends
 JOIN; the leader wedges its view and takes it in with the next view change.
+A view can name an incarnation that is gone (chosen from a vote cast before
+the crash); that member enters it as a restarted member would from disk, so
+the group can still change it even when every process it names is dead.
+
+A vote is kept (and persisted) until a newer vote replaces it: until the
+view it chose is on disk, the disk must hold the vote, or a restart could
+vote for another value of the same instance (two views with one id).
 """
 
 from __future__ import annotations
@@ -324,12 +331,23 @@ class ViewChangePart:
             if trimmed:
                 self._deliver([b for s in trimmed for b in s])
         self._resubmit_own()
-        self.accepted = None
+        # the vote stays until a newer one replaces it: until this view is on
+        # disk, the disk must hold the vote that chose it (else a restart could
+        # vote for another value of the same instance); once a newer view is,
+        # the vote is inert (_accepted_here)
         self._hard_dirty = True
         senders = self._senders_of(prop.members)
-        if self.me not in prop.members or prop.incs[prop.members.index(self.me)] != self.incarnation:
-            # excluded (or a newer incarnation of us is wanted, which cannot be): ask to be taken in
+        if self.me not in prop.members:
+            # excluded: ask to be taken in
             self._become_joining(View(prop.new_view, prop.members, prop.incs, senders, self.next_seq))
+            return
+        if prop.incs[prop.members.index(self.me)] != self.incarnation:
+            # the view names an older incarnation of us (it was chosen from a vote
+            # cast before we restarted): we are a restarted member of it, as if we
+            # had read it from disk.  Joining from outside would wedge the group
+            # for good when every process it names is dead (swarm seeds 26, 209)
+            self._become_rejoining(View(prop.new_view, prop.members, (0,) * len(prop.members), senders,
+                                        self.next_seq))
             return
         self.joiners = {m: j for m, j in self.joiners.items() if m not in prop.members}
         if trimmed is not None:
