@@ -249,6 +249,7 @@ class Member:
                 sim.after(sim.consume_s, self._serve_read, (self.epoch, r.start, r.stop))
             if rd.views:
                 self.views += len(rd.views)
+                sim.checker.on_views(self.id, rd.views)
             if rd.status:
                 self.status = rd.status
             node.advance(rd)

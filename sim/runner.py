@@ -27,6 +27,7 @@ from typing import Any, Callable
 import simpy
 from simpy.events import Timeout
 
+from kdsync.checker import TRACE_COLUMNS
 from kdsync.core import Event, NodeConfig, make_node
 from sim.checkers import MIRROR_TOLERATED, Checker, Violation
 from sim.members import Cluster, Member
@@ -40,17 +41,6 @@ WORKLOAD_BLOCK_S = 1.0  # source topics are written this far ahead (in one go)
 # (100 ms), retransmit 3 (30 ms).  Scenarios with WAN latencies above ~80 ms
 # RTT get suspect_ticks scaled to stay above 3 RTTs (see node_config()).
 
-TRACE_COLUMNS = (
-    "run_id",
-    "member",
-    "event_id",
-    "origin",
-    "origin_partition",
-    "origin_offset",
-    "seq",
-    "submit_ts",
-    "deliver_ts",
-)
 
 
 def node_config(s: Scenario, member_id: str) -> NodeConfig:
@@ -151,7 +141,7 @@ class Simulation:
         self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.node_factory = node_factory or make_node
-        self.checker = Checker()
+        self.checker = Checker(scenario.member_ids)
         self.witness_disk: dict = {}
         self.members: dict[str, Member] = {}
         for spec in scenario.members:
