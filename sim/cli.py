@@ -1,7 +1,7 @@
 """`kdsync-sim`: run one scenario, or a swarm of seeded random ones.
 
     kdsync-sim run SCENARIO.yaml [--seed N] [--out DIR]
-    kdsync-sim swarm --seeds N [--first S] [--protocol P] [--out DIR]
+    kdsync-sim swarm --seeds N [--first S] [--protocol P] [--out DIR] [--master URL | --local]
 
 Exit codes: 0 every invariant holds, 1 a violation (each one printed with a
 `repro:` line), 2 a bad scenario or bad arguments (one line naming what to fix).
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sim.scenario import ScenarioError, dump_scenario, load_scenario
+from sim.scenario import ScenarioError, load_scenario
+from sim.swarm import member_states as _states
 
 
 class _UsageError(Exception):
@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--out", default="swarm-failures", help="where failing runs' scenarios are written (default swarm-failures/)"
     )
+    w.add_argument("--master", default=None, help="Spark master that runs the seeds as tasks (default local[*])")
+    w.add_argument("--local", action="store_true", help="run the seeds in this process, one after another (no Spark)")
     return p
 
 
@@ -102,14 +104,6 @@ def _report(result, repro: str) -> None:
         print(f"repro: {repro}")
 
 
-def _states(summary: dict) -> str:
-    """One line of how every member ended (status, process starts, views installed)."""
-    return ", ".join(
-        f"{m} {st['status'] if st['up'] else 'down'} (starts {st['starts']}, views {st['views']})"
-        for m, st in summary["member_state"].items()
-    )
-
-
 def _cmd_run(args) -> int:
     from sim.runner import run_scenario
 
@@ -124,38 +118,29 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_swarm(args) -> int:
-    from sim.runner import run_scenario
-    from sim.swarm import swarm_scenario
+    from sim.swarm import run_swarm
 
     if args.seeds < 1:
         raise _UsageError("kdsync-sim swarm: --seeds must be at least 1")
-    t0 = time.perf_counter()
-    failed = []
-    events = 0
+    if args.local and args.master:
+        raise _UsageError("kdsync-sim swarm: give --master URL or --local, not both")
+    if not args.local:
+        try:
+            import pyspark  # noqa: F401
+        except ImportError:
+            raise _UsageError("kdsync-sim swarm: PySpark is not installed (pip install 'kdsync[spark]'), "
+                              "or run in this process with --local") from None
     with _progress(args.seeds, "swarm (seeds)") as tick:
-        for i, seed in enumerate(range(args.first, args.first + args.seeds)):
-            scenario = swarm_scenario(seed, args.protocol)
-            result = run_scenario(scenario, seed, stop_when_settled=True)
-            events += result.summary["events_submitted"]
-            if result.failing:  # (mirror's tolerated agreement/split-brain counts are in its summary)
-                out = Path(args.out)
-                out.mkdir(parents=True, exist_ok=True)
-                path = out / f"{scenario.name}.yaml"
-                path.write_text(dump_scenario(scenario), encoding="utf-8")
-                for v in result.failing:
-                    print(f"seed {seed}: violation: {v.kind}: {v.detail}")
-                print(f"seed {seed}: members at the end: {_states(result.summary)}")
-                print(f"repro: kdsync-sim run {path} --seed {seed}   (or: kdsync-sim swarm --seeds 1 --first {seed} --protocol {args.protocol})")
-                failed.append(seed)
-            if tick:
-                tick(i + 1)
-    wall = time.perf_counter() - t0
-    print(
-        f"swarm: {args.seeds} runs (seeds {args.first}..{args.first + args.seeds - 1}, {args.protocol}), "
-        f"{len(failed)} failed, {events} events, {wall:.1f}s wall"
-        + (f"; failing seeds: {' '.join(map(str, failed))}" if failed else "")
-    )
-    return 1 if failed else 0
+        try:
+            return run_swarm(args.seeds, args.first, args.protocol, args.out, master=args.master, local=args.local,
+                             progress=tick)
+        except Exception as err:  # a Spark job or master that fails: one line
+            if args.local:
+                raise
+            from kdsync.spark.audit import one_line
+
+            print(f"kdsync-sim swarm: Spark failed: {one_line(err)}", file=sys.stderr)
+            return 1
 
 
 def main(argv: list[str] | None = None) -> int:
