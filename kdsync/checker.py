@@ -613,12 +613,22 @@ def check_minority(
     event there and a strict majority of them hold the same one (a position
     that was stable before the cut is delivered identically everywhere).
     minority-divergent: one of them holds another event there;
-    minority-only: fewer than a majority of them hold it at the end."""
+    minority-only: fewer than a majority of them hold it at the end.
+
+    A delivery counts once it reached the member's global topic: one lost
+    with the process before it was durable was seen by nobody (after a total
+    outage the group resumes at the highest durable position, and such
+    positions are ordered again), and a witness has no topic at all — its
+    view changes are judged by `check_views`."""
+    seqs = {m: [r.seq for r in topics[m]] for m in topics}
     live = [m for m in live if m in topics]
-    seqs = {m: [r.seq for r in topics[m]] for m in live}
     out = []
     for m in sorted(minority):
-        runs = normalise(minority[m])
+        if m not in topics:
+            continue
+        runs = [Run(lo, r.origin, r.partition, r.first_offset + lo - r.seq, hi - lo)
+                for r in normalise(minority[m])
+                for lo, hi, ra, rb in _walk_from(r, topics[m], seqs[m]) if _same(ra, rb)]
         refs = [r for r in live if r != m]
         if not runs or not refs:
             continue
