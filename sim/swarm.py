@@ -44,7 +44,6 @@ so a failing seed is written out as YAML and replayed with `kdsync-sim run`.
 from __future__ import annotations
 
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
