@@ -98,27 +98,46 @@ class GlobalTail:
 
 def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None = None) -> tuple[bool, str]:
     """Every global topic holds the same events at the same offsets, seq ==
-    offset, no duplicate, and (if given) exactly `expected` records."""
+    offset, no duplicate, origin order, the same key and value for an event
+    everywhere, and (if given) exactly `expected` records.  Returns (ok, one
+    line: the first violation of `kdsync.checker`, or what holds)."""
+    from kdsync.checker import FOREIGN, LOST_WRITE, Violation, check, gap, runs_from_events
+
     names = sorted(topics)
+    found: list[Violation] = []
     for n in names:
-        recs = topics[n]
-        for i, r in enumerate(recs):
+        for i, r in enumerate(topics[n]):
             if r.offset != i or r.seq != i:
-                return False, f"{n}: record at offset {r.offset} has {H_SEQ} {r.seq} (expected {i})"
-        ids = [r.event_id for r in recs]
-        if len(set(ids)) != len(ids):
-            return False, f"{n}: {len(ids) - len(set(ids))} duplicate events"
-        if expected is not None and len(recs) != expected:
-            return False, f"{n}: {len(recs)} records, expected {expected}"
-    ref = topics[names[0]]
+                found.append(gap(n, i, r.seq if r.offset == i else r.offset))
+                break
+    # the bytes of an event are those of the first cluster holding it
+    first: dict[tuple[str, int, int], tuple] = {}
+    for n in names:
+        for r in topics[n]:
+            first.setdefault(r.event_id, (n, r.key, r.value))
+
+    def content(member: str, run):
+        recs = topics[member]
+        bad, at = 0, -1
+        for j in range(run.count):
+            r = recs[run.seq + j]
+            if first[r.event_id][1:] != (r.key, r.value):
+                bad += 1
+                at = j if at < 0 else at
+        return (bad, at) if bad else None
+
+    found += check({n: runs_from_events([r.event_id for r in topics[n]]) for n in names}, content=content)
+    if expected is not None:
+        for n in names:
+            if len(topics[n]) != expected:
+                anomaly = LOST_WRITE if len(topics[n]) < expected else FOREIGN
+                found.append(Violation(anomaly, f"{n}: {len(topics[n])} records, expected {expected}", n))
+    if found:
+        return False, f"{found[0].anomaly}: {found[0].detail}"
     for n in names[1:]:
-        other = topics[n]
-        if len(other) != len(ref):
-            return False, f"{names[0]} has {len(ref)} records, {n} has {len(other)}"
-        for a, b in zip(ref, other):
-            if (a.event_id, a.key, a.value) != (b.event_id, b.key, b.value):
-                return False, f"offset {a.offset}: {names[0]} has {a.event_id}, {n} has {b.event_id}"
-    return True, f"{len(ref)} records identical in {len(names)} clusters"
+        if len(topics[n]) != len(topics[names[0]]):
+            return False, f"{names[0]} has {len(topics[names[0]])} records, {n} has {len(topics[n])}"
+    return True, f"{len(topics[names[0]]) if names else 0} records identical in {len(names)} clusters"
 
 
 def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | None = None,

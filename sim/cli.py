@@ -1,7 +1,7 @@
 """`kdsync-sim`: run one scenario, or a swarm of seeded random ones.
 
     kdsync-sim run SCENARIO.yaml [--seed N] [--out DIR]
-    kdsync-sim swarm --seeds N [--first S] [--protocol P] [--out DIR]
+    kdsync-sim swarm --seeds N [--first S] [--protocol P] [--out DIR] [--master URL | --local]
 
 Exit codes: 0 every invariant holds, 1 a violation (each one printed with a
 `repro:` line), 2 a bad scenario or bad arguments (one line naming what to fix).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
@@ -20,7 +19,8 @@ import typer
 
 from kdsync.clikit import UsageError, new_app
 from kdsync.clikit import run as run_cli
-from sim.scenario import ScenarioError, dump_scenario, load_scenario
+from sim.scenario import ScenarioError, load_scenario
+from sim.swarm import member_states as _states
 
 
 @contextmanager
@@ -79,14 +79,6 @@ def _report(result, repro: str) -> None:
         print(f"repro: {repro}")
 
 
-def _states(summary: dict) -> str:
-    """One line of how every member ended (status, process starts, views installed)."""
-    return ", ".join(
-        f"{m} {st['status'] if st['up'] else 'down'} (starts {st['starts']}, views {st['views']})"
-        for m, st in summary["member_state"].items()
-    )
-
-
 app = new_app("SimPy simulator that runs the kdsync ordering core through faults.  Exit 0 when every invariant "
               "holds, 1 on a violation (with a repro: line), 2 on a bad scenario or bad arguments.")
 
@@ -127,45 +119,41 @@ def _cmd_run(
     return result.exit_code
 
 
-@app.command("swarm", help="N runs with topology, rates and faults drawn from seeds S..S+N-1.")
+@app.command("swarm", help="N runs with topology, rates and faults drawn from seeds S..S+N-1, as Spark tasks "
+                           "(or in this process with --local).")
 def _cmd_swarm(
     seeds: int = typer.Option(..., metavar="N", help="how many seeds"),
     first: int = typer.Option(0, metavar="S", help="first seed"),
     protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
     out: str = typer.Option("swarm-failures", metavar="DIR", help="where failing runs' scenarios are written"),
+    master: str | None = typer.Option(None, metavar="URL", show_default="local[*]",
+                                      help="Spark master that runs the seeds as tasks"),
+    local: bool = typer.Option(False, "--local", help="run the seeds in this process, one after another (no Spark)"),
 ) -> int:
-    from sim.runner import run_scenario
-    from sim.swarm import swarm_scenario
+    from sim.swarm import run_swarm
 
     if seeds < 1:
         raise UsageError("--seeds must be at least 1")
-    t0 = time.perf_counter()
-    failed = []
-    events = 0
+    if local and master:
+        raise UsageError("give --master URL or --local, not both")
+    if not local:
+        try:
+            import pyspark  # noqa: F401
+        except ImportError:
+            raise UsageError("PySpark is not installed (pip install 'kdsync[spark]'), "
+                             "or run in this process with --local") from None
     with _progress(seeds, "swarm (seeds)") as tick, _scenario_errors():
-        for i, seed in enumerate(range(first, first + seeds)):
-            scenario = swarm_scenario(seed, protocol)
-            result = run_scenario(scenario, seed, stop_when_settled=True)
-            events += result.summary["events_submitted"]
-            if result.failing:  # (mirror's tolerated agreement/split-brain counts are in its summary)
-                outdir = Path(out)
-                outdir.mkdir(parents=True, exist_ok=True)
-                path = outdir / f"{scenario.name}.yaml"
-                path.write_text(dump_scenario(scenario), encoding="utf-8")
-                for v in result.failing:
-                    print(f"seed {seed}: violation: {v.kind}: {v.detail}")
-                print(f"seed {seed}: members at the end: {_states(result.summary)}")
-                print(f"repro: kdsync-sim run {path} --seed {seed}   (or: kdsync-sim swarm --seeds 1 --first {seed} --protocol {protocol})")
-                failed.append(seed)
-            if tick:
-                tick(i + 1)
-    wall = time.perf_counter() - t0
-    print(
-        f"swarm: {seeds} runs (seeds {first}..{first + seeds - 1}, {protocol}), "
-        f"{len(failed)} failed, {events} events, {wall:.1f}s wall"
-        + (f"; failing seeds: {' '.join(map(str, failed))}" if failed else "")
-    )
-    return 1 if failed else 0
+        try:
+            return run_swarm(seeds, first, protocol, out, master=master, local=local, progress=tick)
+        except ScenarioError:
+            raise
+        except Exception as err:  # a Spark job or master that fails: one line
+            if local:
+                raise
+            from kdsync.spark.audit import one_line
+
+            print(f"kdsync-sim swarm: Spark failed: {one_line(err)}", file=sys.stderr)
+            return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,9 @@ class Host(Protocol):
 
     def observe_gap(self, member: str, expected: int, got: int) -> None: ...
 
+    def observe_views(self, member: str, views) -> None:
+        """The checker's view of the views a member installed (split-brain check)."""
+
 
 class SimMember:
     """One kdsync member process (and, unless a witness, its cluster)."""
@@ -303,6 +306,7 @@ class SimMember:
                 host.after(host.consume_s, self._serve_read, (self.epoch, r.start, r.stop))
             if rd.views:
                 self.views += len(rd.views)
+                host.observe_views(self.id, rd.views)
             if rd.status:
                 self.status = rd.status
 

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import simpy
 from simpy.events import Timeout
 
-from kdsync.core import Batch, Delivery, Event, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
+from kdsync.checker import TRACE_COLUMNS
+from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
 from sim.checkers import MIRROR_TOLERATED, Checker, Violation
 from sim.kafka import Cluster
 from sim.members import SimMember
@@ -46,17 +47,6 @@ WORKLOAD_BLOCK_S = 1.0  # source topics are written this far ahead (in one go)
 # (100 ms), retransmit 3 (30 ms).  Scenarios with WAN latencies above ~80 ms
 # RTT get suspect_ticks scaled to stay above 3 RTTs (see node_config()).
 
-TRACE_COLUMNS = (
-    "run_id",
-    "member",
-    "event_id",
-    "origin",
-    "origin_partition",
-    "origin_offset",
-    "seq",
-    "submit_ts",
-    "deliver_ts",
-)
 
 
 def node_config(s: Scenario, member_id: str) -> NodeConfig:
@@ -162,7 +152,7 @@ class Simulation:
         self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.node_factory = node_factory or make_node
-        self.checker = Checker()
+        self.checker = Checker(scenario.member_ids)
         self._witness_disk: dict[str, HardState] = {}
         self.members: dict[str, SimMember] = {}
         for spec in scenario.members:
@@ -229,6 +219,9 @@ class Simulation:
 
     def observe_gap(self, member: str, expected: int, got: int) -> None:
         self.checker.gap(member, expected, got)
+
+    def observe_views(self, member: str, views) -> None:
+        self.checker.on_views(member, views)
 
     def _on_message(self, src: str, dst: str, data: bytes) -> None:
         self.members[dst].on_message(src, data)
@@ -456,7 +449,7 @@ def run_scenario(
 
     s = scenario
     live = [m.id for m in sim.order if m.up and m.cluster is not None]
-    violations = sim.checker.finish(*_checker_inputs(sim), live)
+    violations = sim.checker.finish(sim.clusters, live)
 
     lat = sorted(sim.latencies())
     n_lat = sum(w for _, w in lat)
@@ -526,15 +519,3 @@ def run_scenario(
     }
     clusters = [(m.id, m.cluster) for m in sim.order if m.cluster is not None]
     return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", clusters, sim.clusters))
-
-
-def _checker_inputs(sim: Simulation) -> tuple[dict[str, list[Event]], dict[tuple[str, int, int], Event]]:
-    """The global topics and the acknowledged source records, as Events."""
-    topics = {mid: [e for b in c.topic.batches for e in b.events()] for mid, c in sim.clusters.items()}
-    submitted = {}
-    for c in sim.clusters.values():
-        for part in c.source:
-            for b in part.batches:
-                for e in b.events():
-                    submitted[(e.origin, e.partition, e.offset)] = e
-    return topics, submitted

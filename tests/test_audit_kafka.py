@@ -101,7 +101,7 @@ def test_each_anomaly_reported_exactly(clusters, topics, capsys, tmp_path):
 
     clean = runs["t-clean"]
     expect(clean)
-    assert clean["ok"] and clean["violations"] == []
+    assert clean["ok"] and clean["violations"] == [] and clean["anomalies"] == {}
     assert clean["events_delivered"] == {"dc1": n, "dc2": n, "dc3": n}
     # the producer stamped deliveries 40 ms after the source timestamp
     assert clean["latency_ms"]["p50"] == pytest.approx(40.0) and clean["latency_ms"]["max"] == pytest.approx(40.0)
@@ -110,28 +110,33 @@ def test_each_anomaly_reported_exactly(clusters, topics, capsys, tmp_path):
     expect(r, dup={**zero, "dc2": 1})
     assert r["integrity"]["duplicate_examples"]["dc2"] == [{"event_id": topics["t-duplicate"]["event"], "copies": 2}]
     assert [v["kind"] for v in r["violations"]] == ["integrity"]
+    assert [v["anomaly"] for v in r["violations"]] == ["duplicate"] and r["anomalies"] == {"duplicate": 1}
 
     r = runs["t-missing"]
     expect(r, lost={**zero, "dc2": 1})
     assert r["loss"]["examples"]["dc2"] == [{"event_id": topics["t-missing"]["event"]}]
     assert r["positions"]["missing_positions"]["dc2"] == 1
     assert [v["kind"] for v in r["violations"]] == ["loss"]
+    assert [v["anomaly"] for v in r["violations"]] == ["lost-write"] and r["anomalies"] == {"lost-write": 1}
 
     r = runs["t-swap"]
     k = topics["t-swap"]["seq"]
     expect(r, differing=2, first=k)
     assert [e["seq"] for e in r["agreement"]["examples"]] == [k, k + 1]
     assert [v["kind"] for v in r["violations"]] == ["agreement"]
+    assert r["anomalies"] == {"inconsistent-offsets": 2}
 
     r = runs["t-reorder"]
     i, j = topics["t-reorder"]["seq"], topics["t-reorder"]["other"]
     expect(r, differing=2, first=i, inv={**zero, "dc2": 1})
     assert sorted(v["kind"] for v in r["violations"]) == ["agreement", "origin_order"]
+    assert r["anomalies"] == {"inconsistent-offsets": 2, "nonmonotonic": 1}
 
     r = runs["t-foreign"]
     expect(r, foreign={**zero, "dc2": 1})
     assert r["integrity"]["foreign_examples"]["dc2"] == [{"event_id": topics["t-foreign"]["event"]}]
     assert [v["kind"] for v in r["violations"]] == ["integrity"]
+    assert [v["anomaly"] for v in r["violations"]] == ["foreign"]
 
     # --out: the same facts as Parquet tables
     spark = get_spark()

@@ -77,6 +77,9 @@ def test_audit_of_sim_traces_equals_sim_summary(sim_runs, capsys, tmp_path):
             assert r["latency_ms"][q] == pytest.approx(summary["latency_ms"][q], abs=2e-3), q
         sim_kinds = {v["kind"] for v in summary["violations"]}
         assert (r["agreement"]["differing_positions"] > 0) == ("agreement" in sim_kinds)
+        # one vocabulary: what the audit can see from a trace, it names as the simulator does
+        audited = {"inconsistent-offsets", "duplicate", "foreign", "lost-write", "nonmonotonic"}
+        assert set(r["anomalies"]) == {v["anomaly"] for v in summary["violations"]} & audited
         assert r["ok"] == (sim_code == 0)
     assert by_protocol["derecho"]["ok"] and by_protocol["derecho"]["violations"] == []
     assert code == (0 if all(c == 0 for _, _, c in sim_runs.values()) else 1)

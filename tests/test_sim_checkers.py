@@ -9,11 +9,12 @@ import textwrap
 import pytest
 
 from kdsync.core import Delivery, batches_from_events, make_node
+from kdsync.core.derecho import DerechoNode
 from sim.cli import main
-from sim.runner import run_scenario
-from sim.scenario import parse_scenario
+from sim.runner import Simulation, run_scenario
+from sim.scenario import load_scenario, parse_scenario
 
-from sim_helpers import need_protocol
+from sim_helpers import SCENARIOS, need_protocol
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -115,20 +116,61 @@ def test_agreement():
     assert kinds(r) == {"agreement"}
     assert r.exit_code == 1
     assert r.summary["violation_counts"]["agreement"] == 3  # every pair
+    assert {v.anomaly for v in r.violations} == {"inconsistent-offsets"}
+
+
+PARTITION_DC3 = parse_scenario(
+    "name: x\nduration_s: 3\nmembers: [{id: dc1}, {id: dc2}, {id: dc3}]\n"
+    "faults: [{at_s: 1.2, partition: [[dc3], [dc1, dc2]], until_s: 2.5}]\n"
+).faults
 
 
 def test_split_brain():
     need_protocol("mirror")
-    s = THREE.model_copy(
-        update={"faults": parse_scenario(
-            "name: x\nduration_s: 3\nmembers: [{id: dc1}, {id: dc2}, {id: dc3}]\n"
-            "faults: [{at_s: 1.2, partition: [[dc3], [dc1, dc2]], until_s: 2.5}]\n"
-        ).faults}
-    )
+    s = THREE.model_copy(update={"faults": PARTITION_DC3})
     r = run_scenario(s, node_factory=mirror_claiming)
     assert "split_brain" in kinds(r)
     sb = [v for v in r.violations if v.kind == "split_brain"]
     assert len(sb) == 1 and sb[0].detail.startswith("dc3 delivered")
+    assert sb[0].anomaly == "minority-divergent"
+    assert r.summary["violations"][-1] == {"kind": "split_brain", "anomaly": "minority-divergent",
+                                           "detail": sb[0].detail, "member": "dc3"}
+
+
+def test_split_brain_is_judged_by_content_not_by_timing():
+    """4 sites split 2|2: no side is a majority, yet every member delivers the
+    positions that were already stable when the split came — identically.  The
+    old checker flagged each of them as split brain; they are not."""
+    need_protocol("derecho")
+    s = load_scenario(SCENARIOS / "four-sites-even-split.yaml")
+    sim = Simulation(s, s.seed)
+    sim.run()
+    # the situation the old rule got wrong: deliveries while no majority existed, at every site
+    held = {m: sum(r.count for r in runs) for m, runs in sim.checker.minority.items()}
+    assert set(held) == {"dc1", "dc2", "dc3", "dc4"} and min(held.values()) > 0, held
+    assert len({tuple(runs) for runs in sim.checker.minority.values()}) == 1  # the same positions, the same events
+    r = run_scenario(s)
+    assert r.violations == [] and r.exit_code == 0
+    assert len(set(r.summary["events_delivered"].values())) == 1
+
+
+class NoQuorum(DerechoNode):
+    """derecho with the majority rule removed: a side cut off forms a view on its own."""
+
+    def _majority(self, count):
+        return count >= 1
+
+
+def test_split_brain_view_without_majority():
+    need_protocol("derecho")
+    s = THREE.model_copy(update={"faults": PARTITION_DC3})
+    r = run_scenario(s, node_factory=lambda cfg, **kw: NoQuorum(cfg, **kw))
+    sb = {v.anomaly: v for v in r.violations if v.kind == "split_brain"}
+    assert set(sb) == {"view-without-majority", "view-conflict", "minority-divergent"}
+    assert sb["view-without-majority"].detail.startswith("view 2 [dc3] (installed by dc3) keeps 1 of the 3 members")
+    assert sb["minority-divergent"].member == "dc3"
+    # the same nodes with the network healthy never split: no violation at all
+    assert run_scenario(THREE, node_factory=lambda cfg, **kw: NoQuorum(cfg, **kw)).violations == []
 
 
 def test_integrity_duplicate():
@@ -143,6 +185,7 @@ def test_integrity_duplicate():
     r = run_scenario(ONE, node_factory=rewriting(dup))
     assert "integrity" in kinds(r)
     assert any("duplicate" in v.detail for v in r.violations if v.kind == "integrity")
+    assert "duplicate" in {v.anomaly for v in r.violations}
 
 
 def test_integrity_never_submitted():
@@ -151,6 +194,7 @@ def test_integrity_never_submitted():
     r = run_scenario(ONE, node_factory=rewriting(forge))
     assert kinds(r) == {"integrity"}
     assert "never submitted" in r.violations[0].detail
+    assert [v.anomaly for v in r.violations] == ["corrupt"]
 
 
 def test_origin_order():
@@ -164,6 +208,7 @@ def test_origin_order():
 
     r = run_scenario(ONE, node_factory=rewriting(swap))
     assert kinds(r) == {"origin_order"}
+    assert {v.anomaly for v in r.violations} == {"nonmonotonic"}
 
 
 def test_loss():
@@ -171,6 +216,7 @@ def test_loss():
     r = run_scenario(ONE, node_factory=rewriting(lambda evs: [e for e in evs if e.offset % 7 != 3]))
     assert kinds(r) == {"loss"}
     assert r.violations[0].detail.startswith("dc1 is missing")
+    assert r.violations[0].anomaly == "lost-write"
 
 
 def test_mirror_protocol_tolerates_agreement_but_not_loss():

@@ -12,15 +12,18 @@ it the universe of a run is every event any member delivered.
 Everything is computed with joins and aggregations in Spark; only aggregates
 (one row per run and member) and a few examples are collected to the driver.
 
-Definitions (per run):
-  agreement       positions (seq) where members' events differ; a member that
-                  lacks a position is a prefix there, not a divergence
-  duplicates      rows of a member minus its distinct events
+Definitions (per run), named as `kdsync.checker` names them (the table that
+holds each is in brackets; `AuditTables.by_anomaly()` maps the names):
+  inconsistent-offsets  positions (seq) where members' events differ; a member
+                  that lacks a position is a prefix there, not a divergence
+                  [divergent]
+  duplicate       rows of a member minus its distinct events [duplicates]
   foreign         distinct events of a member that are not source events
-  lost            source events a member did not deliver
-  inversions      events delivered after a higher offset of the same origin
+                  [foreign]
+  lost-write      source events a member did not deliver [lost]
+  nonmonotonic    events delivered after a higher offset of the same origin
                   partition (in seq order, per member) — as the simulator
-                  counts them
+                  counts them [inversions]
   latency         deliver_ts - submit_ts in ms, exact percentiles (linear
                   interpolation, as numpy) unless approx=True
   throughput      distinct events / (last deliver_ts - first submit_ts);
@@ -35,8 +38,9 @@ from dataclasses import dataclass, field
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-TRACE_COLUMNS = ["run_id", "member", "event_id", "origin", "origin_partition", "origin_offset", "seq",
-                 "submit_ts", "deliver_ts"]
+from kdsync import checker
+from kdsync.checker import TRACE_COLUMNS
+
 ATTRIBUTE_COLUMNS = ["scenario", "protocol", "seed"]
 QUANTILES = [0.5, 0.9, 0.99]
 
@@ -55,6 +59,11 @@ class AuditTables:
     throughput: DataFrame    # (run_id, member, window_start, events)
     scenarios: DataFrame     # rollup by (scenario, protocol)
     extra: dict = field(default_factory=dict)
+
+    def by_anomaly(self) -> dict[str, DataFrame]:
+        """anomaly name (kdsync.checker) -> the table that lists its occurrences."""
+        return {checker.INCONSISTENT_OFFSETS: self.divergent, checker.DUPLICATE: self.duplicates,
+                checker.FOREIGN: self.foreign, checker.LOST_WRITE: self.lost, checker.NONMONOTONIC: self.inversions}
 
     def items(self):
         return [("runs", self.runs), ("members", self.members), ("divergent", self.divergent),

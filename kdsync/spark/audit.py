@@ -29,6 +29,7 @@ from pathlib import Path
 
 import typer
 
+from kdsync import checker
 from kdsync.clikit import UsageError, command, new_app
 from kdsync.clikit import run as run_cli
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ
@@ -238,21 +239,29 @@ def build_report(tables, mode: str, malformed=None) -> dict:
         lat = lambda row, p="latency_ms_": {k: _num(row[f"{p}{k}"]) for k in ("p50", "p90", "p99", "max")}  # noqa: E731
         violations = []
         mirror = (r["protocol"] or "") == "mirror"
+
+        def violation(anomaly: str, detail: str, count: int, member: str | None = None, fails: bool = True) -> None:
+            # kind + anomaly: the simulator's summary.json vocabulary (kdsync.checker)
+            v = {"kind": checker.KIND_OF[anomaly], "anomaly": anomaly, "count": count}
+            if member is not None:
+                v["member"] = member
+            violations.append({**v, "fails": fails, "detail": detail})
+
         if r["differing_positions"]:
-            violations.append({"kind": "agreement", "fails": not mirror,
-                               "detail": f"{r['differing_positions']} position(s) differ, first at seq "
-                                         f"{r['first_divergent']}"})
+            violation(checker.INCONSISTENT_OFFSETS, f"{r['differing_positions']} position(s) differ, first at seq "
+                      f"{r['first_divergent']}", r["differing_positions"], fails=not mirror)
         for m in ms:
-            for kind, key, what in (("integrity", "duplicates", "duplicate deliveries"),
-                                    ("integrity", "foreign", "foreign events (in no source topic)"),
-                                    ("loss", "lost", "source events missing"),
-                                    ("origin_order", "inversions", "origin-order inversions")):
+            for anomaly, key, what in ((checker.DUPLICATE, "duplicates", "duplicate deliveries"),
+                                       (checker.FOREIGN, "foreign", "foreign events (in no source topic)"),
+                                       (checker.LOST_WRITE, "lost", "source events missing"),
+                                       (checker.NONMONOTONIC, "inversions", "origin-order inversions")):
                 if m[key]:
-                    violations.append({"kind": kind, "member": m["member"], "fails": True,
-                                       "detail": f"{m['member']}: {m[key]} {what}"})
+                    violation(anomaly, f"{m['member']}: {m[key]} {what}", m[key], m["member"])
         for member, n in sorted(bad.get(rid, {}).items()):
-            violations.append({"kind": "integrity", "member": member, "fails": True,
-                               "detail": f"{member}: {n} global record(s) without kdsync headers"})
+            violation(checker.MALFORMED, f"{member}: {n} global record(s) without kdsync headers", n, member)
+        anomalies: dict[str, int] = {}
+        for v in violations:
+            anomalies[v["anomaly"]] = anomalies.get(v["anomaly"], 0) + v["count"]
         ok = not any(v["fails"] for v in violations)
         all_ok &= ok
         out_runs.append({
@@ -276,6 +285,7 @@ def build_report(tables, mode: str, malformed=None) -> dict:
             "throughput_eps": _num(r["throughput_eps"]),
             "throughput_eps_by_member": by("throughput_eps"),
             "violations": violations,
+            "anomalies": anomalies,
             "ok": ok,
         })
     if n_runs > len(runs):

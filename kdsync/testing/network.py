@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from kdsync.core import Batch, Event, batches_from_events, HardState, LogChunk, NodeConfig, OrderingNode, make_node
-from kdsync.core.base import watermarks_of
+from kdsync.checker import OffsetRanges, ViewRecord, check, runs_from_batches
+from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 
 
 @dataclass
@@ -281,46 +281,23 @@ class Network:
 
 
 def check_invariants(net: Network, *, agreement=True, submitted=None, live=None) -> list[str]:
-    """The outside checker: returns a list of violations (empty when fine)."""
-    problems: list[str] = []
-    topics = {i: net.topic(i) for i in net.ids if net.roles.get(i) != "witness"}
-    keys = {i: [(e.origin, e.partition, e.offset) for e in t] for i, t in topics.items()}
-    if agreement:
-        ids = sorted(keys)
-        for a in ids:
-            for b in ids:
-                if a < b:
-                    ka, kb = keys[a], keys[b]
-                    n = min(len(ka), len(kb))
-                    if ka[:n] != kb[:n]:
-                        k = next(j for j in range(n) if ka[j] != kb[j])
-                        problems.append(f"agreement: {a} and {b} differ at position {k}: {ka[k]} vs {kb[k]}")
-    for i, ks in keys.items():
-        if len(set(ks)) != len(ks):
-            problems.append(f"integrity: {i} holds a duplicate")
-        last: dict[tuple[str, int], int] = {}
-        for o, p, off in ks:
-            if off <= last.get((o, p), -1):
-                problems.append(f"origin order: {i} has {o}/{p} offset {off} after {last[(o, p)]}")
-                break
-            last[(o, p)] = off
-        if submitted is not None:
-            unknown = set(ks) - submitted
-            if unknown:
-                problems.append(f"integrity: {i} holds events never submitted: {sorted(unknown)[:3]}")
-    # no split brain: one view id means one membership and one start position everywhere
-    seen: dict[int, tuple] = {}
-    for i in net.ids:
-        for v in net.views[i]:
-            sig = (v.members, v.incarnations, v.start_seq)
-            if seen.setdefault(v.view_id, sig) != sig:
-                problems.append(f"split brain: view {v.view_id} installed as {seen[v.view_id]} and as {sig}")
-    if submitted is not None:
-        for i in live if live is not None else keys:
-            missing = submitted - set(keys[i])
-            if missing:
-                problems.append(f"loss: {i} misses {len(missing)} events, e.g. {sorted(missing)[:3]}")
-    return problems
+    """The outside checker (`kdsync.checker`) on the network's members: returns
+    one line `kind: anomaly: detail` per violation (empty when fine).
+
+    `submitted`: set of (origin, partition, offset) acknowledged (None: no
+    loss or foreign check); `live`: members that must hold all of it (default
+    every member with a topic); `agreement=False` for the mirror baseline."""
+    topics = {i: runs_from_batches(net.members[i].batches) for i in net.ids if net.roles.get(i) != "witness"}
+    views = [ViewRecord.of(i, v) for i in net.ids for v in net.views[i]]
+    found = check(
+        topics,
+        submitted=OffsetRanges.from_keys(submitted) if submitted is not None else None,
+        live=live,
+        agreement=agreement,
+        views=views,
+        initial_members=net.ids,
+    )
+    return [str(v) for v in found]
 
 
 __all__ = ["Network", "check_invariants", "replace"]
