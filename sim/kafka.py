@@ -21,7 +21,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from kdsync.core import Batch, HardState
-from kdsync.core.base import watermarks_of
+from kdsync.checker import watermarks
 
 
 class SourcePartition:
@@ -70,7 +70,7 @@ class GlobalTopic:
         self.firsts.append(self.length)
         self.ts.append(now)
         self.length += b.count
-        watermarks_of((b,), self.watermarks)
+        watermarks((b,), self.watermarks)
 
     def read(self, start: int, stop: int) -> list[Batch]:
         """The batches at positions [start, stop), sliced to fit."""

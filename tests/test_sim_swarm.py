@@ -20,24 +20,18 @@ SEEDS = 200  # how many seeds CI runs
 CHUNK = 25
 # Seeds that fail because of a known, reported core bug (not the simulator);
 # kept out of CI only while the bug is open.  seed -> what fails.
-_DOA = ("dead-on-arrival view: a proposal accepted before a crash names old incarnations; installed after "
-        "the restarts it excludes every member (all 'joining'), nobody leads: wedged forever")
-_AMNESIA = ("a view entered through catch-up is never persisted and the vote that chose it is dropped at "
-            "install: a member restarting in the old view helps choose a second, different next view (view-conflict)")
-KNOWN_CORE_FAILURES: dict[int, str] = {
-    26: _DOA,
-    51: _DOA,
-    61: _AMNESIA,
-    116: _DOA,
-    209: _DOA,
-    233: _DOA,
-}
+KNOWN_CORE_FAILURES: dict[int, str] = {}
 CI_SEEDS = [s for s in range(10 * SEEDS) if s not in KNOWN_CORE_FAILURES][:SEEDS]
 # Scenarios that once failed, run on every CI run (frozen as YAML: the
 # generator that drew them has changed since).  file -> the bug it found.
 REGRESSIONS = Path(__file__).parent / "swarm_regressions"
 REGRESSION_SCENARIOS = {
     "swarm-102261.yaml": "restarted member re-proposed a vote of an older view; a member active while wedged sent a HINT: wedged forever",
+    "swarm-26.yaml": "a view chosen from a vote cast before a crash named only dead incarnations; its members joined "
+                     "from outside and nobody led: wedged forever",
+    "swarm-61.yaml": "a view entered through catch-up was never persisted and its vote was dropped: after a total "
+                     "outage a second, different view with the same id",
+    "swarm-1146.yaml": "the same amnesia, ending wedged: a member restarted in an older view ignored its view's COLLECT",
 }
 
 

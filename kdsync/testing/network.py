@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from kdsync.checker import OffsetRanges, ViewRecord, check, runs_from_batches
+from kdsync.checker import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 
 
@@ -87,7 +87,7 @@ class Network:
             self.config(i),
             rng=random.Random(self.rng.randrange(2**32)),
             start_seq=m.length,
-            watermarks=watermarks_of(m.batches),
+            watermarks=watermarks(m.batches),
             hard_state=m.hard,
         )
         m.up = True
@@ -109,7 +109,7 @@ class Network:
         self.log.append(f"restart {i} at position {m.length}")
         if self.roles.get(i) == "witness":
             return
-        committed = watermarks_of(b for b in m.batches if b.origin == i)
+        committed = watermarks(b for b in m.batches if b.origin == i)
         again = [e for e in self.sources.get(i, []) if e.offset > committed.get((i, e.partition), -1)]
         if again:
             m.node.submit(batches_from_events(again))
