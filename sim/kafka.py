@@ -21,6 +21,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from kdsync.core import Batch, HardState
+from kdsync.core.batch import read_positions
 from kdsync.checker import watermarks
 
 
@@ -74,14 +75,11 @@ class GlobalTopic:
 
     def read(self, start: int, stop: int) -> list[Batch]:
         """The batches at positions [start, stop), sliced to fit."""
-        out: list[Batch] = []
         i = max(0, bisect_right(self.firsts, start) - 1)
-        n = len(self.batches)
-        while i < n and self.firsts[i] < stop:
-            b, pos = self.batches[i], self.firsts[i]
-            out.append(b.slice(max(0, start - pos), stop - pos))
-            i += 1
-        return out
+        if not self.batches:
+            return []
+        b = self.batches
+        return read_positions((b[j] for j in range(i, len(b))), start, stop, self.firsts[i])
 
 
 class Cluster:

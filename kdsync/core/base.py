@@ -23,7 +23,7 @@ import random
 from collections import deque
 from typing import Iterable, Mapping
 
-from kdsync.core.batch import Batch
+from kdsync.core.batch import Batch, read_positions
 from kdsync.core.types import (
     Delivery,
     HardState,
@@ -233,16 +233,9 @@ def slice_runs(runs: Iterable[Delivery], start: int, stop: int) -> tuple[Batch, 
     for d in runs:
         if d.end_seq <= start:
             continue
-        pos = d.first_seq
-        if pos >= stop:
+        if d.first_seq >= stop:
             break
-        for b in d.batches:
-            end = pos + b.count
-            if end > start and pos < stop:
-                out.append(b.slice(max(0, start - pos), stop - pos))
-            pos = end
-            if pos >= stop:
-                break
+        out += read_positions(d.batches, start, stop, d.first_seq)
     return tuple(out)
 
 

@@ -233,6 +233,20 @@ def batches_from_events(events: Iterable[Event]) -> list[Batch]:
     return out
 
 
+def read_positions(batches: Iterable[Batch], start: int, stop: int, pos: int = 0) -> list[Batch]:
+    """The records at positions [start, stop) of consecutive `batches` whose
+    first record is at position `pos`, as batches (those at both ends sliced)."""
+    out: list[Batch] = []
+    for b in batches:
+        end = pos + b.count
+        if end > start and pos < stop:
+            out.append(b.slice(max(0, start - pos), stop - pos))
+        pos = end
+        if pos >= stop:
+            break
+    return out
+
+
 def iter_events(batches: Iterable[Batch]) -> Iterator[Event]:
     """Every record of `batches`, in order."""
     for b in batches:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from kdsync.checker import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
+from kdsync.core.batch import read_positions
 
 
 @dataclass
@@ -42,15 +43,7 @@ class Member:
 
     def read(self, start: int, stop: int) -> tuple[Batch, ...]:
         """The batches at positions [start, stop)."""
-        out, pos = [], 0
-        for b in self.batches:
-            end = pos + b.count
-            if end > start and pos < stop:
-                out.append(b.slice(max(0, start - pos), stop - pos))
-            pos = end
-            if pos >= stop:
-                break
-        return tuple(out)
+        return tuple(read_positions(self.batches, start, stop))
 
 
 class Network:
