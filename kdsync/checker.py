@@ -57,7 +57,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-# The trace schema (interfaces.md): one row per (member, delivered event); the
+# The trace schema (docs/outputs.md): one row per (member, delivered event); the
 # simulator writes it, `kdsync audit` reads it (and builds it from real clusters).
 TRACE_COLUMNS = (
     "run_id",
