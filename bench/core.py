@@ -52,7 +52,7 @@ def _direct(batch: int = 1000, rounds: int = 4, repeats: int = 2) -> list[dict]:
     """The same workload as the core benchmark, smaller: 3 members, every
     member submitting `batch` events per round, stabilised after each round."""
     try:
-        from kdsync.testing.network import Network
+        from kdsync.testing.network import InMemoryNetwork
     except Exception as e:
         raise NotMeasured(f"kdsync.testing.network not importable: {e}") from None
     rows = []
@@ -60,7 +60,7 @@ def _direct(batch: int = 1000, rounds: int = 4, repeats: int = 2) -> list[dict]:
         times = []
         for _ in range(repeats):
             try:
-                net = Network(["a", "b", "c"], protocol=proto, seed=1, max_batch=batch)
+                net = InMemoryNetwork(["a", "b", "c"], protocol=proto, seed=1, max_batch=batch)
                 if proto != "mirror":
                     net.run_until(lambda: all(net.node(i).status == "active" for i in "abc"), 100)
                 batches = {i: [[net.make_batch(i, batch)] for _ in range(rounds)] for i in "abc"}

@@ -2,7 +2,7 @@
 `network` for kdsync): cut, isolate, drop, duplicate, reorder, recover,
 crash, restart, stabilize.  Every message is the real encoded bytes the node
 produced, so the codec is exercised on every hop.  Each member's "global
-topic" is a list of delivered batches (`Member.batches`; `topic()` takes it
+topic" is a list of delivered batches (`NetworkMember.batches`; `topic()` takes it
 apart into Events for tests); a crashed member keeps only that and its hard
 state, like a real member keeps only its Kafka topic and state file.
 
@@ -21,7 +21,7 @@ from kdsync.core.batch import read_positions
 
 
 @dataclass
-class Member:
+class NetworkMember:
     id: str
     node: OrderingNode | None
     batches: list[Batch] = field(default_factory=list)  # the global topic, in position order
@@ -46,14 +46,14 @@ class Member:
         return tuple(read_positions(self.batches, start, stop))
 
 
-class Network:
+class InMemoryNetwork:
     def __init__(self, ids, *, protocol="derecho", seed=0, witnesses=(), **cfg):
         self.ids = tuple(ids)
         self.rng = random.Random(seed)
         self.cfg_base = dict(cfg)
         self.protocol = protocol
         self.roles = {w: "witness" for w in witnesses}
-        self.members: dict[str, Member] = {}
+        self.members: dict[str, NetworkMember] = {}
         self.queue: list[tuple[str, str, bytes]] = []  # (from, to, data)
         self.cut_links: set[tuple[str, str]] = set()
         self.drop_prob: dict[tuple[str, str], float] = {}
@@ -67,7 +67,7 @@ class Network:
         self.reads_served = 0
         self.sent_by_type: dict[int, int] = {}  # messages handed to the network, by type code
         for i in self.ids:
-            self.members[i] = Member(i, None)
+            self.members[i] = NetworkMember(i, None)
             self._boot(i)
 
     # --------------------------------------------------------------- members
@@ -273,7 +273,7 @@ class Network:
         return "; ".join(parts)
 
 
-def check_invariants(net: Network, *, agreement=True, submitted=None, live=None) -> list[str]:
+def check_invariants(net: InMemoryNetwork, *, agreement=True, submitted=None, live=None) -> list[str]:
     """The outside checker (`kdsync.checker`) on the network's members: returns
     one line `kind: anomaly: detail` per violation (empty when fine).
 
@@ -293,4 +293,4 @@ def check_invariants(net: Network, *, agreement=True, submitted=None, live=None)
     return [str(v) for v in found]
 
 
-__all__ = ["Network", "check_invariants", "replace"]
+__all__ = ["InMemoryNetwork", "NetworkMember", "check_invariants"]

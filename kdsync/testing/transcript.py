@@ -2,7 +2,7 @@
 
 A transcript is a text file of commands, each line starting with `> `,
 followed by what the command printed.  `run_transcript(text)` replays the
-commands against a fresh in-memory `Network` and returns the text it should
+commands against a fresh `InMemoryNetwork` and returns the text it should
 contain; the test compares, and KDSYNC_REWRITE=1 rewrites the files.
 
 Commands:
@@ -22,7 +22,7 @@ Commands:
 
 from __future__ import annotations
 
-from kdsync.testing.network import Network, check_invariants
+from kdsync.testing.network import InMemoryNetwork, check_invariants
 
 
 def _fmt_topic(evs) -> str:
@@ -52,7 +52,7 @@ def _message_names(protocol: str) -> dict[int, str]:
 
 
 def run_transcript(text: str) -> str:
-    net: Network | None = None
+    net: InMemoryInMemoryNetwork | None = None
     submitted: set = set()
     out: list[str] = []
     for line in text.splitlines():
@@ -68,7 +68,7 @@ def run_transcript(text: str) -> str:
         if name == "add-nodes":
             n = int(pos[0])
             wit = tuple(kv["witness"].split(",")) if "witness" in kv else ()
-            net = Network(
+            net = InMemoryNetwork(
                 [f"m{i}" for i in range(n)],
                 protocol=kv.get("protocol", "derecho"),
                 seed=int(kv.get("seed", 0)),

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kdsync.core import Batch, Event, LocalProtocolError, NodeConfig, RemoteProtocolError, make_node
-from kdsync.testing.network import Network, check_invariants
+from kdsync.testing.network import InMemoryNetwork, check_invariants
 
 FAST = dict(suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
 
@@ -16,7 +16,7 @@ def keys(evs):
 
 
 def formed(ids=("a", "b", "c"), **kw):
-    net = Network(list(ids), seed=kw.pop("seed", 3), **{**FAST, **kw})
+    net = InMemoryNetwork(list(ids), seed=kw.pop("seed", 3), **{**FAST, **kw})
     net.run_until(lambda: all(net.node(i).status == "active" for i in ids), 100)
     return net
 
@@ -181,7 +181,7 @@ def test_bad_local_use_is_a_local_protocol_error():
 
 @pytest.mark.parametrize("protocol", ["sequencer", "mirror"])
 def test_baselines_copy_everything_under_loss(protocol):
-    net = Network(["a", "b", "c"], protocol=protocol, seed=5, **FAST)
+    net = InMemoryNetwork(["a", "b", "c"], protocol=protocol, seed=5, **FAST)
     net.drop("a", "b", 0.5)
     net.dup_prob = 0.2
     net.reorder = True
@@ -223,7 +223,7 @@ def test_persisted_votes_survive_a_restart():
 @pytest.mark.parametrize("protocol", ["sequencer", "mirror"])
 def test_baselines_never_skip_the_start_of_a_stream(protocol):
     # the first message of a stream is lost and a later one arrives first
-    net = Network(["a", "b", "c"], protocol=protocol, seed=2, **FAST)
+    net = InMemoryNetwork(["a", "b", "c"], protocol=protocol, seed=2, **FAST)
     net.drop("b", "a", 1.0)
     net.drop("a", "b", 1.0)
     sub = keys(net.submit("b", 3))
@@ -282,7 +282,7 @@ def test_fail_over_sequencer_loses_nothing_when_the_sequencer_dies():
     """The sequencer baseline fails over through the view change: events that
     members forwarded to a sequencer that died before ordering them are
     forwarded again to the next view's sequencer; nothing lost, nothing twice."""
-    net = Network(["a", "b", "c", "d"], protocol="sequencer", seed=5, **FAST)
+    net = InMemoryNetwork(["a", "b", "c", "d"], protocol="sequencer", seed=5, **FAST)
     net.run_until(lambda: all(net.node(i).status == "active" for i in "abcd"), 100)
     assert net.node("b").view.senders == ("a",)  # the lowest-ranked member orders
     sub = keys(net.submit("b", 5)) | keys(net.submit("a", 2))

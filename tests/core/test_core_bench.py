@@ -9,13 +9,13 @@ the same workload for the ratio.
 
 import pytest
 
-from kdsync.testing.network import Network
+from kdsync.testing.network import InMemoryNetwork
 
 BATCH, ROUNDS = 5000, 10
 
 
 def _prepare(protocol):
-    net = Network(["a", "b", "c"], protocol=protocol, seed=1, max_batch=BATCH)
+    net = InMemoryNetwork(["a", "b", "c"], protocol=protocol, seed=1, max_batch=BATCH)
     if protocol != "mirror":  # derecho and sequencer form a view first
         net.run_until(lambda: all(net.node(i).status == "active" for i in "abc"), 100)
     batches = {i: [[net.make_batch(i, BATCH)] for _ in range(ROUNDS)] for i in "abc"}

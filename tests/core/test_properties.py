@@ -13,7 +13,7 @@ import os
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kdsync.testing.network import Network, check_invariants
+from kdsync.testing.network import InMemoryNetwork, check_invariants
 
 EXAMPLES = int(os.environ.get("KDSYNC_PROPERTY_EXAMPLES", "300"))
 RUNS = {"count": 0}
@@ -35,7 +35,7 @@ op = st.one_of(
 def run_schedule(n, witness, seed, ops, protocol="derecho"):
     ids = [f"m{i}" for i in range(n)]
     wit = (ids[-1],) if witness else ()
-    net = Network(ids, protocol=protocol, seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
+    net = InMemoryNetwork(ids, protocol=protocol, seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
     members = [i for i in ids if i not in wit]
     submitted = set()
     down = set()
