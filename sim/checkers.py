@@ -30,7 +30,7 @@ from kdsync.checker import (
     runs_from_batches,
 )
 from kdsync.core import Batch, Delivery
-from sim.kafka import Cluster
+from sim.kafka import Cluster, GlobalTopic
 
 # kinds that the mirror baseline is allowed to show (it does not agree on an order)
 MIRROR_TOLERATED = frozenset({AGREEMENT, SPLIT_BRAIN})
@@ -41,9 +41,10 @@ __all__ = ["KINDS", "MIRROR_TOLERATED", "Checker", "Violation", "event_id"]
 class Checker(Recorder):
     """Collects what must be judged during the run; `finish()` judges."""
 
-    def __init__(self, initial_members: Sequence[str] = ()) -> None:
+    def __init__(self, initial_members: Sequence[str] = (), shard: int = 0, shards: int = 1) -> None:
         super().__init__()
         self.initial_members = tuple(initial_members)
+        self.shard, self.shards = shard, shards  # the ordering group judged (see partitions_of)
 
     def on_deliveries(self, member: str, deliveries: Iterable[Delivery], in_majority: bool) -> None:
         """`member` handed these over; `in_majority`: could a majority reach it then?"""
@@ -52,26 +53,32 @@ class Checker(Recorder):
         for d in deliveries:
             self.on_minority(member, runs_from_batches(d.batches, d.first_seq))
 
-    def finish(self, clusters: Mapping[str, Cluster], live: Iterable[str]) -> list[Violation]:
-        """Judge the final global topics of `clusters` (member -> its cluster, in
-        rank order) against what their source topics acknowledged; `live`: the
-        members up at the end (after settle, all in the majority).  Records are
-        compared byte for byte with what was submitted."""
+    def finish(self, topics: Mapping[str, GlobalTopic], sources: Mapping[str, Cluster],
+               live: Iterable[str]) -> list[Violation]:
+        """Judge the final global topics of one ordering group (member -> its
+        global topic, or the partition of its shard, in rank order) against
+        what the `sources` clusters acknowledged; `live`: the members up at the
+        end (after settle, all in the majority).  Records are compared byte for
+        byte with what was submitted."""
         submitted = OffsetRanges()
-        for origin, c in clusters.items():
-            for p, part in enumerate(c.source):
-                if part.end:
-                    submitted.add(origin, p, 0, part.end)
+        for origin, p in self.partitions_of(sources):
+            end = sources[origin].source[p].end
+            if end:
+                submitted.add(origin, p, 0, end)
         return check(
-            {m: runs_from_batches(c.topic.batches) for m, c in clusters.items()},
+            {m: runs_from_batches(t.batches) for m, t in topics.items()},
             submitted=submitted,
             live=live,
-            content=_ContentCheck(clusters),
+            content=_ContentCheck(topics, sources),
             views=self.views,
             initial_members=self.initial_members,
             minority=self.minority,
             gaps=self.gaps,
         )
+
+    def partitions_of(self, sources: Mapping[str, Cluster]) -> list[tuple[str, int]]:
+        """The source partitions this group orders: p with p % shards == shard."""
+        return [(o, p) for o, c in sources.items() for p in range(self.shard, len(c.source), self.shards)]
 
 
 class _ContentCheck:
@@ -80,15 +87,15 @@ class _ContentCheck:
     of the same offsets, batch slice against batch slice (bytes compared in
     C); record by record only where a slice differs."""
 
-    def __init__(self, clusters: Mapping[str, Cluster]) -> None:
-        self.clusters = clusters
+    def __init__(self, topics: Mapping[str, GlobalTopic], sources: Mapping[str, Cluster]) -> None:
+        self.topics, self.sources = topics, sources
 
     def __call__(self, member: str, run: Run) -> tuple[int, int] | None:
-        src_c = self.clusters.get(run.origin)
+        src_c = self.sources.get(run.origin)
         if src_c is None or run.partition >= len(src_c.source):
             return None  # not submitted at all: the foreign check reports it
         src = src_c.source[run.partition]
-        topic = self.clusters[member].topic
+        topic = self.topics[member]
         bad, first = 0, -1
         i = max(0, bisect_right(topic.firsts, run.seq) - 1)
         done = 0

@@ -83,16 +83,22 @@ class GlobalTopic:
 
 
 class Cluster:
-    """One Kafka cluster: source topic, committed offsets, global topic, the member's disk."""
+    """One Kafka cluster: source topic, committed offsets, the global topic
+    (one partition per shard) and the member's disk (one hard state per shard)."""
 
-    __slots__ = ("name", "source", "committed", "topic", "disk")
+    __slots__ = ("name", "source", "committed", "topics", "disks")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, shards: int = 1) -> None:
         self.name = name
         self.source: list[SourcePartition] = []
         self.committed: list[int] = []  # per partition: next offset to consume after a restart
-        self.topic = GlobalTopic()
-        self.disk: HardState | None = None
+        self.topics = [GlobalTopic() for _ in range(shards)]  # global partition s = shard s's order
+        self.disks: list[HardState | None] = [None] * shards
+
+    @property
+    def topic(self) -> GlobalTopic:
+        """The global topic of an unsharded run (shard 0)."""
+        return self.topics[0]
 
     def ensure_partitions(self, n: int) -> None:
         while len(self.source) < n:

@@ -15,6 +15,11 @@ is up, and drives it the way `kdsync/core/__init__.py` documents:
   later, then `node.durable(end)`), answer reads `consume_ms` later,
   `advance()`.
 
+*Shards.*  With `shards: K` a site runs K nodes, one per shard: node s
+orders the source partitions p with p % K == s and writes partition s of
+the site's global topic; the K nodes fail together (one site) and share the
+site's `member_cost.cores`.
+
 *CPU.*  With a `member_cost` in the scenario, a member is one server with a
 queue, like the single-threaded real member: an input that arrives while it
 is busy waits; a service takes every input waiting, runs one Ready
@@ -22,7 +27,10 @@ handshake, and its outputs (messages, deliveries, reads) leave when the
 service time has passed — ready_us + message_us per peer message in and
 out + event_us per record submitted or delivered.  Under load inputs pile
 up and one service answers many of them (coalescing), and a member that
-cannot keep up falls behind, as a real one does.  Without it a member costs
+cannot keep up falls behind, as a real one does.  A service takes every
+peer message and tick waiting but at most SERVICE_RECORDS fetched records
+(a backlog does not starve heartbeats), and the consumer pauses while
+`kafka.max_inflight` records are consumed but not yet durable.  Without it a member costs
 nothing and answers at the instant of its inputs.
 
 A crash drops the node object, the consumer position and every produce not
@@ -43,6 +51,7 @@ runner.
 from __future__ import annotations
 
 import random
+from collections import deque
 from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
@@ -50,6 +59,8 @@ from sim.kafka import Cluster
 from sim.scenario import MemberCostSpec
 
 __all__ = ["Host", "SimMember"]
+
+SERVICE_RECORDS = 5_000  # records one service takes at most (cost model)
 
 
 class Host(Protocol):
@@ -59,6 +70,7 @@ class Host(Protocol):
     produce_s: float
     consume_s: float
     commit_s: float
+    max_inflight: int  # records consumed and not yet durable before a consumer pauses
 
     @property
     def now(self) -> float: ...
@@ -69,34 +81,44 @@ class Host(Protocol):
     def request_flush(self, member: "SimMember") -> None:
         """Call member.flush() once at this instant, after its inputs."""
 
-    def send(self, src: str, dst: str, data: bytes) -> None: ...
+    def send(self, src: str, dst: str, data: bytes, shard: int) -> None:
+        """To shard `shard`'s node at member `dst`."""
 
     def make_node(self, config: NodeConfig, **kwargs) -> OrderingNode:
         """The node for `config`; raises ScenarioError when the core refuses it."""
 
-    def witness_disk(self, member: str) -> HardState | None: ...
+    def witness_disk(self, member: str, shard: int) -> HardState | None: ...
 
-    def save_witness_disk(self, member: str, hs: HardState) -> None: ...
+    def save_witness_disk(self, member: str, shard: int, hs: HardState) -> None: ...
 
-    def observe_deliveries(self, member: str, deliveries: tuple[Delivery, ...]) -> None:
-        """The checker's view of what a member handed over (split-brain check)."""
+    def observe_deliveries(self, node: "SimMember", deliveries: tuple[Delivery, ...]) -> None:
+        """The checker's view of what a node handed over (split-brain check)."""
 
-    def observe_gap(self, member: str, expected: int, got: int) -> None: ...
+    def observe_gap(self, node: "SimMember", expected: int, got: int) -> None: ...
 
-    def observe_views(self, member: str, views) -> None:
-        """The checker's view of the views a member installed (split-brain check)."""
+    def observe_views(self, node: "SimMember", views) -> None:
+        """The checker's view of the views a node installed (split-brain check)."""
+
+    def cpu_acquire(self, node: "SimMember") -> None:
+        """Call node._serve(epoch) when one of its site's cores is free."""
+
+    def cpu_release(self, node: "SimMember") -> None:
+        """The node's service is over: its core is free."""
 
 
 class SimMember:
     """One kdsync member process (and, unless a witness, its cluster)."""
 
     def __init__(self, host: Host, member_id: str, config: NodeConfig, cluster: Cluster | None,
-                 cost: MemberCostSpec | None = None) -> None:
+                 cost: MemberCostSpec | None = None, shard: int = 0, shards: int = 1) -> None:
         self.host = host
+        self.shard = shard  # this node orders source partitions p with p % shards == shard
+        self.shards = shards
+        self.max_inflight = host.max_inflight
+        self._throttled = False  # the consumer paused on back-pressure
+        self.topic = cluster.topics[shard] if cluster is not None else None
         self.cost = cost if cost is not None and cost.costs_anything() else None
-        self._queue: list[Callable[[], None]] = []  # inputs waiting for the CPU (cost model)
-        self._queued_msgs = 0
-        self._queued_events = 0
+        self._queue: deque[tuple[Callable[[], None], int, int]] = deque()  # (input, messages, records) waiting for the CPU
         self.busy = False  # a service is running (cost model)
         self.cpu_s = 0.0  # total service time (cost model)
         self.id = member_id
@@ -122,13 +144,15 @@ class SimMember:
             return
         c = self.cluster
         host = self.host
-        kwargs: dict = {"rng": random.Random(f"{host.seed}/node/{self.id}/{self.starts}")}
+        name = self.id if self.shards == 1 else f"{self.id}/{self.shard}"
+        kwargs: dict = {"rng": random.Random(f"{host.seed}/node/{name}/{self.starts}")}
         if c is not None:
-            kwargs.update(start_seq=c.topic.length, watermarks=dict(c.topic.watermarks), hard_state=c.disk)
+            kwargs.update(start_seq=self.topic.length, watermarks=dict(self.topic.watermarks),
+                          hard_state=c.disks[self.shard])
             self.positions = list(c.committed)
             self._cursor = [part.index_of(off) for part, off in zip(c.source, self.positions)]
         else:
-            kwargs["hard_state"] = host.witness_disk(self.id)
+            kwargs["hard_state"] = host.witness_disk(self.id, self.shard)
         self.starts += 1
         self.node = host.make_node(self.config, **kwargs)
         self.up = True
@@ -147,7 +171,6 @@ class SimMember:
         self.epoch += 1
         self._buffer.clear()
         self._queue.clear()
-        self._queued_msgs = self._queued_events = 0
         self.busy = False
         self.paused_until = -1.0
         self.status = "down"
@@ -164,7 +187,7 @@ class SimMember:
         self.paused_until = -1.0
         held, self._buffer = self._buffer, []
         if self.cost is not None:
-            self._queue.extend(held)
+            self._queue.extend((fn, 0, 0) for fn in held)
             self.poll()
             self._kick()
             return
@@ -193,9 +216,7 @@ class SimMember:
             self._buffer.append(fn)
             return
         if self.cost is not None:
-            self._queue.append(fn)
-            self._queued_msgs += msgs
-            self._queued_events += events
+            self._queue.append((fn, msgs, events))
             self._kick()
             return
         fn()
@@ -247,12 +268,24 @@ class SimMember:
             pos.append(0)
             cur.append(0)
         out: list[Batch] = []
-        for p, part in enumerate(src):
+        # back-pressure, like the real member: records consumed but not yet durable in
+        # its global topic stay under max_inflight (the consumer pauses meanwhile)
+        wm = self.topic.watermarks
+        me = self.id
+        room = self.max_inflight - sum(pos[p] - wm.get((me, p), -1) - 1
+                                       for p in range(self.shard, len(src), self.shards))
+        self._throttled = False
+        for p in range(self.shard, len(src), self.shards):
+            part = src[p]
             i = cur[p]
             batches, vis = part.batches, part.vis
             n = len(batches)
             while i < n and vis[i] <= horizon:
+                if room <= 0:
+                    self._throttled = True
+                    break
                 b = batches[i]
+                room -= b.first_offset + b.count - pos[p]
                 skip = pos[p] - b.first_offset
                 out.append(b.slice(skip) if skip > 0 else b)
                 pos[p] = b.first_offset + b.count
@@ -292,42 +325,57 @@ class SimMember:
         host = self.host
         send = host.send
         me = self.id
+        shard = self.shard
         for rd in ready_list:
             if rd.hard_state is not None:
                 if self.cluster is not None:
-                    self.cluster.disk = rd.hard_state
+                    self.cluster.disks[shard] = rd.hard_state
                 else:
-                    host.save_witness_disk(self.id, rd.hard_state)
+                    host.save_witness_disk(self.id, shard, rd.hard_state)
             for m in rd.messages:
-                send(me, m.to, m.data)
+                send(me, m.to, m.data, shard)
             if rd.deliveries:
                 self._deliver(rd.deliveries)
             for r in rd.reads:
                 host.after(host.consume_s, self._serve_read, (self.epoch, r.start, r.stop))
             if rd.views:
                 self.views += len(rd.views)
-                host.observe_views(self.id, rd.views)
+                host.observe_views(self, rd.views)
             if rd.status:
                 self.status = rd.status
 
     # ------------------------------------------------------------- the CPU
     def _kick(self) -> None:
-        """Start a service soon (after the other inputs of this instant) if idle."""
+        """Ask for a core of the site (after the other inputs of this instant) if idle."""
         if not self.busy and self._queue and self.paused_until < 0:
             self.busy = True
-            self.host.after(0.0, self._serve, self.epoch)
+            self.host.cpu_acquire(self)
 
     def _serve(self, epoch: int) -> None:
-        if epoch != self.epoch or self.node is None:
+        """A core is ours: take every waiting input, one Ready handshake."""
+        if epoch != self.epoch or self.node is None or self.paused_until >= 0:
+            # died, or paused, since it asked: give the core back (a paused member waits)
+            self.host.cpu_release(self)
+            if epoch == self.epoch:
+                self.busy = False
             return
-        if self.paused_until >= 0:  # paused after the service was scheduled: it waits
-            self.busy = False
-            return
-        todo, self._queue = self._queue, []
-        msgs_in, events_in = self._queued_msgs, self._queued_events
-        self._queued_msgs = self._queued_events = 0
-        for fn in todo:
+        # every peer message and tick waiting, and fetched records up to SERVICE_RECORDS
+        # (the real member drains its sockets every loop iteration and takes a
+        # bounded fetch: heartbeats are not starved behind a backlog)
+        q = self._queue
+        msgs_in = events_in = 0
+        records = 0
+        held: list[tuple[Callable[[], None], int, int]] = []
+        while q:
+            fn, m, e = q.popleft()
+            if e and records and records + e > SERVICE_RECORDS:
+                held.append((fn, m, e))  # a fetch for the next service; messages and ticks go first
+                continue
+            records += e
+            msgs_in += m
+            events_in += e
             fn()
+        q.extend(held)
         out = self._handshake()
         c = self.cost
         msgs_out = sum(len(rd.messages) for rd in out)
@@ -339,6 +387,7 @@ class SimMember:
 
     def _served(self, arg) -> None:
         epoch, out = arg
+        self.host.cpu_release(self)
         if epoch != self.epoch:
             return  # the process died meanwhile: its outputs never left
         self._emit(out)
@@ -347,7 +396,7 @@ class SimMember:
 
     def _deliver(self, deliveries: tuple[Delivery, ...]) -> None:
         host = self.host
-        host.observe_deliveries(self.id, deliveries)
+        host.observe_deliveries(self, deliveries)
         if self.cluster is None:  # a witness has no global topic: durable as soon as handed over
             host.after(0.0, self._witness_durable_cb, (self.epoch, deliveries[-1].end_seq))
             return
@@ -357,19 +406,21 @@ class SimMember:
         epoch, deliveries = arg
         if epoch != self.epoch:
             return  # the producer died before the brokers acknowledged: the append is lost
-        topic = self.cluster.topic
+        topic = self.topic
         now = self.host.now
         me = self.id
         commits: dict[int, int] = {}
         for d in deliveries:
             if d.first_seq != topic.length:
-                self.host.observe_gap(me, topic.length, d.first_seq)
+                self.host.observe_gap(self, topic.length, d.first_seq)
             for b in d.batches:
                 topic.append(b, now)
                 if b.origin == me:
                     commits[b.partition] = b.first_offset + b.count
         if commits:
             self.host.after(self.host.commit_s, self._commit_cb, (self.epoch, commits))
+            if self._throttled:  # room again for the paused consumer
+                self.poll()
         end = topic.length
         self._input(lambda: self.node.durable(end))
 
@@ -391,7 +442,7 @@ class SimMember:
         epoch, start, stop = arg
         if epoch != self.epoch or self.cluster is None:
             return
-        topic = self.cluster.topic
+        topic = self.topic
         stop = min(stop, topic.length)
         chunk = max(1, self.config.catchup_chunk)
 

@@ -59,8 +59,8 @@ def _apply(base: LinkProps, spec: LinkSpec) -> LinkProps:
 class SimNetwork:
     """Directed links between every pair of members.
 
-    `deliver(src, dst, data)` is called at arrival time; the receiver decides
-    what a crashed or paused destination does with it.
+    `deliver(src, dst, data, channel)` is called at arrival time; the receiver
+    decides what a crashed or paused destination does with it.
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class SimNetwork:
         members: tuple[str, ...],
         spec: NetworkSpec,
         seed: int,
-        deliver: Callable[[str, str, bytes], None],
+        deliver: Callable[[str, str, bytes, int], None],
     ) -> None:
         self.env = env
         self.members = members
@@ -150,13 +150,14 @@ class SimNetwork:
         return self._props[(src, dst)].loss < 1.0
 
     # ---------------------------------------------------------------- sending
-    def send(self, src: str, dst: str, data: bytes) -> None:
+    def send(self, src: str, dst: str, data: bytes, channel: int = 0) -> None:
+        """Send `data` from src to dst; `channel` (a shard) travels with it to the receiver."""
         self.sent += 1
         key = (src, dst)
         if key not in self._props:
             if src == dst and src in self.members:  # to itself: loopback, at once
                 self.loopback += 1
-                Timeout(self.env, 0.0, (src, dst, data)).callbacks.append(self._arrive)
+                Timeout(self.env, 0.0, (src, dst, data, channel)).callbacks.append(self._arrive)
             else:
                 self.misaddressed += 1  # no such member: nowhere to go
             return
@@ -197,7 +198,7 @@ class SimNetwork:
             else:
                 # reordered copy / duplicate: held back, overtaken by later traffic
                 delay += rng.random() * 2 * p.latency_s
-            Timeout(self.env, delay, (src, dst, data)).callbacks.append(self._arrive)
+            Timeout(self.env, delay, (src, dst, data, channel)).callbacks.append(self._arrive)
 
     def _arrive(self, ev) -> None:
         self._deliver(*ev.value)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import random
 import time
 from bisect import bisect_right
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import simpy
@@ -35,7 +36,7 @@ from kdsync.checker import TRACE_COLUMNS
 from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
 from sim.checkers import MIRROR_TOLERATED, Checker, Violation
 from sim.kafka import Cluster
-from sim.members import SimMember
+from sim.members import SERVICE_RECORDS, SimMember
 from sim.network import SimNetwork
 from sim.scenario import Scenario, ScenarioError
 from sim.workload import writes
@@ -54,9 +55,12 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
 
     Failure suspicion must outlast a few round trips, or a slow WAN looks like
     a dead peer: suspect_ticks >= 3 worst-case RTTs (and >= the default).
-    Heartbeats come 4 times per suspicion timeout, not more often (every
-    member heartbeats every peer: with 50 sites at the default 2 ticks they
-    would outnumber every other message).
+    With a member CPU model, a member busy with one long service (a fetch
+    plus a slot of every sender delivered) must not look dead either:
+    suspect_ticks >= 3 such services too.  Heartbeats come 4 times per
+    suspicion timeout, not more often (every member heartbeats every peer:
+    with 50 sites at the default 2 ticks they would outnumber every other
+    message).
     """
     base = NodeConfig(member_id=member_id, members=s.member_ids)
     worst_ms = s.network.default.latency_ms or 1.0
@@ -65,6 +69,12 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         worst_ms = max(worst_ms, (o.latency_ms or 0.0) + 3 * (o.jitter_ms or 0.0))
     rtt_ticks = 2 * worst_ms / 1000.0 / TICK_S
     suspect = max(base.suspect_ticks, int(3 * rtt_ticks + 0.999))
+    c = s.member_cost
+    if c is not None and c.costs_anything():
+        senders = len(s.clusters)
+        service_s = (c.ready_us + c.message_us * 2 * len(s.members)
+                     + c.event_us * (SERVICE_RECORDS + senders * base.max_batch)) / 1e6
+        suspect = max(suspect, int(3 * (rtt_ticks + service_s / TICK_S) + 0.999))
     return NodeConfig(
         member_id=member_id,
         members=s.member_ids,
@@ -79,27 +89,31 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
 @dataclass
 class _TraceSource:
     run_id: str
-    clusters: list[tuple[str, Cluster]]
-    sources: dict[str, Cluster]
+    clusters: dict[str, Cluster]
+    shards: int = 1
 
     def columns(self) -> dict[str, list]:
-        """One row per (member, record in its global topic): expanded only here."""
+        """One row per (member, record in its global topic): expanded only here.
+        With shards, each shard (one partition of every global topic) is a run of
+        its own (`run_id` ends in /SHARD): its positions are per partition."""
         t: dict[str, list] = {c: [] for c in TRACE_COLUMNS}
-        for mid, c in self.clusters:
-            topic = c.topic
-            n = topic.length
-            t["run_id"].extend([self.run_id] * n)
-            t["member"].extend([mid] * n)
-            t["seq"].extend(range(n))
-            for b, dts in zip(topic.batches, topic.ts):
-                o, p, f, k = b.origin, b.partition, b.first_offset, b.count
-                offs = range(f, f + k)
-                t["event_id"].extend(f"{o}/{p}/{x}" for x in offs)  # as kdsync audit
-                t["origin"].extend([o] * k)
-                t["origin_partition"].extend([p] * k)
-                t["origin_offset"].extend(offs)
-                t["submit_ts"].extend([_ack_time(self.sources, b)] * k)
-                t["deliver_ts"].extend([dts] * k)
+        for shard in range(self.shards):
+            run_id = self.run_id if self.shards == 1 else f"{self.run_id}/{shard}"
+            for mid, c in self.clusters.items():
+                topic = c.topics[shard]
+                n = topic.length
+                t["run_id"].extend([run_id] * n)
+                t["member"].extend([mid] * n)
+                t["seq"].extend(range(n))
+                for b, dts in zip(topic.batches, topic.ts):
+                    o, p, f, k = b.origin, b.partition, b.first_offset, b.count
+                    offs = range(f, f + k)
+                    t["event_id"].extend(f"{o}/{p}/{x}" for x in offs)  # as kdsync audit
+                    t["origin"].extend([o] * k)
+                    t["origin_partition"].extend([p] * k)
+                    t["origin_offset"].extend(offs)
+                    t["submit_ts"].extend([_ack_time(self.clusters, b)] * k)
+                    t["deliver_ts"].extend([dts] * k)
         return t
 
 
@@ -139,6 +153,31 @@ def _call(ev) -> None:
     fn(arg)
 
 
+class _CpuPool:
+    """The cores of one site (`member_cost.cores`): at most that many of its
+    nodes (one per shard) are served at once; the others wait, first come
+    first served."""
+
+    def __init__(self, host: "Simulation", cores: int) -> None:
+        self.host = host
+        self.free = cores
+        self.waiting: deque[SimMember] = deque()
+
+    def acquire(self, node: SimMember) -> None:
+        if self.free:
+            self.free -= 1
+            self.host.after(0.0, node._serve, node.epoch)
+        else:
+            self.waiting.append(node)
+
+    def release(self) -> None:
+        if self.waiting:
+            node = self.waiting.popleft()
+            self.host.after(0.0, node._serve, node.epoch)
+        else:
+            self.free += 1
+
+
 class Simulation:
     """One run: the SimPy environment, the members (as their `Host`), the
     network, the workload, the faults and the checker's observations."""
@@ -151,21 +190,36 @@ class Simulation:
         self.consume_s = scenario.kafka.consume_ms / 1000.0
         self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.commit_s = scenario.kafka.commit_ms / 1000.0
+        self.max_inflight = scenario.kafka.max_inflight
         self.node_factory = node_factory or make_node
-        self.checker = Checker(scenario.member_ids)
-        self._witness_disk: dict[str, HardState] = {}
-        self.members: dict[str, SimMember] = {}
+        self.shards = k = scenario.shards
+        self.checkers = [Checker(scenario.member_ids, s, k) for s in range(k)]  # one per shard (ordering group)
+        self._witness_disk: dict[tuple[str, int], HardState] = {}
+        self.sites = scenario.member_ids  # rank order
+        self.clusters = {m.id: Cluster(m.id, k) for m in scenario.members if m.role == "member"}
+        self.site_nodes: dict[str, list[SimMember]] = {}
         for spec in scenario.members:
-            cluster = Cluster(spec.id) if spec.role == "member" else None
-            self.members[spec.id] = SimMember(self, spec.id, node_config(scenario, spec.id), cluster,
-                                              scenario.member_cost)
-        self.order = list(self.members.values())  # rank order
-        self.clusters = {m.id: m.cluster for m in self.order if m.cluster is not None}
+            cfg = node_config(scenario, spec.id)
+            self.site_nodes[spec.id] = [SimMember(self, spec.id, cfg, self.clusters.get(spec.id), scenario.member_cost,
+                                                  shard, k) for shard in range(k)]
+        self.order = [n for site in self.sites for n in self.site_nodes[site]]  # every node, rank then shard
+        cost = scenario.member_cost
+        self.cpu = {site: _CpuPool(self, cost.cores) for site in self.sites} if cost is not None else {}
         self.network = SimNetwork(self.env, scenario.member_ids, scenario.network, seed, self._on_message)
         self._flush_list: list[SimMember] = []
         self._flush_scheduled = False
         self._majority_cache: dict[str, bool] | None = None
         self.end_s = scenario.duration_s + scenario.settle_s
+
+    @property
+    def checker(self) -> Checker:
+        """The checker of an unsharded run."""
+        return self.checkers[0]
+
+    @property
+    def members(self) -> dict[str, SimMember]:
+        """site -> its node of shard 0 (every node of an unsharded run)."""
+        return {site: nodes[0] for site, nodes in self.site_nodes.items()}
 
     # ------------------------------------------------------------ the Host
     @property
@@ -197,8 +251,8 @@ class Simulation:
             if m.flush_pending:
                 m.flush()
 
-    def send(self, src: str, dst: str, data: bytes) -> None:
-        self.network.send(src, dst, data)
+    def send(self, src: str, dst: str, data: bytes, shard: int = 0) -> None:
+        self.network.send(src, dst, data, shard)
 
     def make_node(self, config: NodeConfig, **kwargs) -> OrderingNode:
         try:
@@ -208,23 +262,29 @@ class Simulation:
                 f"{self.scenario.name}: protocol {config.protocol} refuses member {config.member_id}: {err}"
             ) from None
 
-    def witness_disk(self, member: str) -> HardState | None:
-        return self._witness_disk.get(member)
+    def witness_disk(self, member: str, shard: int = 0) -> HardState | None:
+        return self._witness_disk.get((member, shard))
 
-    def save_witness_disk(self, member: str, hs: HardState) -> None:
-        self._witness_disk[member] = hs
+    def save_witness_disk(self, member: str, shard: int, hs: HardState) -> None:
+        self._witness_disk[(member, shard)] = hs
 
-    def observe_deliveries(self, member: str, deliveries: tuple[Delivery, ...]) -> None:
-        self.checker.on_deliveries(member, deliveries, self.in_majority(member))
+    def observe_deliveries(self, node: SimMember, deliveries: tuple[Delivery, ...]) -> None:
+        self.checkers[node.shard].on_deliveries(node.id, deliveries, self.in_majority(node.id))
 
-    def observe_gap(self, member: str, expected: int, got: int) -> None:
-        self.checker.gap(member, expected, got)
+    def observe_gap(self, node: SimMember, expected: int, got: int) -> None:
+        self.checkers[node.shard].gap(node.id, expected, got)
 
-    def observe_views(self, member: str, views) -> None:
-        self.checker.on_views(member, views)
+    def observe_views(self, node: SimMember, views) -> None:
+        self.checkers[node.shard].on_views(node.id, views)
 
-    def _on_message(self, src: str, dst: str, data: bytes) -> None:
-        self.members[dst].on_message(src, data)
+    def cpu_acquire(self, node: SimMember) -> None:
+        self.cpu[node.id].acquire(node)
+
+    def cpu_release(self, node: SimMember) -> None:
+        self.cpu[node.id].release()
+
+    def _on_message(self, src: str, dst: str, data: bytes, shard: int = 0) -> None:
+        self.site_nodes[dst][shard].on_message(src, data)
 
     # ------------------------------------------------------------ majority
     def topology_changed(self) -> None:
@@ -238,8 +298,8 @@ class Simulation:
         return cache.get(member, False)
 
     def _compute_majority(self) -> dict[str, bool]:
-        up = [m.id for m in self.order if m.up]
-        n = len(self.order)
+        up = [site for site in self.sites if self.site_nodes[site][0].up]  # a site's nodes fail together
+        n = len(self.sites)
         can = self.network.can_send
         out: dict[str, bool] = {}
         seen: set[str] = set()
@@ -265,28 +325,31 @@ class Simulation:
             parts = max((w.partitions for w in s.workload if w.member in ("all", m)), default=0)
             if parts:
                 self.clusters[m].ensure_partitions(parts)
-                self.env.process(self._producer(self.members[m]))
+                self.env.process(self._producer(m))
 
-    def _producer(self, member: SimMember):
+    def _producer(self, origin: str):
         """Writes the cluster's source topic one block of WORKLOAD_BLOCK_S ahead:
         the producer batches of `sim.workload`, merged in time order, get their
-        offsets; each becomes visible to the consumer produce+consume later."""
+        offsets; each becomes visible to the consumer produce+consume later
+        (the consumer of the shard that orders its partition)."""
         env = self.env
-        c = member.cluster
-        origin = member.id
+        c = self.clusters[origin]
+        nodes = self.site_nodes[origin]
+        k = self.shards
         lag = self.produce_s + self.consume_s
         wake = self.poll_s <= 0.0
         for block, ws in enumerate(writes(self.scenario, self.seed, origin, WORKLOAD_BLOCK_S)):
-            last_vis = None
+            last_vis: dict[int, float] = {}
             for w in ws:
                 part = c.source[w.partition]
                 ack = w.t + self.produce_s
                 vis = w.t + lag
                 part.append(Batch.uniform(origin, w.partition, part.end, w.count, w.payload_bytes,
                                           int(round(w.t * 1000)), fill=_FILL[part.end % len(_FILL)]), ack, vis)
-                if wake and vis != last_vis:  # the consumer wakes when a fetch returns
-                    Timeout(env, vis - env.now).callbacks.append(member.wake)
-                    last_vis = vis
+                owner = w.partition % k
+                if wake and vis != last_vis.get(owner):  # the consumer wakes when a fetch returns
+                    Timeout(env, vis - env.now).callbacks.append(nodes[owner].wake)
+                    last_vis[owner] = vis
             nxt = (block + 1) * WORKLOAD_BLOCK_S
             if nxt > env.now:
                 yield env.timeout(nxt - env.now)
@@ -310,9 +373,11 @@ class Simulation:
                 yield env.timeout(f.at_s - env.now)
             a = f.action
             if a == "crash":
-                self.members[f.crash].crash()
+                for n in self.site_nodes[f.crash]:
+                    n.crash()
             elif a == "restart":
-                self.members[f.restart].start()
+                for n in self.site_nodes[f.restart]:
+                    n.start()
             elif a == "partition":
                 token = net.set_partition([list(g) for g in f.partition])
                 if f.until_s is not None:
@@ -325,7 +390,8 @@ class Simulation:
                 if f.until_s is not None:
                     self.after(f.until_s - env.now, self._end_link_fault, (lf.from_, lf.to, token))
             elif a == "clock_pause":
-                self.members[f.clock_pause].pause(env.now + f.for_s)
+                for n in self.site_nodes[f.clock_pause]:
+                    n.pause(env.now + f.for_s)
             self.topology_changed()
 
     def _end_partition(self, token) -> None:
@@ -352,7 +418,8 @@ class Simulation:
     # ------------------------------------------------------------------ run
     def _settled(self) -> bool:
         n = self.acknowledged()
-        return all(m.up and (m.cluster is None or m.cluster.topic.length >= n) for m in self.order)
+        return all(m.up for m in self.order) and all(sum(t.length for t in c.topics) >= n
+                                                     for c in self.clusters.values())
 
     def _watch_settle(self):
         """Liveness phase shortcut (swarm): once every member is up and every
@@ -393,8 +460,7 @@ class Simulation:
     def latencies(self) -> list[tuple[float, int]]:
         """(latency ms, records) per delivered batch, every cluster."""
         out: list[tuple[float, int]] = []
-        for c in self.clusters.values():
-            t = c.topic
+        for t in (t for c in self.clusters.values() for t in c.topics):
             for b, dts in zip(t.batches, t.ts):
                 ack = _ack_time(self.clusters, b)
                 if ack == ack:  # not NaN
@@ -448,12 +514,16 @@ def run_scenario(
     wall = time.perf_counter() - t0
 
     s = scenario
-    live = [m.id for m in sim.order if m.up and m.cluster is not None]
-    violations = sim.checker.finish(sim.clusters, live)
+    k = sim.shards
+    live = [site for site in sim.clusters if sim.site_nodes[site][0].up]
+    violations: list[Violation] = []
+    for shard, checker in enumerate(sim.checkers):
+        found = checker.finish({site: c.topics[shard] for site, c in sim.clusters.items()}, sim.clusters, live)
+        violations += found if k == 1 else [replace(v, detail=f"shard {shard}: {v.detail}") for v in found]
 
     lat = sorted(sim.latencies())
     n_lat = sum(w for _, w in lat)
-    delivered = {mid: c.topic.length for mid, c in sim.clusters.items()}
+    delivered = {site: sum(t.length for t in c.topics) for site, c in sim.clusters.items()}
     n_sub = sim.acknowledged()
     latency = {
         "p50": round(_weighted_percentile(lat, n_lat, 0.50), 3),
@@ -505,17 +575,18 @@ def run_scenario(
             "loopback": sim.network.loopback,
             "misaddressed": sim.network.misaddressed,
         },
-        "member_state": {
-            m.id: {
-                "up": m.up,
-                "status": m.status,
-                "starts": m.starts,
-                "views": m.views,
-                "bad_messages": m.bad_messages,
-                "deduplicated": m.deduplicated,
-            }
-            for m in sim.order
-        },
+        "member_state": {site: _site_state(nodes) for site, nodes in sim.site_nodes.items()},
+        "shards": k,
     }
-    clusters = [(m.id, m.cluster) for m in sim.order if m.cluster is not None]
-    return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", clusters, sim.clusters))
+    return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", sim.clusters, k))
+
+
+def _site_state(nodes: list[SimMember]) -> dict:
+    """How a site's node(s) ended; with shards, statuses that differ are joined by '/'."""
+    statuses = []
+    for n in nodes:
+        if n.status not in statuses:
+            statuses.append(n.status)
+    n0 = nodes[0]
+    return {"up": n0.up, "status": "/".join(statuses), "starts": n0.starts, "views": sum(n.views for n in nodes),
+            "bad_messages": sum(n.bad_messages for n in nodes), "deduplicated": sum(n.deduplicated for n in nodes)}

@@ -63,6 +63,9 @@ class KafkaSpec(_Strict):
     # the records written meanwhile (Kafka's linger.ms; librdkafka's default
     # is 5); 0 = every record its own batch at its own Poisson arrival time
     linger_ms: float = Field(default=5.0, ge=0, le=10_000)
+    # extension: the consumer pauses while this many consumed records are not
+    # yet durable in the member's global topic (the real member's back-pressure)
+    max_inflight: int = Field(default=50_000, ge=1, le=100_000_000)
 
 
 class WorkloadSpec(_Strict):
@@ -133,6 +136,7 @@ class MemberCostSpec(_Strict):
     message_us: float = Field(default=0.0, ge=0, le=1e6)  # per peer message received or sent
     event_us: float = Field(default=0.0, ge=0, le=1e6)  # per record submitted or delivered
     ready_us: float = Field(default=0.0, ge=0, le=1e6)  # per Ready handshake (one loop iteration)
+    cores: int = Field(default=1, ge=1, le=1024)  # of each site, shared by its shards' nodes
 
     def costs_anything(self) -> bool:
         return bool(self.message_us or self.event_us or self.ready_us)
@@ -156,6 +160,7 @@ class Scenario(_Strict):
     faults: list[FaultSpec] = []
     expect: ExpectSpec = ExpectSpec()
     member_cost: MemberCostSpec | None = None
+    shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
 
     @property
     def member_ids(self) -> tuple[str, ...]:
