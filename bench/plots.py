@@ -127,3 +127,24 @@ def sim_vs_real(rows: list[dict], out: Path) -> list[tuple[str, str]]:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return [(_save(fig, out, "sim_vs_real.png"), "Simulator (loopback-like links) next to three real local clusters")]
+
+
+def shard_scaling(rows: list[dict], out: Path) -> list[tuple[str, str]]:
+    """Drain throughput against the number of shards, next to linear scaling."""
+    rs = [r for r in rows if r.get("records_per_s")]
+    if not rs:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    x = [r["shards"] for r in rs]
+    y = [r["records_per_s"] / 1000.0 for r in rs]
+    ax.plot(x, y, "o-", color=COLORS["derecho"], label="derecho, simulated")
+    ax.plot(x, [y[0] * k / x[0] for k in x], ":", color="#999999", label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(k) for k in x])
+    ax.set_xlabel(f"shards (3 sites, {rs[0]['cores_per_site']} modelled cores each)")
+    ax.set_ylabel("drain throughput (thousand records/s)")
+    ax.set_title("scale-out: independent ordering groups")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return [(_save(fig, out, "scale_shards.png"),
+             "Simulated drain throughput of a backlog against the number of shards, with the member CPU model")]

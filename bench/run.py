@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 prog.step("core")
             if "scale" in wanted:
                 sections.append(_guard("scale", "Core and simulator at Kafka scale",
-                                       lambda: scale_section(args.quick), prog))
+                                       lambda: scale_section(args.quick, plot, out), prog))
                 prog.step("scale")
             all_jobs = yjobs + jobs + ljobs  # the long yardstick first, so it overlaps the short runs
             all_res: list[dict] = []

@@ -56,7 +56,7 @@ def _rate_scenario(rate_total: float):
     return s.model_copy(update={"name": f"economy-{rate_total:g}", "workload": wl})
 
 
-def scale_section(quick: bool) -> Section:
+def scale_section(quick: bool, plot=None, out: Path | None = None) -> Section:
     try:
         from sim.scenario import load_scenario
     except Exception as e:  # pragma: no cover - the simulator is part of the package
@@ -128,4 +128,54 @@ def scale_section(quick: bool) -> Section:
     seq = frows[0]
     sec.headlines.append(Headline("fail-over sequencer: events lost when the sequencer dies for 8 s",
                                   seq["events"] - seq["fewest_delivered"], "0", "scale_failover.csv"))
+
+    # scale-out: shards sharing each site's modelled cores
+    srows = shard_scaling(quick)
+    sec.tables.append(Table("scale_shards", "Drain throughput against shards (simulated, 16 cores per site)", srows))
+    if plot is not None and out is not None:
+        sec.plots += plot.shard_scaling(srows, out)
+    top = srows[-1]
+    sec.headlines.append(Headline(f"sim: {top['shards']} shards / 1 shard drain throughput (16 cores per site)",
+                                  top["speedup"], ">= 12 at 16 shards", "scale_shards.csv"))
+    sec.notes.append(f"shards: member cost {SHARD_COST} (µs; the calibration of the real member replaces it when "
+                     f"given), a backlog of records over 16 source partitions at each site")
     return sec
+
+
+SHARD_COST = {"message_us": 30.0, "event_us": 5.0, "ready_us": 50.0}  # when no calibration profile is given
+
+
+def shard_scaling(quick: bool, cost: dict | None = None, cores: int = 16) -> list[dict]:
+    """Drain throughput of a backlog against the number of shards (simulated):
+    3 sites with `cores` modelled cores each, every site holding a backlog
+    spread over 16 source partitions at t = 0.1 s; throughput = records /
+    time until the last one is durable in every global topic."""
+    from sim.runner import Simulation
+    from sim.scenario import Scenario
+
+    cost = dict(cost or SHARD_COST)
+    per_site = 60_000 if quick else 400_000
+    rows = []
+    for k in ((1, 4, 16) if quick else (1, 2, 4, 8, 16)):
+        s = Scenario.model_validate({
+            "name": f"shards-{k}", "seed": 7, "protocol": "derecho", "duration_s": 1.0, "settle_s": 60.0,
+            "shards": k, "members": [{"id": "dc1"}, {"id": "dc2"}, {"id": "dc3"}],
+            "network": {"default": {"latency_ms": 5.0, "jitter_ms": 0.5, "bandwidth_mbps": 100000.0}},
+            "kafka": {"produce_ms": 2.0, "consume_ms": 1.0},
+            "member_cost": {**cost, "cores": cores},
+            "workload": [{"member": "all", "burst": per_site, "at_s": 0.1, "partitions": 16, "payload_bytes": 100}],
+        })
+        t0 = time.perf_counter()
+        sim = Simulation(s, s.seed)
+        sim.run(stop_when_settled=True)
+        total = sim.acknowledged()
+        done = max(max(t.ts, default=0.0) for c in sim.clusters.values() for t in c.topics)
+        complete = all(sum(t.length for t in c.topics) == total for c in sim.clusters.values())
+        drain = done - 0.1
+        rows.append({"shards": k, "cores_per_site": cores, "records": total, "drain_s": round(drain, 3),
+                     "records_per_s": round(total / drain) if complete and drain > 0 else None,
+                     "complete": complete, "wall_s": round(time.perf_counter() - t0, 1)})
+    base = rows[0]["records_per_s"]
+    for r in rows:
+        r["speedup"] = round(r["records_per_s"] / base, 2) if base and r["records_per_s"] else None
+    return rows
