@@ -21,7 +21,7 @@ needs.
 
 from __future__ import annotations
 
-from kdsync.core.messages import CatchupData, CatchupReq, Snapshot
+from kdsync.core.messages import CatchupData, CatchupReq, LogData, LogReq, Snapshot
 from kdsync.core.types import Delivery, LogChunk, ReadRequest, RemoteProtocolError
 from kdsync.core.base import watermarks_of
 
@@ -56,20 +56,45 @@ class CatchupPart:
             self._send(s, CatchupData(self.me, self.incarnation, v.view_id, vstart, (), vstart).encode())
             return
         batches = self.log_slice(start, vstart, self.cfg.catchup_chunk)
-        if batches is None:
-            stop = min(vstart, start + self.cfg.catchup_chunk)
-            waiting = self.serving.setdefault(start, [])
-            if not waiting:
-                self._reads.append(ReadRequest(start, min(stop, self.durable_seq)))
-            if (s, v.view_id) not in waiting:
-                waiting.append((s, v.view_id))
-            return
-        self._send(s, CatchupData(self.me, self.incarnation, v.view_id, start, batches, vstart).encode())
+        if batches is None and not self._read_topic(s, v.view_id, start, vstart):
+            # neither in memory nor in a global topic here: an empty answer sends the
+            # member to another member's global topic for [start, ...)
+            batches = ()
+        if batches is not None:
+            self._send(s, CatchupData(self.me, self.incarnation, v.view_id, start, batches, vstart).encode())
+
+    def _read_topic(self, peer: str, view_id: int, start: int, stop: int) -> bool:
+        """Ask the adapter for positions from `start` of our global topic for
+        `peer` (view_id -1: as LOG_DATA); False when they are not durable here."""
+        stop = min(stop, start + self.cfg.catchup_chunk, self.durable_seq)
+        if self.is_witness or stop <= start:
+            return False
+        waiting = self.serving.setdefault(start, [])
+        if not waiting:
+            self._reads.append(ReadRequest(start, stop))
+        if (peer, view_id) not in waiting:
+            waiting.append((peer, view_id))
+        return True
 
     def _on_log_chunk(self, chunk: LogChunk) -> None:
         for peer, view_id in self.serving.pop(chunk.start, []):
-            self._send(peer, CatchupData(self.me, self.incarnation, view_id, chunk.start, tuple(chunk.batches),
-                                         self.view.start_seq).encode())
+            if view_id < 0:
+                self._send(peer, LogData(self.me, self.incarnation, chunk.start, tuple(chunk.batches)).encode())
+            else:
+                self._send(peer, CatchupData(self.me, self.incarnation, view_id, chunk.start, tuple(chunk.batches),
+                                             self.view.start_seq).encode())
+
+    def _on_log_req(self, msg: LogReq) -> None:
+        """Positions of our durable global topic, for a member catching up."""
+        start, stop = msg.start, msg.stop
+        if stop <= start:
+            return
+        batches = self.log_slice(start, min(stop, self.durable_seq), self.cfg.catchup_chunk)
+        if batches is None or not batches:
+            if self._read_topic(msg.sender, -1, start, stop):
+                return
+            batches = ()
+        self._send(msg.sender, LogData(self.me, self.incarnation, start, batches).encode())
 
     # --------------------------------------------------------- receiver side
     def _on_catchup_data(self, msg: CatchupData) -> None:
@@ -90,11 +115,57 @@ class CatchupPart:
         n = sum(b.count for b in batches)
         if self.next_seq + n > vstart:
             raise RemoteProtocolError("catch-up data past the view start")
+        self.catchup_vstart = vstart
         if batches:
             watermarks_of(batches, self.watermarks)
             self._emit(Delivery(self.next_seq, tuple(batches), True, n))
         if self.next_seq == vstart:
             self._finish_catchup(vstart)
+        elif not batches:
+            self._ask_log()  # the source does not hold [next, ...): another member's topic does
+        else:
+            self._ask_catchup()
+
+    def _ask_log(self) -> None:
+        """Ask the next member of the target view (round robin, never a witness)
+        for the gap from its durable global topic."""
+        prop = self.target
+        helpers = [m for m in prop.members if m != self.me and self.cfg.roles.get(m, "member") == "member"]
+        if not helpers or self.catchup_vstart <= self.next_seq:
+            return
+        self.catchup_helper = (self.catchup_helper + 1) % len(helpers)
+        self.catchup_asked = self.now
+        self._send(helpers[self.catchup_helper],
+                   LogReq(self.me, self.incarnation, self.next_seq, self.catchup_vstart).encode())
+
+    def _on_log_data(self, msg: LogData) -> None:
+        if self.target is None or msg.start > self.next_seq:
+            return
+        skip = self.next_seq - msg.start
+        batches = []
+        for b in msg.batches:
+            if skip >= b.count:
+                skip -= b.count
+                continue
+            batches.append(b.slice(skip) if skip else b)
+            skip = 0
+        if self.catchup_vstart >= 0:  # never past the view start the source named
+            room = self.catchup_vstart - self.next_seq
+            cut = []
+            for b in batches:
+                if room <= 0:
+                    break
+                cut.append(b if b.count <= room else b.slice(0, room))
+                room -= cut[-1].count
+            batches = cut
+        if not batches:
+            self._ask_log()  # not there either: the next member
+            return
+        n = sum(b.count for b in batches)
+        watermarks_of(batches, self.watermarks)
+        self._emit(Delivery(self.next_seq, tuple(batches), True, n))
+        if self.next_seq == self.catchup_vstart:
+            self._finish_catchup(self.catchup_vstart)
         else:
             self._ask_catchup()
 

@@ -67,6 +67,8 @@ from kdsync.core.messages import (
     Hint,
     Install,
     Join,
+    LogData,
+    LogReq,
     Message,
     Report,
     Snapshot,
@@ -126,6 +128,8 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.last_install: dict[int, bytes] = {}  # old view id -> the INSTALL message we saw
         self.target = None  # the Proposal of the view we are catching up to
         self.catchup_asked = -10**9
+        self.catchup_vstart = -1  # the target view's start, once the source named it
+        self.catchup_helper = -1  # member asked last for a gap the source does not hold
         self.serving: dict[int, list[tuple[str, int]]] = {}  # read start -> [(peer, view)]
         self.view_wm: dict[tuple[str, int], int] = dict(self.watermarks)  # watermarks at view start
         self._hint_sent: dict[str, int] = {}
@@ -151,6 +155,8 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
             CatchupData: self._on_catchup_data,
             Snapshot: self._on_snapshot,
             Hint: self._on_hint,
+            LogReq: self._on_log_req,
+            LogData: self._on_log_data,
         }
 
     # ------------------------------------------------------------ state
@@ -220,6 +226,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.target = prop
         self.state = State.CATCHING_UP
         self.catchup_asked = -10**9
+        self.catchup_vstart = -1
         self._ask_catchup()
 
     def _finish_catchup(self, vstart: int) -> None:

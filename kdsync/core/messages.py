@@ -318,8 +318,13 @@ Forward = _message(13, "Forward", "Sequencer variant: a member's own batches, nu
                    "view, for the view's sequencer to order; every number below `done` is delivered already.",
                    ("view", INT), ("done", INT), ("first", INT), ("batches", BATCHES))
 
+LogReq = _message(14, "LogReq", "Ask a member for positions start..stop-1 of its durable global topic (catch-up "
+                  "of what the catch-up source no longer holds).", ("start", INT), ("stop", INT))
+LogData = _message(15, "LogData", "Positions start.. of the sender's durable global topic (none: not here).",
+                   ("start", INT), ("batches", BATCHES))
+
 DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                    Snapshot, Hint)
+                    Snapshot, Hint, LogReq, LogData)
 SEQUENCER_MESSAGES = DERECHO_MESSAGES + (Forward,)
 
 # ------------------------------------------------------------------- mirror
