@@ -29,8 +29,13 @@ a total outage, or only restarted and excluded members left) the new view
 starts at the highest *next* position any reporter or joiner reports — not
 its durable one: a member may have delivered positions it has not yet made
 durable, and a new view starting below them would give those positions
-other records.  Every member of the old view must report (or have rejoined,
-telling its position) first, so no position can be reused.
+other records.  Every member of the old view and every cluster (member
+role) of the configuration must report, or have asked to join telling its
+position, first: a member excluded earlier can hold durable positions that
+no member of the old view made durable, and no durable position may be
+reused.  Positions that were ordered but are durable nowhere (held only in
+the memory of processes that all died) are given to new records: no
+cluster ever showed them.
 
 A restarted member (new incarnation, amnesiac) or an excluded one sends
 JOIN; the leader wedges its view and takes it in with the next view change.
@@ -224,16 +229,27 @@ class ViewChangePart:
 
     def _new_proposal(self, live: list[str], reps: dict[str, tuple]) -> Proposal | None:
         """The next view from the reports (see module docstring), or None when
-        nobody holds the old view's data and some member of it has not reported."""
+        nobody holds the old view's data and some member of it, or some cluster
+        of the configuration, has not reported or asked to join."""
         v = self.view
         holders = [m for m in live if reps[m][1]]
-        if not holders and any(m not in reps and m not in self.joiners for m in v.members):
-            return None
+        if not holders:
+            # every durable prefix must be known before a start is chosen: those of
+            # the old view's members, and of every cluster, since a member excluded
+            # from the old view may hold positions that no member of it made durable
+            # (swarm seed 8935: the old view's only cluster never finished catching
+            # up; its start was durable only at the excluded member)
+            needed = set(v.members) | set(self.sender_ids)
+            if any(m not in reps and m not in self.joiners for m in needed):
+                return None
         members = sorted(set(live) | set(self.joiners), key=self.rank_of.__getitem__)
         incs = [reps[m][0] if m in reps else self.joiners[m][0] for m in members]
         if holders:
             trim = ragged_trim(reps[m][2] for m in holders)
-            source = self.me if self.me in holders else holders[0]
+            # catch-up is served best by a holder with a global topic (a witness
+            # holds only what it ordered since its own last catch-up)
+            keepers = [m for m in holders if self.cfg.roles.get(m, "member") == "member"] or holders
+            source = self.me if self.me in keepers else keepers[0]
             base = -1
         else:
             trim = [0] * len(v.senders)
@@ -378,7 +394,10 @@ class ViewChangePart:
         if s in v.members:
             known = v.incarnations[v.members.index(s)]
             if known == inc:
-                return  # already a member with that incarnation
+                # already a member with that incarnation, and it does not know it (its
+                # INSTALL was lost): send it the one we saw (swarm seed 7691)
+                self._stale_reply(s, v.view_id - 1)
+                return
             if known != 0 and self._is_member():
                 self._suspect({s})  # its previous incarnation is gone
         self.joiners[s] = (inc, msg.durable, msg.next)
@@ -396,7 +415,12 @@ class ViewChangePart:
         inst = self.last_install.get(view_id)
         if inst is not None:
             self._send(peer, inst)
-        elif self.state in (self.State.ACTIVE, self.State.WEDGED) and self._is_member():
+        elif self.state in (self.State.ACTIVE, self.State.WEDGED, self.State.REJOINING) and self._is_member():
+            # a restarted member knows its view only from disk (incarnations 0:
+            # unknown), but that is enough: the peer joins it, and a view whose
+            # members all restarted cannot change without every one of them
+            # (swarm seed 8310: one member never saw view 1 installed, the others
+            # restarted in it, and nobody told it)
             v = self.view
             self._send(peer, Hint(self.me, self.incarnation, v.view_id, v.members, v.incarnations).encode())
 
