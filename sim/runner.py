@@ -417,13 +417,20 @@ class Simulation:
 
     # ------------------------------------------------------------------ run
     def _settled(self) -> bool:
+        """Every node up and active in one view (per shard), every global topic
+        holding all that was acknowledged."""
         n = self.acknowledged()
-        return all(m.up for m in self.order) and all(sum(t.length for t in c.topics) >= n
-                                                     for c in self.clusters.values())
+        if not all(m.up and m.status == "active" for m in self.order):
+            return False
+        for shard in range(self.shards):  # a member active in an older view is not done
+            views = {getattr(nodes[shard].node, "view", None) for nodes in self.site_nodes.values()}
+            if len({v.view_id for v in views if v is not None}) > 1:
+                return False
+        return all(sum(t.length for t in c.topics) >= n for c in self.clusters.values())
 
     def _watch_settle(self):
-        """Liveness phase shortcut (swarm): once every member is up and every
-        cluster holds as many records as were acknowledged, run GRACE_S more
+        """Liveness phase shortcut (swarm): once every member is up and active and
+        every cluster holds as many records as were acknowledged, run GRACE_S more
         (late wrong deliveries still show) and stop."""
         env = self.env
         yield env.timeout(self.scenario.duration_s)

@@ -32,6 +32,11 @@ REGRESSION_SCENARIOS = {
     "swarm-61.yaml": "a view entered through catch-up was never persisted and its vote was dropped: after a total "
                      "outage a second, different view with the same id",
     "swarm-1146.yaml": "the same amnesia, ending wedged: a member restarted in an older view ignored its view's COLLECT",
+    "swarm-8310.yaml": "a member that never saw view 1 installed was never told of it by the restarted members: wedged",
+    "swarm-7093.yaml": "a witness was the catch-up source of positions older than its memory: catching up forever",
+    "swarm-7691.yaml": "a member of the view that missed its INSTALL asked to join and was ignored: joining forever",
+    "swarm-8935.yaml": "after a total outage the start was durable only at an excluded member: positions reused "
+                       "(agreement violation)",
 }
 
 
