@@ -284,7 +284,7 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
     from confluent_kafka import Producer
 
     from kdsync.config import config_from_dict
-    from kdsync.kafka.reader import scan_global
+    from kdsync.kafka.reader import load_start
     from kdsync.member import Member
 
     with EmbeddedCluster("gap", log_dir=tmp_path) as c:
@@ -297,5 +297,6 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
         cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
                                 "kafka": {"bootstrap.servers": c.bootstrap},
                                 "topics": {"source": "g", "global_partitions": 3}}, base_dir=str(tmp_path))
-        end, wm, present = scan_global(Member(cfg).kafka_conf, "g-global", 3)
-        assert (end, wm, present) == (2, {("dc1", 0): 1}, {3})
+        s = load_start(Member(cfg).kafka_conf, "g-global", 3)  # no checkpoint: read from the first records
+        assert (s.end, s.watermarks, s.present) == (2, {("dc1", 0): 1}, {3})
+        assert s.checkpoint is None and s.lost is None and s.records == 3
