@@ -65,6 +65,7 @@ class PartitionRead:
     low: int  # log start offset: records below were deleted
     start: int  # offset the read started from
     how: str = FROM_START
+    anchor: int = 0  # ANCHORED: index of the record just before the checkpoint's offset
     end: int = 0  # partition end (EOF offset)
     offsets: array = field(default_factory=lambda: array("q"))
     seqs: array = field(default_factory=lambda: array("q"))
@@ -121,22 +122,40 @@ def _read(c, topic: str, p: int, start: int, low: int, keys: _Keys, timeout: flo
     return r
 
 
-def _read_partition(c, topic: str, p: int, low: int, cp: Checkpoint | None, keys: _Keys,
+def _exists(c, topic: str, p: int, offset: int, timeout: float = 2.0) -> bool:
+    """Whether topic[p] holds a record at `offset` at or beyond what
+    ListOffsets reported as its end (Tansu reports too low an end after
+    multi-record batches, and never answers a fetch beyond the end: hence a
+    short timeout)."""
+    try:
+        with closing(read_to_eof(c, topic, p, offset, offset + 1, timeout=timeout)) as recs:
+            return any(m.offset() == offset for m in recs)
+    except TimeoutError:
+        return False
+
+
+def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint | None, keys: _Keys,
                     timeout: float) -> PartitionRead:
     """Read partition p from where the checkpoint says (module doc of
     kdsync.kafka.checkpoint), checking the record just before; from its
-    first record when there is no checkpoint or it does not fit."""
+    first record when there is no checkpoint or it does not fit.  `low`,
+    `high`: the partition's offsets as ListOffsets reports them (`high` may
+    be too low; a read never starts beyond it, as some brokers then never
+    report the end)."""
     seq = cp.seq if cp is not None else 0
     h = cp.offsets[p] if cp is not None else None
     if h is not None and h >= 1 and h - 1 >= low:
-        r = _read(c, topic, p, h - 1, low, keys, timeout)
-        if r.seqs and r.offsets[0] == h - 1 and r.seqs[0] < seq:
-            r.how = ANCHORED
+        first = h - 1 if h - 1 < high or _exists(c, topic, p, h - 1) else max(low, high - 1)
+        r = _read(c, topic, p, first, low, keys, timeout)
+        i = bisect.bisect_left(r.offsets, h - 1)
+        if i < len(r.offsets) and r.offsets[i] == h - 1 and r.seqs[i] < seq:
+            r.how = ANCHORED  # records read before the anchor have positions below it: harmless
+            r.anchor = i
             return r
         log.warning("checkpoint offsets do not fit the global topic (restored or recreated since?); "
                     "reading the partition from its first record",
                     extra={"kv": {"topic": topic, "partition": p, "checkpoint_offset": h, "checkpoint_seq": seq}})
-        if not (r.offsets and r.offsets[0] < h - 1):  # else the read already restarted at the first record
+        if first > low:
             r = _read(c, topic, p, low, low, keys, timeout)
     elif h is not None and h >= low:  # h == 0, or the record before h was deleted but none after
         r = _read(c, topic, p, h, low, keys, timeout)
@@ -169,11 +188,11 @@ def load_start(conf: dict, global_topic: str, partitions: int, timeout: float = 
             log.warning("checkpoint is for another partition count; ignoring its offsets",
                         extra={"kv": {"topic": global_topic, "partitions": partitions, "checkpoint": len(cp.offsets)}})
             cp = Checkpoint(cp.topic, cp.seq, (), cp.watermarks, cp.member, cp.written_ms)
-        lows = [c.get_watermark_offsets(TopicPartition(global_topic, p), timeout=timeout, cached=False)[0]
-                for p in range(partitions)]
-        offsets_cp = cp if cp is not None and cp.offsets else None
-        reads = [_read_partition(c, global_topic, p, max(lows[p], 0), offsets_cp, keys, timeout)
+        marks = [c.get_watermark_offsets(TopicPartition(global_topic, p), timeout=timeout, cached=False)
                  for p in range(partitions)]
+        offsets_cp = cp if cp is not None and cp.offsets else None
+        reads = [_read_partition(c, global_topic, p, max(low, 0), max(high, 0), offsets_cp, keys, timeout)
+                 for p, (low, high) in enumerate(marks)]
     return decide_start(global_topic, reads, cp, keys.list)
 
 
@@ -237,7 +256,7 @@ def decide_start(global_topic: str, reads: list[PartitionRead], cp: Checkpoint |
 
     def floor(r: PartitionRead, restored: bool) -> int:
         if r.how == ANCHORED:
-            return r.seqs[0] + 1
+            return r.seqs[r.anchor] + 1
         if r.how == AT_CHECKPOINT:
             return seq
         if r.how == FROM_START and not restored:
