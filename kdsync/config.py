@@ -466,11 +466,11 @@ def find_derecho_cfg(environ: dict[str, str] | None = None, cwd: str | os.PathLi
     if named:
         if not Path(named).is_file():
             raise ConfigError(f"config error: cannot read {named!r} (named by DERECHO_CONF_FILE): no such file")
-        return Path(named)
+        return Path(named).absolute()
     system = Path(DERECHO_SYSTEM_CFG if system is None else system)
     for candidate in (Path(cwd) / "derecho.cfg", system):
         if candidate.is_file():
-            return candidate
+            return candidate.absolute()
     raise ConfigError(f"config error: no derecho.cfg in the working directory nor {str(system)!r}, and "
                       f"DERECHO_CONF_FILE is not set (put derecho.cfg in one of them or use --config FILE)")
 

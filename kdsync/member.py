@@ -215,6 +215,8 @@ class Member:
             except Exception as e:  # broker down / not ready: log and retry
                 log.warning(f"{what} failed, retrying", **kv(error=str(e).splitlines()[0] if str(e) else repr(e),
                                                              retry_in=f"{delay:.1f}s"))
+                if self.producer is not None:
+                    self.producer.poll(0)  # its client's log lines (the tick loop serves them once running)
                 try:
                     await asyncio.wait_for(self._stop.wait(), delay)
                 except asyncio.TimeoutError:
