@@ -151,7 +151,7 @@ def read_checkpoint(c, global_topic: str, timeout: float = 30.0) -> Checkpoint |
     first = max(low, high - TAIL)
     for start in (first, low) if first > low else (first,):
         latest = None
-        for m in read_to_eof(c, name, 0, start, timeout=timeout, idle=True):
+        for m in read_to_eof(c, name, 0, start, timeout=timeout, idle=True, poll=0.02):
             if m.key() != global_topic.encode():
                 continue
             try:
@@ -191,7 +191,7 @@ class EndOffsets:
                 for p in range(self.partitions)]
         if exact:
             for p, high in enumerate(ends):
-                gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True)
+                gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
                 last = None
                 try:
                     while True:

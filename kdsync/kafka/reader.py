@@ -33,6 +33,10 @@ __all__ = ["GlobalReader", "GlobalStart", "PartitionRead", "StartError", "decide
 
 log = logging.getLogger("kdsync.start")
 
+# consume() waits this long for a full batch: a short read (the few records after a checkpoint) ends
+# this long after its partition EOF
+POLL = 0.02
+
 
 class StartError(FatalError):
     """The positions of a global topic cannot be proven at start; str() is one line."""
@@ -106,7 +110,7 @@ def _position(m) -> GlobalHeaders:
 
 def _read(c, topic: str, p: int, start: int, low: int, keys: _Keys, timeout: float) -> PartitionRead:
     r = PartitionRead(p, low, start)
-    gen = read_to_eof(c, topic, p, start, timeout=timeout, idle=True)
+    gen = read_to_eof(c, topic, p, start, timeout=timeout, idle=True, poll=POLL)
     of = keys.of
     end = None
     try:
@@ -128,7 +132,7 @@ def _exists(c, topic: str, p: int, offset: int, timeout: float = 2.0) -> bool:
     multi-record batches, and never answers a fetch beyond the end: hence a
     short timeout)."""
     try:
-        with closing(read_to_eof(c, topic, p, offset, offset + 1, timeout=timeout)) as recs:
+        with closing(read_to_eof(c, topic, p, offset, offset + 1, timeout=timeout, poll=POLL)) as recs:
             return any(m.offset() == offset for m in recs)
     except TimeoutError:
         return False
