@@ -231,12 +231,23 @@ def test_writer_takes_position_and_watermarks_before_measuring_is_used_and_write
         w.durable(1010)
         await asyncio.sleep(0.05)
         assert Checkpoint.decode(prod.records[-1][2]).seq == 1010
+
+        class Failed:
+            def str(self):
+                return "Broker: not enough replicas"
+
+        prod.records[-1][4](Failed(), None)  # that write failed: the next take writes it again
+        assert w.last.seq == 10
+        await w.take()
+        assert len(prod.records) == 3 and Checkpoint.decode(prod.records[-1][2]).seq == 1010
+        prod.records[-1][4](None, None)
+        assert w.last.seq == 1010 and w.written == 2
         # below min_seq (positions beyond a crash gap were written before): none
         w2 = CheckpointWriter(prod, T, 1, "dc1", start_seq=5, watermarks={}, min_seq=9, last=None,
                               measure=lambda exact=False: (3,), interval_s=3600, positions=1000)
         w2.durable(5)
         await w2.take()
-        assert len(prod.records) == 2
+        assert len(prod.records) == 3
 
     asyncio.run(scenario())
 

@@ -215,14 +215,15 @@ class CheckpointWriter:
     handed to the GlobalWriter, `durable(end)` whenever the durable end
     advances, `run()` as a task (the interval), `final()` at a clean stop.
     `measure(exact)` (blocking, run in a thread; an EndOffsets) returns the
-    global partitions' end offsets; `producer` is the member's producer (its delivery reports are
-    served on the loop).  A failed write is logged and taken again later:
-    restarts then start from an older checkpoint, which is only slower.
+    global partitions' end offsets; `producer` is the member's producer (its
+    delivery reports are served on the loop).  A failed write is logged and
+    taken again later: restarts then start from an older checkpoint, which is
+    only slower.
     """
 
     def __init__(self, producer, global_topic: str, partitions: int, member: str, *, start_seq: int,
                  watermarks: dict[tuple[str, int], int], min_seq: int, last: Checkpoint | None,
-                 measure: Callable[[], tuple[int, ...]], interval_s: float, positions: int):
+                 measure: Callable[[bool], tuple[int, ...]], interval_s: float, positions: int):
         self.producer = producer
         self.global_topic = global_topic
         self.topic = checkpoint_topic(global_topic)
@@ -260,7 +261,7 @@ class CheckpointWriter:
         pending = self._pending
         if pending is not None and end >= pending.seq:
             self._write(pending)
-        elif (not self._busy and pending is None
+        elif (not self._busy and pending is None and self.next_seq >= self.min_seq
               and end - (self._taken.seq if self._taken else 0) >= self.positions):
             self._task = asyncio.ensure_future(self.take())
 
@@ -325,6 +326,8 @@ class CheckpointWriter:
             if err is not None:
                 log.warning("checkpoint write failed (taken again later)",
                             extra={"kv": {"topic": self.topic, "seq": cp.seq, "error": err.str()}})
+                if self._taken is cp:
+                    self._taken = self.last  # so the next take does not see "nothing new"
                 return
             if self.last is None or cp.seq >= self.last.seq:
                 self.last = cp
