@@ -16,8 +16,8 @@ import pytest
 from kdsync.core import Delivery, Event, batches_from_events
 from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter
 from kdsync.kafka.reader import (AFTER_DELETION, ANCHORED, AT_CHECKPOINT, FROM_START, PartitionRead, StartError,
-                                 decide_start)
-from kdsync.kafka.records import pack_payload
+                                 _Keys, _read_partition, decide_start)
+from kdsync.kafka.records import global_headers, pack_payload
 from kdsync.logs import KafkaClientLog
 
 T = "t-global"
@@ -269,3 +269,98 @@ def test_kafka_client_log_rate_limits_per_kind_and_counts_the_suppressed(caplog)
     assert errors[0][2] == {"facility": "FAIL", "client": "rdkafka#producer-1", "thread": "127.0.0.1:1/bootstrap"}
     assert errors[1][2]["suppressed"] == 9  # the 10 calls between t=0 and t=5 minus the first
     assert lines[-1][2]["facility"] == "REQTMOUT" and "suppressed" not in lines[-1][2]
+
+
+# ---------------------------------------------------------------- reading a partition whose oldest records are gone
+class Msg:
+    def __init__(self, topic, part, offset, seq=None, eof=False):
+        self._t, self._p, self._o, self._eof = topic, part, offset, eof
+        self._h = None if seq is None else global_headers(seq, ("a", "b")[seq % 2], 0, seq // 2, 1)
+
+    def error(self):
+        if not self._eof:
+            return None
+        from confluent_kafka import KafkaError
+
+        return KafkaError(KafkaError._PARTITION_EOF)
+
+    def offset(self):
+        return self._o
+
+    def topic(self):
+        return self._t
+
+    def partition(self):
+        return self._p
+
+    def headers(self):
+        return self._h
+
+    def key(self):
+        return None
+
+    def value(self):
+        return b"v"
+
+
+class TruncatedPartition:
+    """A consumer of one partition holding positions low..end-1 at offsets
+    low..end-1 (the records below `low` deleted, as retention does); like
+    Tansu, a fetch beyond the end never answers."""
+
+    def __init__(self, low: int, end: int):
+        self.low, self.end, self.pos, self.fetches = low, end, None, []
+
+    def assign(self, tps):
+        self.pos = max(tps[0].offset, self.low)
+        self.fetches.append(self.pos)
+
+    def unassign(self):
+        self.pos = None
+
+    def consume(self, n, timeout):
+        if self.pos > self.end:
+            return []  # never an answer
+        out = [Msg(T, 0, o, o) for o in range(self.pos, min(self.end, self.pos + n))]
+        self.pos += len(out)
+        if self.pos == self.end:
+            out.append(Msg(T, 0, self.end, eof=True))
+            self.pos += 1  # EOF reported once
+        return out
+
+
+def read_one(c, cp, high=None):
+    keys = _Keys()
+    r = _read_partition(c, T, 0, c.low, c.end if high is None else high, cp, keys, 5.0)
+    return decide_start(T, [r], cp, keys.list), r
+
+
+def test_reading_a_partition_after_retention_deleted_its_oldest_records():
+    wm100 = {("a", 0): 49, ("b", 0): 49}
+    # the checkpoint is older than the first record left: read from the first record, positions 100..299 lost
+    s, r = read_one(TruncatedPartition(300, 350), Checkpoint(T, 100, (100,), wm100))
+    assert (r.how, s.end, s.lost, s.records) == (AFTER_DELETION, 350, (100, 300), 50)
+    assert s.watermarks == {("a", 0): 174, ("b", 0): 174}
+    # deleted exactly up to the checkpoint's offset: nothing after it lost
+    s, r = read_one(TruncatedPartition(300, 350), Checkpoint(T, 300, (300,), {("a", 0): 149, ("b", 0): 149}))
+    assert (r.how, s.end, s.lost, s.records) == (AT_CHECKPOINT, 350, None, 50)
+    # the checkpoint inside what is left: anchored at the record before its offset
+    c = TruncatedPartition(300, 350)
+    s, r = read_one(c, Checkpoint(T, 340, (340,), {("a", 0): 169, ("b", 0): 169}))
+    assert (r.how, s.end, s.lost, s.records, c.fetches) == (ANCHORED, 350, None, 11, [339])
+    # ListOffsets reporting too low an end (Tansu after a multi-record batch): the record is looked for first
+    c = TruncatedPartition(300, 350)
+    s, r = read_one(c, Checkpoint(T, 340, (340,), {("a", 0): 169, ("b", 0): 169}), high=320)
+    assert (r.how, s.end, c.fetches) == (ANCHORED, 350, [339, 339])
+    # everything after the checkpoint deleted and nothing left: refused
+    with pytest.raises(StartError, match="partition 0 is empty, its records up to offset 400 were deleted"):
+        read_one(TruncatedPartition(400, 400), Checkpoint(T, 100, (100,), wm100))
+
+
+def test_checkpoint_offsets_beyond_the_end_are_not_fetched_forever():
+    # a checkpoint of a longer topic (this one was recreated shorter): its offset is past the end, which a
+    # broker like Tansu never answers; the short probe gives up and the partition is read from its start
+    c = TruncatedPartition(0, 40)
+    with pytest.raises(StartError, match="does not hold position 40"):
+        read_one(c, Checkpoint(T, 50, (50,), {}), high=40)
+    assert c.fetches[0] == 49 and c.fetches[-1] == 0

@@ -169,7 +169,8 @@ def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint |
         if not r.seqs or r.seqs[0] >= seq:
             r.how = AT_CHECKPOINT
             return r
-        r = _read(c, topic, p, low, low, keys, timeout)
+        # a record below the checkpoint's position at its offset: the offsets do not fit; h == low, so
+        # these are the partition's records from its first one
     else:
         r = _read(c, topic, p, low, low, keys, timeout)
     r.how = FROM_START if low == 0 else AFTER_DELETION
