@@ -1,6 +1,8 @@
 """The `kdsync` command.
 
-`kdsync run` is defined here (its runtime is kdsync.member); every other
+`kdsync run` is defined here (its runtime is kdsync.member), and
+`kdsync N BROKERS TOPIC` (the original command line) is `kdsync run N BROKERS
+TOPIC`; every other
 subcommand lives in its own module as a typer command and is imported only
 when it is used, so `kdsync run` does not pay for PySpark.  Every command
 follows kdsync.clikit: help text with defaults, and bad usage as one line,
@@ -10,7 +12,8 @@ exit 2.
 from __future__ import annotations
 
 import importlib
-import os
+import logging
+import re
 import sys
 
 import typer
@@ -48,7 +51,8 @@ class _LazyCommands(TyperGroup):
         return super().resolve_command(ctx, args)
 
 
-top = new_app("Keep several Kafka clusters in the same order: Derecho-style atomic multicast of topic events.",
+top = new_app("Keep several Kafka clusters in the same order: Derecho-style atomic multicast of topic events. "
+              "The original command line `kdsync N BROKERS TOPIC` is `kdsync run N BROKERS TOPIC`.",
               cls=_LazyCommands)
 
 
@@ -76,8 +80,8 @@ def _run(
     log_level: str | None = typer.Option(None, "--log-level", metavar="LEVEL", show_default="[log] level",
                                          help="debug, info, warning or error; overrides [log] level"),
     n: str | None = typer.Argument(None, metavar="N", show_default="2",
-                                   help="original form: number of members; peers come from derecho.cfg or "
-                                        "$DERECHO_CONF_FILE"),
+                                   help="original form: number of members; peers come from $DERECHO_CONF_FILE, "
+                                        "./derecho.cfg or /etc/derecho/derecho.cfg"),
     brokers: str | None = typer.Argument(None, metavar="BROKERS", show_default="127.0.0.1:9092",
                                          help="original form: bootstrap servers of this member's cluster"),
     topic: str | None = typer.Argument(None, metavar="TOPIC", show_default="test",
@@ -85,12 +89,13 @@ def _run(
 ) -> int:
     import asyncio
 
-    from kdsync.config import ConfigError, legacy_config, load_config
+    from kdsync.config import ConfigError, find_derecho_cfg, legacy_config, load_config
     from kdsync.errors import FatalError
     from kdsync.logs import setup_logging
 
     if log_level is not None and log_level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level must be debug, info, warning or error, not {log_level!r}")
+    notes: list[tuple[str, dict]] = []  # what the original form's mapping has to say, logged below
     try:
         if config:
             if n is not None:
@@ -101,11 +106,14 @@ def _run(
                 members = int(n) if n is not None else 2
             except ValueError:
                 raise UsageError(f"N must be a number of members, got {n!r}") from None
-            cfg_file = os.environ.get("DERECHO_CONF_FILE") or "derecho.cfg"
-            cfg = legacy_config(members, brokers or "127.0.0.1:9092", topic or "test", cfg_file)
+            cfg = legacy_config(members, brokers or "127.0.0.1:9092", topic or "test", find_derecho_cfg(), notes)
     except ConfigError as e:
         raise UsageError(str(e), prefix=False) from None
     setup_logging(cfg.member.id, cfg.log.format, log_level or cfg.log.level)
+    from kdsync.logs import kv
+
+    for msg, fields in notes:
+        logging.getLogger("kdsync.config").info(msg, **kv(**fields))
     from kdsync.member import Member
 
     try:
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["help"]:  # `kdsync help` = `kdsync --help`
         argv = ["--help"]
+    elif argv and re.fullmatch(r"\d+", argv[0]):  # the original `kdsync N BROKERS TOPIC`
+        argv = ["run", *argv]
     return run_cli(typer.main.get_group(top), argv, "kdsync")
 
 

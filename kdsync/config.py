@@ -42,22 +42,30 @@ The TOML file (reference: docs/config.md) with every optional section::
     suspect_ms = 200
     retransmit_ms = 30
 
+    [checkpoint]                        # the restart state next to each global topic (T-global.kdsync)
+    interval_ms = 10000                 # written at most this often while positions advance
+    positions = 100000                  # ...or as soon as this many positions are durable since the last
+
     [metrics]
     listen = "127.0.0.1:9464"           # Prometheus endpoint; absent: none
 
     [log]
     level = "info"
     format = "kv"                       # kv | json
+    kafka_interval_ms = 5000            # librdkafka's own lines: at most one per kind per interval
 
 `load_config(path)` returns a `Config` or raises `ConfigError` whose message is
 one line naming the key: ``config error: peers.dc9: ...``.
 
-The original positional form ``kdsync run [N [BROKERS [TOPIC]]]`` is mapped by
-`legacy_config(n, brokers, topic, derecho_cfg)`: members are ``m0 .. m{N-1}``;
+The original positional form ``kdsync run [N [BROKERS [TOPIC]]]`` (or just
+``kdsync N BROKERS TOPIC``) is mapped by `legacy_config(n, brokers, topic,
+derecho_cfg)`, with the file `find_derecho_cfg()` finds: members are ``m0 .. m{N-1}``;
 ``m<local_id>`` is this member at ``local_ip:gms_port``; ``m0`` is the leader at
 ``leader_ip:leader_gms_port`` and every other ``m<i>`` at ``leader_ip:leader_gms_port + i``
 (Derecho's single-host layout).  For members on several hosts, add to the
 ``[DERECHO]`` section ``members = "ip:port, ip:port, ..."`` (in id order).
+``[RDMA] provider`` picks the transport: ``verbs`` -> rdma, ``sockets``/``tcp``
+(or no provider) -> tcp.
 """
 
 from __future__ import annotations
@@ -71,7 +79,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["Config", "ConfigError", "load_config", "legacy_config", "parse_address"]
+from kdsync.kafka.checkpoint import CHECKPOINT_SUFFIX
+
+__all__ = ["DERECHO_SYSTEM_CFG", "Config", "ConfigError", "find_derecho_cfg", "load_config", "legacy_config",
+           "parse_address"]
 
 KafkaValue = Union[str, int, float, bool]
 
@@ -207,8 +218,10 @@ class TopicsSection(_Model):
         return source + self.global_suffix
 
     def matches(self, topic: str) -> bool:
-        """Whether a topic that exists in the cluster is a source topic."""
-        if topic.endswith(self.global_suffix) or topic.startswith("__"):
+        """Whether a topic that exists in the cluster is a source topic (never a
+        global topic, its checkpoint topic or an internal `__` topic)."""
+        if (topic.endswith(self.global_suffix) or topic.endswith(self.global_suffix + CHECKPOINT_SUFFIX)
+                or topic.startswith("__")):
             return False
         s = self.source
         if isinstance(s, str):
@@ -257,6 +270,11 @@ class ProtocolSection(_Model):
         return max(1, round(ms / self.tick_ms))
 
 
+class CheckpointSection(_Model):
+    interval_ms: Annotated[int, Field(ge=100, le=86_400_000)] = 10_000
+    positions: Annotated[int, Field(ge=1)] = 100_000
+
+
 class MetricsSection(_Model):
     listen: str | None = None
 
@@ -269,6 +287,7 @@ class MetricsSection(_Model):
 class LogSection(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["kv", "json"] = "kv"
+    kafka_interval_ms: Annotated[int, Field(ge=0)] = 5_000  # librdkafka's lines: one per kind per interval
 
 
 class KafkaSection(BaseModel):
@@ -310,6 +329,7 @@ class Config(_Model):
     topics: TopicsSection | None = None
     transport: TransportSection = Field(default_factory=TransportSection)
     protocol: ProtocolSection = Field(default_factory=ProtocolSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     log: LogSection = Field(default_factory=LogSection)
     state_dir: str | None = None
@@ -428,8 +448,39 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return config_from_dict(data, base_dir=str(p.resolve().parent))
 
 
-def legacy_config(n: int, brokers: str, topic: str, derecho_cfg: str | os.PathLike[str]) -> Config:
-    """The original `kdsync run N BROKERS TOPIC` + derecho.cfg form (see module doc)."""
+DERECHO_SYSTEM_CFG = "/etc/derecho/derecho.cfg"
+
+# derecho.cfg [RDMA] provider -> transport.kind
+_PROVIDERS = {"verbs": "rdma", "sockets": "tcp", "tcp": "tcp"}
+
+
+def find_derecho_cfg(environ: dict[str, str] | None = None, cwd: str | os.PathLike[str] = ".",
+                     system: str | os.PathLike[str] | None = None) -> Path:
+    """The derecho.cfg of the original form: the file named by
+    $DERECHO_CONF_FILE when it is set, else ``derecho.cfg`` in `cwd`, else
+    `system` (default /etc/derecho/derecho.cfg).  Returns its path; raises
+    ConfigError (one line naming every place searched) when there is none,
+    or when $DERECHO_CONF_FILE names a file that does not exist."""
+    env = os.environ if environ is None else environ
+    named = env.get("DERECHO_CONF_FILE")
+    if named:
+        if not Path(named).is_file():
+            raise ConfigError(f"config error: cannot read {named!r} (named by DERECHO_CONF_FILE): no such file")
+        return Path(named).absolute()
+    system = Path(DERECHO_SYSTEM_CFG if system is None else system)
+    for candidate in (Path(cwd) / "derecho.cfg", system):
+        if candidate.is_file():
+            return candidate.absolute()
+    raise ConfigError(f"config error: no derecho.cfg in the working directory nor {str(system)!r}, and "
+                      f"DERECHO_CONF_FILE is not set (put derecho.cfg in one of them or use --config FILE)")
+
+
+def legacy_config(n: int, brokers: str, topic: str, derecho_cfg: str | os.PathLike[str],
+                  notes: list[tuple[str, dict]] | None = None) -> Config:
+    """The original `kdsync run N BROKERS TOPIC` + derecho.cfg form (see
+    module doc); returns the Config, raises ConfigError (one line).  What the
+    member should log about the mapping (the transport chosen from
+    ``[RDMA] provider``) is appended to `notes` as (message, fields)."""
     cp = configparser.ConfigParser(inline_comment_prefixes=("#", ";"))
     try:
         with open(derecho_cfg, encoding="utf-8") as f:
@@ -465,12 +516,20 @@ def legacy_config(n: int, brokers: str, topic: str, derecho_cfg: str | os.PathLi
     else:
         addrs = [f"{leader_ip}:{leader_port + i}" for i in range(n)]
     addrs[local_id] = f"{local_ip}:{gms_port}"
+    provider = cp.get("RDMA", "provider", fallback="").strip()
+    kind = _PROVIDERS.get(provider.lower(), None) if provider else "tcp"
+    if kind is None:
+        raise ConfigError(f"config error: RDMA.provider: {provider!r} in {derecho_cfg} is not supported "
+                          f"(verbs -> rdma; sockets or tcp -> tcp)")
+    if notes is not None:
+        notes.append(("transport from derecho.cfg", {"file": str(derecho_cfg), "provider": provider or "-",
+                                                     "transport": kind}))
     me = f"m{local_id}"
     data = {
         "member": {"id": me, "listen": f"{local_ip}:{gms_port}"},
         "peers": {f"m{i}": a for i, a in enumerate(addrs)},
         "kafka": {"bootstrap.servers": brokers},
         "topics": {"source": topic},
-        "transport": {"kind": "tcp"},
+        "transport": {"kind": kind},
     }
     return config_from_dict(data, base_dir=str(Path(derecho_cfg).resolve().parent))

@@ -3,6 +3,14 @@
     ts=1712.345 level=info member=dc1 logger=kdsync.member msg="view installed" topic=t view=3
 
 Structured fields are passed as ``log.info("msg", **kv(topic=t, view=3))``.
+
+librdkafka's own lines (broker connection failures and the like) go through
+`KafkaClientLog`, the `logger` of every Kafka client of the member, so they
+come out in the same format instead of raw ``%3|...`` lines:
+
+    ts=1712.345 level=error member=dc1 logger=kdsync.kafka.client msg="Connect to ipv4#127.0.0.1:9092 failed: \
+      Connection refused (after 0ms in state CONNECT)" facility=FAIL client=rdkafka#producer-1 \
+      thread=127.0.0.1:9092/bootstrap suppressed=12
 """
 
 from __future__ import annotations
@@ -10,8 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
+from typing import Callable
 
-__all__ = ["KVFormatter", "kv", "setup_logging"]
+__all__ = ["KVFormatter", "KafkaClientLog", "kv", "setup_logging"]
 
 
 class KVFormatter(logging.Formatter):
@@ -50,3 +61,44 @@ def setup_logging(member: str, fmt: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(level.upper())
+
+
+class KafkaClientLog:
+    """The `logger` of a confluent-kafka client: librdkafka's log lines as
+    lines of logger `kdsync.kafka.client`, at most one per kind (librdkafka
+    facility and level) every `interval_s` seconds; the next line of a kind
+    says how many were suppressed meanwhile (field ``suppressed``).
+    `interval_s` 0: every line.  Thread-safe (clients log from whichever
+    thread polls them)."""
+
+    def __init__(self, interval_s: float = 5.0, logger: logging.Logger | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self.logger = logger or logging.getLogger("kdsync.kafka.client")
+        self.clock = clock
+        self._kinds: dict[tuple[str, int], tuple[float, int]] = {}  # kind -> (time of its last line, suppressed)
+        self._lock = threading.Lock()
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        """Called by confluent-kafka as ``log(level, "%s [%s] %s", facility, client, text)``."""
+        if len(args) == 3:
+            facility, client, text = (str(a) for a in args)
+        else:
+            facility, client, text = "-", "-", (fmt % args if args else fmt)
+        kind = (facility, level)
+        with self._lock:
+            now = self.clock()
+            last, suppressed = self._kinds.get(kind, (None, 0))
+            if last is not None and now - last < self.interval_s:
+                self._kinds[kind] = (last, suppressed + 1)
+                return
+            self._kinds[kind] = (now, 0)
+        fields = {"facility": facility, "client": client}
+        if text.startswith("[thrd:") and "]: " in text:  # "[thrd:HOST:PORT/ID]: HOST:PORT/ID: what happened"
+            thread, _, text = text[6:].partition("]: ")
+            fields["thread"] = thread
+            if text.startswith(thread + ": "):
+                text = text[len(thread) + 2:]
+        if suppressed:
+            fields["suppressed"] = suppressed
+        self.logger.log(level, text, extra={"kv": fields})

@@ -26,13 +26,16 @@ topics (kdsync.kafka.source) and hands them to the loop as runs of one
 partition; when too many own events are waiting to become durable, it pauses
 (back-pressure).  The records' schema is kdsync.kafka.records.
 
-Start-up: for every source topic the global topic is created if missing and
-read to its end (partition EOF, never ListOffsets alone): the last
-`kdsync.seq` gives `start_seq`, the origin headers give the watermarks; both
+Start-up: for every source topic the global topic (and its checkpoint topic)
+is created if missing; the latest checkpoint is read and the global topic
+from there to its end (kdsync.kafka.reader.load_start: partition EOF, never
+ListOffsets alone), which gives `start_seq` and the origin watermarks; both
 go to `make_node`, together with the persisted hard state.  The consumer
 starts at max(committed offset, own watermark + 1).  A broker that is down at
-start is retried with backoff.  A witness has no Kafka: its deliveries are
-durable at once.
+start is retried with backoff.  From then on a checkpoint is written every
+`[checkpoint] interval_ms` / `positions` (kdsync.kafka.checkpoint), so the
+next start reads only what came after it.  A witness has no Kafka: its
+deliveries are durable at once.
 
 SIGINT/SIGTERM: stop consuming, wait for outstanding delivery reports, commit,
 close, exit 0.
@@ -63,10 +66,11 @@ from kdsync.core import (
     make_node,
 )
 from kdsync.errors import FatalError
-from kdsync.kafka.reader import GlobalReader, scan_global
+from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter, EndOffsets, checkpoint_topic, ensure_checkpoint_topic
+from kdsync.kafka.reader import GlobalReader, load_start
 from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
-from kdsync.logs import kv
+from kdsync.logs import KafkaClientLog, kv
 from kdsync.state import HardStateFile
 from kdsync.transport.channels import frame_channel, split_channel
 
@@ -88,6 +92,9 @@ class TopicPipeline:
     state: HardStateFile
     writer: GlobalWriter | None = None
     reader: GlobalReader | None = None
+    checkpoint: CheckpointWriter | None = None
+    checkpoint_task: asyncio.Future | None = None
+    end_offsets: EndOffsets | None = None
     read_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one read of the global topic at a time
     durable_end: int = 0
     status: str = ""  # the node's, as last logged
@@ -103,7 +110,9 @@ class Member:
         self.me = cfg.member.id
         self.witness = cfg.member.role == "witness"
         self.pcfg = cfg.protocol
-        self.kafka_conf = consumer_conf(self.me, cfg.kafka.consumer_conf())
+        # librdkafka's own lines in the member's log format, rate-limited (every client of the member)
+        self.kafka_log = KafkaClientLog(cfg.log.kafka_interval_ms / 1000.0)
+        self.kafka_conf = consumer_conf(self.me, {**cfg.kafka.consumer_conf(), "logger": self.kafka_log})
         self.pipelines: dict[str, TopicPipeline] = {}
         self.starting: set[str] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -206,6 +215,8 @@ class Member:
             except Exception as e:  # broker down / not ready: log and retry
                 log.warning(f"{what} failed, retrying", **kv(error=str(e).splitlines()[0] if str(e) else repr(e),
                                                              retry_in=f"{delay:.1f}s"))
+                if self.producer is not None:
+                    self.producer.poll(0)  # its client's log lines (the tick loop serves them once running)
                 try:
                     await asyncio.wait_for(self._stop.wait(), delay)
                 except asyncio.TimeoutError:
@@ -227,7 +238,7 @@ class Member:
 
     async def _start_kafka(self) -> None:
         self.producer = make_producer({**producer_conf(self.cfg.kafka.producer_conf()),
-                                       "error_cb": self._on_kafka_error})
+                                       "error_cb": self._on_kafka_error, "logger": self.kafka_log})
         self.source = SourceConsumer(
             {**self.kafka_conf, "error_cb": self._on_kafka_error}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
@@ -256,13 +267,21 @@ class Member:
         self.starting.add(topic)
         try:
             gt = self.cfg.topics.global_topic(topic) if self.cfg.topics else topic + "-global"
-            start_seq, watermarks, parts, present = 0, {}, 1, set()
+            start_seq, watermarks, parts, present, start = 0, {}, 1, set(), None
             if not self.witness:
-                want = self.cfg.topics.global_partitions
-                parts = await self._retry(f"creating {gt}", ensure_global, self.kafka_conf, gt, want,
-                                          self.cfg.topics.replication_factor, self.cfg.topics.global_topic_config())
-                start_seq, watermarks, present = await self._retry(f"reading {gt} to its end", scan_global,
-                                                                   self.kafka_conf, gt, parts)
+                tc = self.cfg.topics
+                parts = await self._retry(f"creating {gt}", ensure_global, self.kafka_conf, gt, tc.global_partitions,
+                                          tc.replication_factor, tc.global_topic_config())
+                await self._retry(f"creating {checkpoint_topic(gt)}", ensure_checkpoint_topic, self.kafka_conf, gt,
+                                  tc.replication_factor, tc.min_insync_replicas)
+                start = await self._retry(f"reading {gt} from its checkpoint", load_start, self.kafka_conf, gt, parts)
+                start_seq, watermarks, present = start.end, start.watermarks, start.present
+                if start.lost is not None:
+                    log.warning("positions were deleted from the global topic (retention) before a checkpoint "
+                                "covered them; resuming after them, with the checkpoint's watermarks for origin "
+                                "partitions seen only there", **kv(topic=topic, global_topic=gt,
+                                                                   lost=f"{start.lost[0]}..{start.lost[1] - 1}",
+                                                                   start_seq=start_seq))
             state = HardStateFile(self.cfg.state_path() / f"{topic}.hardstate")
             hs = state.load()
             try:
@@ -277,7 +296,8 @@ class Member:
                     on_durable=lambda end, commits: self._on_durable(p, end, commits),
                     on_written=lambda ev, catchup: self._on_written(p, ev, catchup),
                     on_fatal=self.fatal, schedule=self.loop.call_soon)
-                p.reader = GlobalReader(self.kafka_conf, f"kdsync-{self.me}-reader", gt, parts)
+                p.reader = GlobalReader(self.kafka_conf, f"kdsync-{self.me}-reader", gt, parts, start.seq_base)
+                self._start_checkpoints(p, start, parts)
             if present:
                 log.warning("global topic has positions beyond a gap; they will not be written twice",
                             **kv(topic=topic, gap_at=start_seq, beyond=len(present)))
@@ -293,10 +313,28 @@ class Member:
                 except RemoteProtocolError:
                     self.metrics.bad_messages.labels(peer).inc()
             log.info("topic ready", **kv(topic=topic, global_topic=gt, start_seq=start_seq,
-                                         origins=len(watermarks), hard_state=hs is not None))
+                                         origins=len(watermarks), hard_state=hs is not None,
+                                         **({} if start is None else {
+                                             "checkpoint": start.checkpoint.seq if start.checkpoint else "none",
+                                             "records_read": start.records})))
             self._process(p)
         finally:
             self.starting.discard(topic)
+
+    def _start_checkpoints(self, p: TopicPipeline, start, parts: int) -> None:
+        """The checkpoint writer of `p` (kdsync.kafka.checkpoint), and a first
+        checkpoint of the start state unless the topic already holds positions
+        beyond a gap."""
+        cc = self.cfg.checkpoint
+        p.end_offsets = EndOffsets(self.kafka_conf, p.global_topic, parts)
+        p.checkpoint = CheckpointWriter(
+            self.producer, p.global_topic, parts, self.me, start_seq=start.end, watermarks=start.watermarks,
+            min_seq=max(start.present) + 1 if start.present else start.end, last=start.checkpoint,
+            measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions)
+        cp = start.checkpoint
+        if not start.present and (cp is None or cp.seq != start.end or cp.offsets != start.ends):
+            p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, self.me))
+        p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
 
     # ------------------------------------------------------------ driving the node
     async def _tick_loop(self) -> None:
@@ -414,6 +452,7 @@ class Member:
             p.durable_end = d.end_seq
         else:
             p.writer.write(d)
+            p.checkpoint.delivered(d)
 
     def _note_status(self, p: TopicPipeline, status: str) -> None:
         if status and status != p.status:
@@ -430,6 +469,7 @@ class Member:
     def _on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:
         p.durable_end = end
         p.node.durable(end)
+        p.checkpoint.durable(end)
         self.metrics.delivered.labels(p.topic).set(end)
         if self.source is not None:
             self.source.commit(p.topic, commits)
@@ -464,11 +504,20 @@ class Member:
                 await asyncio.sleep(0)  # run the scheduled durable reports
             for w in writers:
                 w.report_durable()
+        for p in self.pipelines.values():
+            if p.checkpoint_task is not None:
+                p.checkpoint_task.cancel()
+        if self.producer is not None and self._fatal is None:
+            for p in self.pipelines.values():  # the next start then reads nothing of the global topic
+                if p.checkpoint is not None:
+                    await p.checkpoint.final()
         if self.source is not None:
             await asyncio.to_thread(self.source.close, 15)
         for p in self.pipelines.values():
             if p.reader is not None:
                 await asyncio.to_thread(p.reader.close)
+            if p.end_offsets is not None:
+                await asyncio.to_thread(p.end_offsets.close)
         if self.transport is not None:
             await self.transport.close()
         if self.metrics is not None:

@@ -123,3 +123,24 @@ def test_legacy_run_form_reaches_the_config(tmp_path):
                        text=True, timeout=60, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("config error:") and "derecho.cfg" in r.stderr, r.stderr
+
+
+def test_original_command_line_without_run(tmp_path, monkeypatch, capsys):
+    """`kdsync N BROKERS TOPIC` is `kdsync run N BROKERS TOPIC`: derecho.cfg is
+    searched in $DERECHO_CONF_FILE, ./derecho.cfg, then /etc/derecho/derecho.cfg
+    (a stand-in path here: tests never write to /etc)."""
+    from kdsync import config as kconfig
+
+    etc = tmp_path / "etc" / "derecho.cfg"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DERECHO_CONF_FILE", raising=False)
+    monkeypatch.setattr(kconfig, "DERECHO_SYSTEM_CFG", str(etc))
+    assert kdsync(["3", "127.0.0.1:1", "t"]) == 2
+    assert one_line(capsys) == (f"config error: no derecho.cfg in the working directory nor '{etc}', and "
+                                f"DERECHO_CONF_FILE is not set (put derecho.cfg in one of them or use --config FILE)")
+    etc.parent.mkdir()
+    etc.write_text("[DERECHO]\nlocal_ip = 127.0.0.1\n")  # found, read, and its error named
+    assert kdsync(["3", "127.0.0.1:1", "t"]) == 2
+    assert one_line(capsys) == f"config error: DERECHO.local_id: required key is missing in {etc}"
+    assert kdsync(["run", "3", "127.0.0.1:1", "t"]) == 2  # the same with `run`
+    assert one_line(capsys) == f"config error: DERECHO.local_id: required key is missing in {etc}"

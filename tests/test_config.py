@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from kdsync.config import ConfigError, legacy_config, load_config
+import kdsync.config
+from kdsync.config import ConfigError, find_derecho_cfg, legacy_config, load_config
 
 MINIMAL = """
 [member]
@@ -163,3 +164,52 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kdsync.cli", "run", "3", "127.0.0.1:1", "t"], capture_output=True,
                        text=True, timeout=60, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "DERECHO_CONF_FILE": str(tmp_path / "none.cfg")})
     assert r.returncode == 2 and "DERECHO_CONF_FILE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_derecho_cfg_search_order(tmp_path):
+    """$DERECHO_CONF_FILE, then ./derecho.cfg, then /etc/derecho/derecho.cfg
+    (here a stand-in path: tests never write to /etc)."""
+    cwd, etc = tmp_path / "cwd", tmp_path / "etc" / "derecho.cfg"
+    cwd.mkdir()
+    etc.parent.mkdir()
+    named = write(tmp_path, DERECHO_CFG, "named.cfg")
+    with pytest.raises(ConfigError, match=r"^config error: no derecho.cfg in the working directory nor '.*/etc/"
+                                          r"derecho.cfg', and DERECHO_CONF_FILE is not set"):
+        find_derecho_cfg({}, cwd, etc)
+    etc.write_text(DERECHO_CFG)
+    assert find_derecho_cfg({}, cwd, etc) == etc
+    (cwd / "derecho.cfg").write_text(DERECHO_CFG)
+    assert find_derecho_cfg({}, cwd, etc) == cwd / "derecho.cfg"
+    assert find_derecho_cfg({"DERECHO_CONF_FILE": str(named)}, cwd, etc) == named
+    with pytest.raises(ConfigError, match=r"cannot read '.*/none.cfg' \(named by DERECHO_CONF_FILE\)"):
+        find_derecho_cfg({"DERECHO_CONF_FILE": str(tmp_path / "none.cfg")}, cwd, etc)
+    assert kdsync.config.DERECHO_SYSTEM_CFG == "/etc/derecho/derecho.cfg"
+
+
+@pytest.mark.parametrize("section, kind", [("", "tcp"), ("[RDMA]\nprovider = verbs\n", "rdma"),
+                                           ("[RDMA]\nprovider = sockets\n", "tcp"),
+                                           ("[RDMA]\nprovider = TCP\n", "tcp"), ("[RDMA]\ndomain = eth0\n", "tcp")])
+def test_rdma_provider_picks_the_transport(tmp_path, section, kind):
+    notes = []
+    cfg = legacy_config(3, "b:1", "t", write(tmp_path, DERECHO_CFG + section, "derecho.cfg"), notes)
+    assert cfg.transport.kind == kind
+    (msg, fields), = notes
+    assert msg == "transport from derecho.cfg" and fields["transport"] == kind
+    assert fields["provider"] == (section.split("= ")[1].strip() if "provider" in section else "-")
+
+
+def test_unknown_rdma_provider_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config error: RDMA.provider: 'psm2' in .*derecho.cfg is not supported "
+                                          r"\(verbs -> rdma; sockets or tcp -> tcp\)$"):
+        legacy_config(3, "b:1", "t", write(tmp_path, DERECHO_CFG + "[RDMA]\nprovider = psm2\n", "derecho.cfg"))
+
+
+def test_checkpoint_and_kafka_log_keys(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "[checkpoint]\ninterval_ms = 2000\npositions = 50\n"
+                            "[log]\nkafka_interval_ms = 0\n"))
+    assert (cfg.checkpoint.interval_ms, cfg.checkpoint.positions, cfg.log.kafka_interval_ms) == (2000, 50, 0)
+    d = load_config(write(tmp_path, MINIMAL, "d.toml"))
+    assert (d.checkpoint.interval_ms, d.checkpoint.positions, d.log.kafka_interval_ms) == (10000, 100000, 5000)
+    with pytest.raises(ConfigError, match="^config error: checkpoint.interval_ms: Input should be greater than or "
+                                          "equal to 100$"):
+        load_config(write(tmp_path, MINIMAL + "[checkpoint]\ninterval_ms = 5\n", "e.toml"))

@@ -233,6 +233,9 @@ def test_broker_paused_nothing_lost(group):
     _write_all(g, 100, "after")
     _assert_agree(g, 900, timeout=60)
     assert all(p.poll() is None for p in g.procs), _logs(g)
+    # librdkafka's own lines come through the members' log format, never raw (%3|...)
+    for i in range(g.n):
+        assert not [x for x in g.log_text(i).splitlines() if x.startswith("%")], _logs(g)
 
 
 def test_wrong_secret_refused_and_garbage_ignored(group):

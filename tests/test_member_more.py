@@ -1,10 +1,14 @@
-"""More `kdsync run` behaviour with real processes: broker down at start,
-the original positional form with derecho.cfg, several source topics, a
-witness member, metrics of input lag."""
+"""More `kdsync run` behaviour with real processes: broker down at start
+(and librdkafka's own lines in the member's log format, rate-limited), the
+original positional form with derecho.cfg (also without `run`, found in the
+working directory, its [RDMA] provider mapped to the transport), several
+source topics, a witness member, metrics of input lag."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -284,7 +288,7 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
     from confluent_kafka import Producer
 
     from kdsync.config import config_from_dict
-    from kdsync.kafka.reader import scan_global
+    from kdsync.kafka.reader import load_start
     from kdsync.member import Member
 
     with EmbeddedCluster("gap", log_dir=tmp_path) as c:
@@ -297,5 +301,97 @@ def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
         cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
                                 "kafka": {"bootstrap.servers": c.bootstrap},
                                 "topics": {"source": "g", "global_partitions": 3}}, base_dir=str(tmp_path))
-        end, wm, present = scan_global(Member(cfg).kafka_conf, "g-global", 3)
-        assert (end, wm, present) == (2, {("dc1", 0): 1}, {3})
+        s = load_start(Member(cfg).kafka_conf, "g-global", 3)  # no checkpoint: read from the first records
+        assert (s.end, s.watermarks, s.present) == (2, {("dc1", 0): 1}, {3})
+        assert s.checkpoint is None and s.lost is None and s.records == 3
+
+
+def test_librdkafka_lines_go_through_the_member_log_format_rate_limited(tmp_path):
+    """The member starts while its broker is down (~5 s, the fault under
+    test): every line on its stderr is a kdsync JSON line, none a raw
+    librdkafka ``%3|...`` line; librdkafka's lines come as logger
+    kdsync.kafka.client, at most one per kind (facility, level) per
+    [log] kafka_interval_ms, with the count of suppressed ones; then the
+    broker comes up and the member works."""
+    port, listen = free_port(), f"127.0.0.1:{free_port()}"
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f"""
+state_dir = "{tmp_path / 'state'}"
+[member]
+id = "solo"
+listen = "{listen}"
+[peers]
+solo = "{listen}"
+[kafka]
+"bootstrap.servers" = "127.0.0.1:{port}"
+[topics]
+source = "in"
+[log]
+format = "json"
+kafka_interval_ms = 2000
+""")
+    log = tmp_path / "member.log"
+    p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg)], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), preexec_fn=_die_with_parent,
+                         start_new_session=True)
+    broker = EmbeddedCluster("late", port=port, log_dir=tmp_path)
+    try:
+        _wait(lambda: "kdsync.kafka.client" in log.read_text(), 30, "a librdkafka line")
+        time.sleep(5)  # the broker stays down this long
+        broker.start()
+        ensure_topic(broker.bootstrap, "in")
+        write_events(broker.bootstrap, "in", 20, "up")
+        _wait(lambda: len(read_global(broker.bootstrap, "in-global")) == 20, 40, "20 records in in-global")
+        assert _stop(p) == 0
+    finally:
+        _stop(p)
+        broker.close()
+    lines = log.read_text().splitlines()
+    assert not [x for x in lines if re.match(r"%\d+\|", x)], "raw librdkafka lines on stderr"
+    parsed = [json.loads(x) for x in lines]  # every line is one JSON object
+    client = [d for d in parsed if d["logger"] == "kdsync.kafka.client"]
+    assert client and all(d["member"] == "solo" and d["facility"] and d["client"].startswith("rdkafka#")
+                          for d in client)
+    assert any(int(d.get("suppressed", 0)) > 0 for d in client), client
+    kinds: dict[tuple[str, str], list[float]] = {}
+    for d in client:
+        kinds.setdefault((d["facility"], d["level"]), []).append(float(d["ts"]))
+    for kind, ts in kinds.items():  # the rate limit, kind by kind (ts has millisecond resolution)
+        assert all(b - a >= 1.99 for a, b in zip(ts, ts[1:])), (kind, ts)
+    assert len(client) <= 6 * len(kinds) and len(kinds) <= 6, client  # ~7 s down: a handful per kind
+
+
+def test_original_command_line_without_run_and_derecho_cfg_in_the_working_directory(tmp_path):
+    """`kdsync 1 BROKERS TOPIC`, as the original kdsync was run: derecho.cfg is
+    found in the working directory, its [RDMA] provider = sockets gives TCP
+    (one log line says so)."""
+    gms = free_port()
+    (tmp_path / "derecho.cfg").write_text(f"""[DERECHO]
+leader_ip = 127.0.0.1
+leader_gms_port = {gms}
+local_id = 0
+local_ip = 127.0.0.1
+gms_port = {gms}
+
+[RDMA]
+provider = sockets
+""")
+    env = {k: v for k, v in os.environ.items() if k != "DERECHO_CONF_FILE"}
+    with EmbeddedCluster("orig", log_dir=tmp_path) as c:
+        ensure_topic(c.bootstrap, "test")
+        write_events(c.bootstrap, "test", 30, "orig")
+        log = tmp_path / "m.log"
+        p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "1", c.bootstrap, "test"], cwd=tmp_path,
+                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                             preexec_fn=_die_with_parent, start_new_session=True)
+        try:
+            _wait(lambda: len(read_global(c.bootstrap, "test-global")) == 30, 40, "30 records in test-global")
+            assert [r.seq for r in read_global(c.bootstrap, "test-global")] == list(range(30))
+            p.send_signal(signal.SIGINT)
+            assert p.wait(20) == 0
+        finally:
+            _stop(p)
+    text = log.read_text()
+    line = [x for x in text.splitlines() if "transport from derecho.cfg" in x]
+    assert len(line) == 1 and "provider=sockets" in line[0] and "transport=tcp" in line[0], text
+    assert f"file={tmp_path / 'derecho.cfg'} " in line[0], line

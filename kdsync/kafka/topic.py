@@ -60,7 +60,9 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
     Lenient (default): a missing topic or partition reads as empty, transient
     errors are retried, fatal ones raise KafkaException.  `strict` (the range
     must exist): every non-retriable error raises KafkaException, and an EOF
-    before `stop` raises PartitionEndError.
+    before `stop` raises PartitionEndError.  The generator's return value
+    (``end = yield from read_to_eof(...)``) is the partition's end offset
+    at EOF, `stop` when it stopped there, None for a missing topic.
     """
     c.assign([TopicPartition(topic, partition, max(start, 0))])  # out of range -> earliest
     try:
@@ -75,7 +77,7 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
                         if strict and stop is not None and m.offset() < stop:
                             raise PartitionEndError(f"{topic}[{partition}] ends at {m.offset()}, "
                                                     f"before the requested end {stop}")
-                        return
+                        return m.offset()
                     if strict:
                         if err.fatal() or not err.retriable():
                             raise KafkaException(err)
@@ -86,12 +88,12 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
                         raise KafkaException(err)
                     continue
                 if stop is not None and m.offset() >= stop:
-                    return
+                    return stop
                 if idle:
                     deadline = time.monotonic() + timeout
                 yield m
                 if stop is not None and m.offset() + 1 >= stop:
-                    return
+                    return stop
     finally:
         c.unassign()
 

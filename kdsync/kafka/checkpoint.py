@@ -1,0 +1,346 @@
+"""Checkpoints: what a member needs to restart, kept next to its global topic.
+
+A restart needs the next position of the global topic `T-global` and the
+origin watermarks (highest source offset per origin partition) of the
+positions below it.  Reading them off the whole topic takes time that grows
+with the topic, and is impossible once retention has deleted its oldest
+records.  So each member writes, to a compacted topic `T-global.kdsync` of
+its own cluster (one partition, key = the global topic's name), a JSON
+record:
+
+    {"version": 1, "topic": "orders-global", "member": "dc1", "seq": 120000,
+     "offsets": [120000], "watermarks": [["dc1", 0, 40000], ["dc2", 0, 39999]],
+     "written_ms": 1712345678901}
+
+meaning: positions below `seq` are durable in `topic`; `watermarks` are the
+origin watermarks of exactly those positions; and in global partition p every
+record at an offset below `offsets[p]` has a position below `seq` (records
+from `offsets[p]` on may have any position).  Start-up reads the latest
+record and then the global topic only from `offsets[p] - 1` (one record
+before, to check the checkpoint belongs to this topic) to its end; see
+`kdsync.kafka.reader.load_start`.
+
+How a checkpoint is taken (`CheckpointWriter`), without touching the write
+path: (1) in a worker thread, ask the cluster for each partition's end offset
+E[p] (ListOffsets; a value too low is harmless); (2) back on the event loop,
+take Q = the next position delivered to the writer and the watermarks at Q.
+Every record below E[p] was produced before step 2, so its position is below
+Q: (Q, watermarks, E) is a valid checkpoint (3) once positions below Q are
+durable; it is produced then.  One is taken every `interval_ms` (when
+anything changed) and as soon as `positions` more positions are durable, one
+right at start-up and one at a clean stop (exact: nothing is in flight).  A
+member that restarted with positions beyond a gap (several partitions, see
+GlobalWriter) takes none until it has passed them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kdsync.core import Delivery
+
+__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointWriter", "EndOffsets", "checkpoint_topic",
+           "ensure_checkpoint_topic", "read_checkpoint"]
+
+log = logging.getLogger("kdsync.checkpoint")
+
+CHECKPOINT_SUFFIX = ".kdsync"  # T-global -> T-global.kdsync
+VERSION = 1
+TAIL = 8  # records read back from the checkpoint topic's end to find the latest
+
+
+def checkpoint_topic(global_topic: str) -> str:
+    """Name of the checkpoint topic of `global_topic`."""
+    return global_topic + CHECKPOINT_SUFFIX
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Restart state of one global topic as of position `seq` (see module doc)."""
+
+    topic: str
+    seq: int
+    offsets: tuple[int, ...]  # per global partition: every record below has a position < seq
+    watermarks: dict[tuple[str, int], int] = field(default_factory=dict)
+    member: str = ""
+    written_ms: int = 0
+
+    def encode(self) -> bytes:
+        """The record value (JSON, UTF-8)."""
+        return json.dumps({
+            "version": VERSION, "topic": self.topic, "member": self.member, "seq": self.seq,
+            "offsets": list(self.offsets),
+            "watermarks": [[o, p, off] for (o, p), off in sorted(self.watermarks.items())],
+            "written_ms": self.written_ms or int(time.time() * 1000)}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, value: bytes | None) -> Checkpoint:
+        """A checkpoint from a record value; raises ValueError naming what is wrong."""
+        if value is None:
+            raise ValueError("empty value")
+        try:
+            d = json.loads(value)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        if d.get("version") != VERSION:
+            raise ValueError(f"unknown version {d.get('version')!r}")
+        try:
+            seq = _nonneg(d["seq"])
+            offsets = tuple(_nonneg(x) for x in d["offsets"])
+            wm = {}
+            for o, p, off in d["watermarks"]:
+                if not isinstance(o, str):
+                    raise TypeError
+                wm[(o, _nonneg(p))] = _nonneg(off)
+            return cls(str(d["topic"]), seq, offsets, wm, str(d.get("member", "")), int(d.get("written_ms", 0)))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("missing or malformed field (topic, seq, offsets, watermarks)") from None
+
+
+def _nonneg(x) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError
+    return x
+
+
+# ---------------------------------------------------------------- topic I/O (blocking)
+def ensure_checkpoint_topic(conf: dict, global_topic: str, replication_factor: int | None = None,
+                            min_insync_replicas: int | None = None) -> str:
+    """Create the checkpoint topic of `global_topic` unless it exists (one
+    partition, cleanup.policy=compact, the global topic's replication);
+    return its name.  Raises KafkaException / TimeoutError when the brokers do
+    not answer, FatalError when the cluster refuses the settings."""
+    from kdsync.errors import FatalError
+    from kdsync.kafka.topic import TopicSettingsError, ensure_topic
+
+    name = checkpoint_topic(global_topic)
+    config = {"cleanup.policy": "compact"}
+    if min_insync_replicas is not None:
+        config["min.insync.replicas"] = str(min_insync_replicas)
+    try:
+        ensure_topic(conf, name, 1, timeout=3.0, replication_factor=replication_factor, config=config)
+    except TopicSettingsError as e:
+        raise FatalError(f"topics: {e}") from None
+    return name
+
+
+def read_checkpoint(c, global_topic: str, timeout: float = 30.0) -> Checkpoint | None:
+    """The latest valid checkpoint of `global_topic`, read with consumer `c`
+    (from `kdsync.kafka.topic.consumer`) off the end of its checkpoint topic;
+    None when there is none.  A malformed record is skipped with a WARNING.
+    Raises TimeoutError / KafkaException when the brokers do not answer."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    from kdsync.kafka.topic import read_to_eof
+
+    name = checkpoint_topic(global_topic)
+    try:
+        low, high = c.get_watermark_offsets(TopicPartition(name, 0), timeout=timeout, cached=False)
+    except KafkaException as e:
+        if e.args[0].code() in (KafkaError._UNKNOWN_PARTITION, KafkaError.UNKNOWN_TOPIC_OR_PART,
+                                KafkaError._UNKNOWN_TOPIC):
+            return None  # no checkpoint topic (yet)
+        raise
+    first = max(low, high - TAIL)
+    for start in (first, low) if first > low else (first,):
+        latest = None
+        for m in read_to_eof(c, name, 0, start, timeout=timeout, idle=True, poll=0.02):
+            if m.key() != global_topic.encode():
+                continue
+            try:
+                cp = Checkpoint.decode(m.value())
+            except ValueError as e:
+                log.warning("ignoring a malformed checkpoint", extra={"kv": {"topic": name, "offset": m.offset(),
+                                                                            "error": str(e)}})
+                continue
+            if cp.topic == global_topic:
+                latest = cp
+        if latest is not None:
+            return latest
+    return None
+
+
+class EndOffsets:
+    """Each partition of `topic`'s end offset as the cluster reports it
+    (ListOffsets: never above the true end, possibly below on some brokers),
+    with one consumer of its own; call it from one thread at a time."""
+
+    def __init__(self, conf: dict, topic: str, partitions: int, timeout: float = 10.0):
+        self.conf, self.topic, self.partitions, self.timeout = conf, topic, partitions, timeout
+        self._c = None
+
+    def __call__(self, exact: bool = False) -> tuple[int, ...]:
+        """The end offsets; `exact`: read on from there to partition EOF
+        (for a topic nobody writes at the moment: a clean stop).  Raises
+        KafkaException / TimeoutError when the brokers do not answer."""
+        from confluent_kafka import TopicPartition
+
+        from kdsync.kafka.topic import consumer, read_to_eof
+
+        if self._c is None:
+            self._c = consumer(self.conf)
+        self._c.poll(0)  # serves the client's log lines
+        ends = [self._c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout, cached=False)[1]
+                for p in range(self.partitions)]
+        if exact:
+            for p, high in enumerate(ends):
+                gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
+                last = None
+                try:
+                    while True:
+                        last = next(gen).offset()
+                except StopIteration as stop:
+                    ends[p] = stop.value if stop.value is not None else (last + 1 if last is not None else high)
+        return tuple(ends)
+
+    def close(self) -> None:
+        """Close the consumer (if one was opened)."""
+        if self._c is not None:
+            self._c.close()
+            self._c = None
+
+
+# ---------------------------------------------------------------- the member's writer
+class CheckpointWriter:
+    """Takes and writes the checkpoints of one global topic (module doc).
+
+    Driven from the member's event loop: `delivered(d)` for every Delivery
+    handed to the GlobalWriter, `durable(end)` whenever the durable end
+    advances, `run()` as a task (the interval), `final()` at a clean stop.
+    `measure(exact)` (blocking, run in a thread; an EndOffsets) returns the
+    global partitions' end offsets; `producer` is the member's producer (its
+    delivery reports are served on the loop).  A failed write is logged and
+    taken again later: restarts then start from an older checkpoint, which is
+    only slower.
+    """
+
+    def __init__(self, producer, global_topic: str, partitions: int, member: str, *, start_seq: int,
+                 watermarks: dict[tuple[str, int], int], min_seq: int, last: Checkpoint | None,
+                 measure: Callable[[bool], tuple[int, ...]], interval_s: float, positions: int):
+        self.producer = producer
+        self.global_topic = global_topic
+        self.topic = checkpoint_topic(global_topic)
+        self.partitions = partitions
+        self.member = member
+        self.wm = dict(watermarks)  # at next_seq
+        self.next_seq = start_seq  # next position delivered to the writer
+        self.durable_end = start_seq
+        self.min_seq = min_seq  # no checkpoint below: positions beyond a gap were written before
+        self.last = last  # the latest checkpoint the cluster confirmed (or read at start)
+        self._taken = last  # the latest handed to the producer
+        self.measure = measure
+        self.interval_s = interval_s
+        self.positions = positions
+        self.written = 0  # checkpoints confirmed by the cluster
+        self._pending: Checkpoint | None = None
+        self._busy = False
+        self._task: asyncio.Future | None = None
+
+    # ------------------------------------------------------------ from the member
+    def delivered(self, d: Delivery) -> None:
+        """A Delivery went to the GlobalWriter: advance the position and watermarks."""
+        wm = self.wm
+        for b in d.batches:
+            k = (b.origin, b.partition)
+            last = b.first_offset + b.count - 1
+            if last > wm.get(k, -1):
+                wm[k] = last
+        self.next_seq = d.end_seq
+
+    def durable(self, end: int) -> None:
+        """Positions below `end` are durable: write a pending checkpoint they
+        cover; take one early when `positions` more are durable."""
+        self.durable_end = end
+        pending = self._pending
+        if pending is not None and end >= pending.seq:
+            self._write(pending)
+        elif (not self._busy and pending is None and self.next_seq >= self.min_seq
+              and end - (self._taken.seq if self._taken else 0) >= self.positions):
+            self._task = asyncio.ensure_future(self.take())
+
+    async def run(self) -> None:
+        """Take a checkpoint every `interval_s` (a task; cancel it to stop)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.take()
+
+    def write_now(self, cp: Checkpoint) -> None:
+        """Write `cp` (already durable and valid, e.g. the start-up state)."""
+        self._write(cp)
+
+    async def take(self, exact: bool = False) -> None:
+        """Measure the end offsets (`exact`: see EndOffsets), then take (and
+        once durable, write) a checkpoint unless nothing changed since the
+        last one."""
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            try:
+                offsets = await asyncio.to_thread(self.measure, exact)
+            except Exception as e:  # broker away: the next interval tries again
+                log.debug("checkpoint: cannot read end offsets", extra={"kv": {"topic": self.global_topic,
+                                                                             "error": str(e)}})
+                return
+            q = self.next_seq
+            if q < self.min_seq or len(offsets) != self.partitions:
+                return
+            last = self._pending or self._taken
+            if last is not None and last.seq == q and tuple(last.offsets) == tuple(offsets):
+                return  # nothing new
+            cp = Checkpoint(self.global_topic, q, tuple(offsets), dict(self.wm), self.member)
+            if self.durable_end >= q:
+                self._write(cp)
+            else:
+                self._pending = cp  # written by durable() once positions below q are durable
+        finally:
+            self._busy = False
+
+    async def final(self, timeout: float = 5.0) -> None:
+        """At a clean stop (the `run()` task cancelled, every delivery report
+        in): take a last checkpoint, exact since nothing is in flight, and
+        wait up to `timeout` s for the cluster to confirm it."""
+        if self._task is not None:
+            self._task.cancel()
+        deadline = time.monotonic() + timeout
+        while self._busy and time.monotonic() < deadline:  # a cancelled take still finishing
+            await asyncio.sleep(0.01)
+        self._pending = None
+        await self.take(exact=True)
+        if self._pending is None:  # written (or nothing new)
+            await asyncio.to_thread(self.producer.flush, max(0.1, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------ to the cluster
+    def _write(self, cp: Checkpoint) -> None:
+        self._pending = None
+        cp = Checkpoint(cp.topic, cp.seq, cp.offsets, cp.watermarks, cp.member, int(time.time() * 1000))
+
+        def done(err, _msg, cp=cp):
+            if err is not None:
+                log.warning("checkpoint write failed (taken again later)",
+                            extra={"kv": {"topic": self.topic, "seq": cp.seq, "error": err.str()}})
+                if self._taken is cp:
+                    self._taken = self.last  # so the next take does not see "nothing new"
+                return
+            if self.last is None or cp.seq >= self.last.seq:
+                self.last = cp
+            self.written += 1
+            log.debug("checkpoint written", extra={"kv": {"topic": self.topic, "seq": cp.seq,
+                                                          "offsets": ",".join(map(str, cp.offsets))}})
+
+        try:
+            self.producer.produce(self.topic, key=self.global_topic.encode(), value=cp.encode(), partition=0,
+                                  on_delivery=done)
+            self._taken = cp
+        except BufferError:
+            pass  # the producer's queue is full of global records: the next interval takes it again
+        except Exception as e:  # KafkaException: not fatal, the global topic is what matters
+            log.warning("checkpoint write failed (taken again later)",
+                        extra={"kv": {"topic": self.topic, "seq": cp.seq, "error": str(e)}})
