@@ -24,6 +24,9 @@ from __future__ import annotations
 from kdsync.core.messages import CatchupData, CatchupReq, LogData, LogReq, Snapshot
 from kdsync.core.types import Delivery, LogChunk, ReadRequest, RemoteProtocolError
 from kdsync.core.base import watermarks_of
+from kdsync.core.batch import read_positions
+
+_END = 1 << 62  # no upper bound
 
 
 class CatchupPart:
@@ -99,32 +102,19 @@ class CatchupPart:
     # --------------------------------------------------------- receiver side
     def _on_catchup_data(self, msg: CatchupData) -> None:
         prop = self.target
-        if prop is None or msg.view != prop.new_view:
+        if prop is None or msg.view != prop.new_view or msg.first > self.next_seq:
             return
         vstart = msg.view_start
-        if msg.first > self.next_seq:
-            return
-        skip = self.next_seq - msg.first
-        batches = []
-        for b in msg.batches:
-            if skip >= b.count:
-                skip -= b.count
-                continue
-            batches.append(b.slice(skip) if skip else b)
-            skip = 0
-        n = sum(b.count for b in batches)
-        if self.next_seq + n > vstart:
+        batches = read_positions(msg.batches, self.next_seq, _END, msg.first)
+        if self.next_seq + sum(b.count for b in batches) > vstart:
             raise RemoteProtocolError("catch-up data past the view start")
         self.catchup_vstart = vstart
         if batches:
-            watermarks_of(batches, self.watermarks)
-            self._emit(Delivery(self.next_seq, tuple(batches), True, n))
-        if self.next_seq == vstart:
+            self._take_catchup(batches)
+        elif self.next_seq == vstart:
             self._finish_catchup(vstart)
-        elif not batches:
-            self._ask_log()  # the source does not hold [next, ...): another member's topic does
         else:
-            self._ask_catchup()
+            self._ask_log()  # the source does not hold [next, ...): another member's topic does
 
     def _ask_log(self) -> None:
         """Ask the next member of the target view (round robin, never a witness)
@@ -139,28 +129,17 @@ class CatchupPart:
                    LogReq(self.me, self.incarnation, self.next_seq, self.catchup_vstart).encode())
 
     def _on_log_data(self, msg: LogData) -> None:
-        if self.target is None or msg.start > self.next_seq:
+        if self.target is None or msg.start > self.next_seq or self.catchup_vstart < 0:
             return
-        skip = self.next_seq - msg.start
-        batches = []
-        for b in msg.batches:
-            if skip >= b.count:
-                skip -= b.count
-                continue
-            batches.append(b.slice(skip) if skip else b)
-            skip = 0
-        if self.catchup_vstart >= 0:  # never past the view start the source named
-            room = self.catchup_vstart - self.next_seq
-            cut = []
-            for b in batches:
-                if room <= 0:
-                    break
-                cut.append(b if b.count <= room else b.slice(0, room))
-                room -= cut[-1].count
-            batches = cut
-        if not batches:
+        # never past the view start the source named
+        batches = read_positions(msg.batches, self.next_seq, self.catchup_vstart, msg.start)
+        if batches:
+            self._take_catchup(batches)
+        else:
             self._ask_log()  # not there either: the next member
-            return
+
+    def _take_catchup(self, batches: list) -> None:
+        """Deliver positions from next_seq on (catch-up); finish at the view start, else ask on."""
         n = sum(b.count for b in batches)
         watermarks_of(batches, self.watermarks)
         self._emit(Delivery(self.next_seq, tuple(batches), True, n))
