@@ -331,7 +331,10 @@ class ViewChangePart:
         old = msg.old_view
         if prop.old_view != old:
             raise RemoteProtocolError("install names two views")
-        if old < self.view.view_id:
+        # a joining member knows its view only by a HINT (which may not say its
+        # incarnation): the INSTALL that created that view tells whether it is in it
+        joining_this = self.state is self.State.JOINING and old == self.view.view_id - 1
+        if old < self.view.view_id and not joining_this:
             return
         self.last_install[old] = Install(self.me, self.incarnation, old, prop).encode()
         for stale in [x for x in self.last_install if x < old - 16]:
@@ -404,8 +407,8 @@ class ViewChangePart:
         if s in v.members:
             self.rejoined[s] = inc
             self.last_heard[s] = self.now
-        if self._is_member() and self.state is self.State.ACTIVE and self._leader() != self.me:
-            self._stale_reply(s, -1)
+        if self._is_member() and self._leader() != self.me:
+            self._stale_reply(s, -1)  # tell it which view it is asking to join
 
     def _stale_reply(self, peer: str, view_id: int) -> None:
         """`peer` speaks of an older view (or asks to join): help it forward."""
@@ -426,15 +429,28 @@ class ViewChangePart:
 
     def _on_hint(self, msg: Hint) -> None:
         v = self.view
-        joining = self.state is self.State.JOINING
-        if msg.view < v.view_id or (msg.view == v.view_id and not joining):
+        state = self.state
+        if msg.view < v.view_id:
             return
-        members, incs = msg.members, msg.incs
-        if self.me in members and incs[members.index(self.me)] == self.incarnation:
-            return  # the INSTALL will follow
-        if not joining:
+        members = msg.members
+        if self.me in members:
+            if msg.incs[members.index(self.me)] == self.incarnation:
+                return  # the INSTALL will follow
+            if msg.view == v.view_id and state is not self.State.JOINING:
+                return
+            # a member of that view whose incarnation there is unknown (a HINT from a
+            # restarted member) or older: a restarted member of it (swarm seed 2574: as
+            # a joiner from outside it never reported, and the view could not change)
+            if state is not self.State.JOINING:
+                self._resubmit_own()
+            self._become_rejoining(View(msg.view, members, (0,) * len(members), self._senders_of(members),
+                                        self.next_seq))
+            return
+        if msg.view == v.view_id:
+            return
+        if state is not self.State.JOINING:
             self._resubmit_own()
-            self._become_joining(View(msg.view, members, incs, self._senders_of(members), -1))
+        self._become_joining(View(msg.view, members, msg.incs, self._senders_of(members), -1))
 
 
 def encode_vote(ballot: Ballot, prop: Proposal) -> bytes:
