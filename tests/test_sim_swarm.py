@@ -35,6 +35,8 @@ REGRESSION_SCENARIOS = {
     "swarm-8310.yaml": "a member that never saw view 1 installed was never told of it by the restarted members: wedged",
     "swarm-7093.yaml": "a witness was the catch-up source of positions older than its memory: catching up forever",
     "swarm-7691.yaml": "a member of the view that missed its INSTALL asked to join and was ignored: joining forever",
+    "swarm-2574.yaml": "a member of a view hinted without incarnations joined from outside and never reported: wedged",
+    "swarm-7052.yaml": "a member that learned of its view by HINT ignored that view's INSTALL: joining forever",
     "swarm-8935.yaml": "after a total outage the start was durable only at an excluded member: positions reused "
                        "(agreement violation)",
 }
