@@ -85,7 +85,8 @@ class NodeBase:
         self._reads: list[ReadRequest] = []
         self._hard_dirty = hard_state is not None  # a new incarnation must be persisted
         self._outstanding: Ready | None = None
-        self.stats = {"delivered": 0, "deduplicated": 0, "resubmitted": 0, "bad_messages": 0, "submitted": 0}
+        self.stats = {"delivered": 0, "deduplicated": 0, "resubmitted": 0, "bad_messages": 0, "submitted": 0,
+                      "delivered_batches": 0}
         self.status = "active"
 
     # ------------------------------------------------------------------ inputs
@@ -209,6 +210,7 @@ class NodeBase:
         self._log_len += d.count
         self.next_seq = d.end_seq
         self.stats["delivered"] += d.count
+        self.stats["delivered_batches"] += len(d.batches)
         keep = self.cfg.log_retention
         log = self._log
         while log and self._log_len - log[0].count >= keep and log[0].end_seq <= self.durable_seq:

@@ -166,6 +166,22 @@ class Batch:
         return Batch(self.origin, self.partition, self.first_offset + start, stop - start, self.data[lo:hi],
                      self.lengths[4 * start : 4 * stop], self.timestamps[8 * start : 8 * stop])
 
+    @classmethod
+    def join(cls, parts: Sequence["Batch"]) -> "Batch":
+        """Consecutive batches of one origin partition (each starting where the
+        one before ends) as one batch."""
+        b0 = parts[0]
+        if len(parts) == 1:
+            return b0
+        end = b0.first_offset
+        for b in parts:
+            if b.origin != b0.origin or b.partition != b0.partition or b.first_offset != end:
+                raise LocalProtocolError("joined batches are a contiguous run of one origin partition")
+            end += b.count
+        return cls(b0.origin, b0.partition, b0.first_offset, end - b0.first_offset,
+                   b"".join([b.data for b in parts]), b"".join([b.lengths for b in parts]),
+                   b"".join([b.timestamps for b in parts]))
+
     def after(self, watermark: int) -> "Batch | None":
         """The part of this batch above `watermark` (an origin offset), or None."""
         if self.first_offset > watermark:
@@ -231,6 +247,27 @@ def batches_from_events(events: Iterable[Event]) -> list[Batch]:
     if run:
         out.append(Batch.from_events(run))
     return out
+
+
+def coalesce(batches: Sequence[Batch]) -> list[Batch]:
+    """Fewer, larger batches with the same records: the runs of each origin
+    partition joined where they are contiguous.  Each partition's records keep
+    their order; partitions come in the order of their first batch."""
+    runs: dict[tuple[str, int], list[list[Batch]]] = {}
+    for b in batches:
+        k = (b.origin, b.partition)
+        r = runs.get(k)
+        if r is None:
+            runs[k] = [[b]]
+        else:
+            last = r[-1][-1]
+            if last.first_offset + last.count == b.first_offset:
+                r[-1].append(b)
+            else:
+                r.append([b])
+    if len(runs) == len(batches):
+        return list(batches)
+    return [Batch.join(run) for rs in runs.values() for run in rs]
 
 
 def read_positions(batches: Iterable[Batch], start: int, stop: int, pos: int = 0) -> list[Batch]:

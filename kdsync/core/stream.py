@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kdsync.core.batch import Batch
+from kdsync.core.batch import Batch, coalesce
 from kdsync.core.types import View
 
 Slot = tuple[Batch, ...]
@@ -238,7 +238,9 @@ class Stream:
 
 def _take(pending: list[Batch], max_batch: int) -> Slot:
     """Pop whole batches off the front of `pending`, up to max_batch records
-    (at least one batch)."""
+    (at least one batch), runs of one origin partition joined (a busy sender's
+    slot then carries a few large batches, not many small ones: every receiver
+    decodes, delivers and writes per batch)."""
     if not pending:
         return NULL
     n = 0
@@ -248,6 +250,6 @@ def _take(pending: list[Batch], max_batch: int) -> Slot:
             break
         n += b.count
         i += 1
-    s = tuple(pending[:i])
+    s = tuple(coalesce(pending[:i])) if i > 1 else (pending[0],)
     del pending[:i]
     return s

@@ -318,3 +318,30 @@ def test_a_view_nobody_holds_data_of_starts_after_every_delivered_position():
     prop = node._new_proposal(["a", "b", "c"], reps)
     assert prop.base_seq == 8 and prop.source == "b"
     assert prop.trim == (0, 0, 0)
+
+
+def test_a_slot_joins_the_contiguous_runs_of_each_partition():
+    """A busy sender's pending batches go out as one batch per contiguous run
+    of an origin partition: fewer, larger batches, the same records in each
+    partition's order, exactly once (a gap in offsets is not joined over)."""
+    from kdsync.core.batch import coalesce
+
+    p0 = [Batch.of("a", 0, o, [b"p0-%d" % o]) for o in (0, 1, 2, 7, 8)]  # a gap after 2
+    p1 = [Batch.of("a", 1, o, [b"p1-%d" % o]) for o in range(4)]
+    mixed = [b for pair in zip(p0, p1) for b in pair] + p0[4:]
+    joined = coalesce(mixed)
+    assert [(b.partition, b.first_offset, b.count) for b in joined] == [(0, 0, 3), (0, 7, 2), (1, 0, 4)]
+    assert [e.payload for b in joined for e in b.events()] == [b.payloads()[0] for b in p0 + p1]
+    with pytest.raises(LocalProtocolError):
+        Batch.join([p0[0], p0[3]])
+
+    net = formed()
+    net.node("a").submit(mixed)
+    net.stabilize()
+    for i in "abc":
+        got = net.topic(i)
+        assert [(e.partition, e.offset) for e in got if e.partition == 0] == [(0, o) for o in (0, 1, 2, 7, 8)]
+        assert [(e.partition, e.offset) for e in got if e.partition == 1] == [(1, o) for o in range(4)]
+        assert net.node(i).stats["delivered"] == 9
+        assert net.node(i).stats["delivered_batches"] == 3
+    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for b in mixed for e in b.events()})
