@@ -192,6 +192,12 @@ class Message:
         return f"{type(self).__name__}({self.sender}#{self.inc}, {body})"
 
 
+_RECENT: dict = {}  # bytes -> (codec kind, message, bytes): the last decodes, oldest first
+_RECENT_BYTES = 8 << 20  # at most this much wire data remembered (and about as much decoded)
+_recent_bytes = 0
+_KINDS: dict = {}
+
+
 class Codec:
     """Decoding for one protocol variant: its message classes and member ids."""
 
@@ -199,10 +205,36 @@ class Codec:
         self.table = {c.TYPE: c for c in classes}
         if len(self.table) != len(classes):
             raise ValueError("two message classes share a type code")
-        self.member_ids = frozenset(member_ids)
+        self.member_ids = ids = frozenset(member_ids)
+        # codecs of the same messages and members share decodes: one token each, compared by identity
+        self._kind = _KINDS.setdefault((ids, tuple(classes)), object())
 
     def decode(self, data, arrived_from: str | None = None) -> Message:
-        """Bytes → a message object.  Raises RemoteProtocolError."""
+        """Bytes → a message object.  Raises RemoteProtocolError.
+
+        Messages are immutable, so the same bytes arriving again (a broadcast
+        in the simulator reaches every node as one object; a retransmission)
+        give the message decoded the last time, for codecs of the same messages
+        and members."""
+        if type(data) is not bytes:
+            return self._decode(data, arrived_from)
+        hit = _RECENT.get(data)
+        if hit is not None:
+            if hit[0] is not self._kind:  # another kind of codec: decode it here, remember the first
+                return self._decode(data, arrived_from)
+            msg = hit[1]
+            if arrived_from is not None and msg.sender != arrived_from:
+                raise RemoteProtocolError(f"message claims to be from {msg.sender!r}, arrived from {arrived_from!r}")
+            return msg
+        msg = self._decode(data, arrived_from)
+        global _recent_bytes
+        _recent_bytes += len(data)
+        while _recent_bytes > _RECENT_BYTES and _RECENT:
+            _recent_bytes -= len(_RECENT.pop(next(iter(_RECENT)))[2])
+        _RECENT[data] = (self._kind, msg, data)
+        return msg
+
+    def _decode(self, data, arrived_from: str | None) -> Message:
         raw = unpack_raw(data)
         if type(raw) is not list or len(raw) < 3:
             raise RemoteProtocolError("message is not an array of at least 3 items")

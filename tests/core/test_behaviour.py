@@ -345,3 +345,26 @@ def test_a_slot_joins_the_contiguous_runs_of_each_partition():
         assert net.node(i).stats["delivered"] == 9
         assert net.node(i).stats["delivered_batches"] == 3
     assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for b in mixed for e in b.events()})
+
+
+def test_the_same_bytes_decode_once_and_every_check_still_holds():
+    """A broadcast reaches every simulated node as one bytes object: the codec
+    hands out the message it decoded (messages are immutable) — but only to a
+    codec of the same messages and members, and the sender check still runs."""
+    from kdsync.core.messages import DERECHO_MESSAGES, SEQUENCER_MESSAGES, Ack, Codec, Forward
+
+    a, b = Codec(DERECHO_MESSAGES, "abc"), Codec(DERECHO_MESSAGES, "cba")
+    data = Ack("a", 1, 3, (1, 2, 3), ("b",), 0, False).encode()
+    m = a.decode(data, "a")
+    assert b.decode(bytes(bytearray(data)), "a") is m  # equal bytes, another object: the same message
+    with pytest.raises(RemoteProtocolError, match="claims to be from"):
+        b.decode(data, "b")
+    with pytest.raises(RemoteProtocolError, match="unknown member"):
+        Codec(DERECHO_MESSAGES, "ab").decode(Ack("c", 1, 3, (1, 2), (), 0, False).encode())
+    other = Codec(DERECHO_MESSAGES, "xyz")  # another group: decodes itself, its own member check
+    with pytest.raises(RemoteProtocolError, match="unknown member"):
+        other.decode(data)
+    fwd = Forward("a", 1, 3, 0, 0, (Batch.of("a", 0, 0, [b"x"]),)).encode()
+    assert Codec(SEQUENCER_MESSAGES, "abc").decode(fwd).batches[0].payloads() == [b"x"]
+    with pytest.raises(RemoteProtocolError, match="unknown message type"):
+        a.decode(fwd)  # the derecho codec never takes a sequencer-only message from the cache
