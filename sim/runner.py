@@ -22,6 +22,7 @@ so the same scenario and seed give the same run, byte for byte.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from bisect import bisect_right
@@ -63,6 +64,16 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
     message).
     """
     base = NodeConfig(member_id=member_id, members=s.member_ids)
+    if s.timing is not None:  # the real member's timers, counted in its ticks (kdsync/config.py ticks())
+        t = s.timing.resolved()
+
+        def ticks(ms: float) -> int:
+            return max(1, round(ms / t["tick_ms"]))
+
+        return NodeConfig(member_id=member_id, members=s.member_ids,
+                          roles={m.id: m.role for m in s.members if m.role == "witness"}, protocol=s.protocol,
+                          suspect_ticks=ticks(t["suspect_ms"]), heartbeat_ticks=ticks(t["heartbeat_ms"]),
+                          retransmit_ticks=ticks(t["retransmit_ms"]))
     worst_ms = s.network.default.latency_ms or 1.0
     worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
     for o in s.network.links:
@@ -191,6 +202,13 @@ class Simulation:
         self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.max_inflight = scenario.kafka.max_inflight
+        k = scenario.kafka
+        self.sink_linger_s = k.sink_linger_ms / 1000.0
+        self.sink_extra_s = k.ack_ms / 1000.0
+        self.fetch_wait_s = k.fetch_wait_ms / 1000.0  # 0: no fetch model (visible consume_ms after the ack)
+        self.fetch_overhead_s = k.fetch_overhead_ms / 1000.0
+        self.fetch_check_s = self.fetch_wait_s if k.fetch_check_ms is None else k.fetch_check_ms / 1000.0
+        self.tick_s = scenario.timing.resolved()["tick_ms"] / 1000.0 if scenario.timing is not None else TICK_S
         self.node_factory = node_factory or make_node
         self.shards = k = scenario.shards
         self.checkers = [Checker(scenario.member_ids, s, k) for s in range(k)]  # one per shard (ordering group)
@@ -336,8 +354,9 @@ class Simulation:
         c = self.clusters[origin]
         nodes = self.site_nodes[origin]
         k = self.shards
-        lag = self.produce_s + self.consume_s
-        wake = self.poll_s <= 0.0
+        fetching = self.fetch_wait_s > 0.0  # the fetch loops (_fetch) hand batches over
+        lag = self.produce_s + (0.0 if fetching else self.consume_s)
+        wake = self.poll_s <= 0.0 and not fetching
         for block, ws in enumerate(writes(self.scenario, self.seed, origin, WORKLOAD_BLOCK_S)):
             last_vis: dict[int, float] = {}
             for w in ws:
@@ -357,6 +376,36 @@ class Simulation:
     def acknowledged(self) -> int:
         """Records every source cluster acknowledged so far."""
         return sum(c.acknowledged() for c in self.clusters.values())
+
+    # ---------------------------------------------------------- fetch loops
+    def _fetch(self, m: SimMember) -> None:
+        """kafka.fetch_wait_ms > 0: one fetch of member `m`'s consumer reaches the
+        broker now.  Data already there: the response leaves at once.  Nothing
+        new: the broker holds it, looking every fetch_check_s, and answers at the
+        first look that finds data or at fetch_wait_s.  The response (snapshot at
+        that instant) reaches the member fetch_overhead_s later, and the next
+        fetch goes out then (librdkafka keeps one fetch outstanding per broker)."""
+        now = self.env.now
+        last = m.fetched_upto
+        c = m.cluster
+        parts = c.source[m.shard::self.shards] if c is not None else []
+        first = min((p.next_ack_after(last) for p in parts), default=float("inf"))
+        wait, check = self.fetch_wait_s, self.fetch_check_s
+        if first <= now + 1e-12:
+            answer = now
+        elif first >= now + wait:
+            answer = now + wait
+        elif check <= 0.0:
+            answer = first
+        else:
+            answer = min(now + wait, now + check * math.ceil((first - now) / check - 1e-9))
+        m.fetched_upto = answer
+        self.after(answer - now + self.fetch_overhead_s, self._fetched, (m, answer))
+
+    def _fetched(self, arg) -> None:
+        m, horizon = arg
+        m.poll(horizon)
+        self._fetch(m)
 
     def _poller(self, ev) -> None:
         """kafka.poll_ms > 0: each member's consume loop hands over a batch every poll_ms."""
@@ -412,7 +461,7 @@ class Simulation:
     # ---------------------------------------------------------------- ticks
     def _tick(self, ev) -> None:
         m = ev.value
-        Timeout(self.env, TICK_S, m).callbacks.append(self._tick)
+        Timeout(self.env, self.tick_s, m).callbacks.append(self._tick)
         m.on_tick()
 
     # ------------------------------------------------------------------ run
@@ -445,8 +494,10 @@ class Simulation:
         phase_rng = random.Random(f"{self.seed}/tick-phase")
         for m in self.order:
             m.start()
-            phase = phase_rng.random() * TICK_S
+            phase = phase_rng.random() * self.tick_s
             Timeout(self.env, phase, m).callbacks.append(self._tick)
+            if self.fetch_wait_s > 0.0 and m.cluster is not None:
+                self._fetch(m)
             if self.poll_s > 0.0 and m.cluster is not None:
                 Timeout(self.env, phase + self.poll_s, m).callbacks.append(self._poller)
         self._setup_workload()
@@ -454,7 +505,7 @@ class Simulation:
         self.env.process(self._settle())
         if stop_when_settled:
             self.env.process(self._watch_settle())
-        step = max(self.end_s / 200.0, TICK_S) if progress else 0.5
+        step = max(self.end_s / 200.0, self.tick_s) if progress else 0.5
         t = 0.0
         while t < self.end_s:
             t = min(self.end_s, t + step)
@@ -464,6 +515,30 @@ class Simulation:
             t = self.env.now  # the settle watcher may have stopped the run early
 
     # ------------------------------------------------------------- results
+    def created_latencies(self) -> list[float]:
+        """Per record, every cluster: whole ms from its CreateTime in the source
+        topic to the CreateTime of its copy in a global topic (the instant the
+        member handed it to its producer) — what the real bench measures
+        (global record timestamp - kdsync.origin.ts).  The records of a producer
+        batch were created evenly over the kafka.linger_ms before it was sent."""
+        import numpy as np
+
+        linger = self.scenario.kafka.linger_ms / 1000.0
+        handed, sent, counts = [], [], []
+        for t in (t for c in self.clusters.values() for t in c.topics):
+            for b, h in zip(t.batches, t.handed):
+                ack = _ack_time(self.clusters, b)
+                if ack == ack:  # not NaN
+                    handed.append(h)
+                    sent.append(ack - self.produce_s)
+                    counts.append(b.count)
+        if not counts:
+            return []
+        k = np.asarray(counts)
+        idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # index of each record in its batch
+        created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
+        return (np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0)).tolist()
+
     def latencies(self) -> list[tuple[float, int]]:
         """(latency ms, records) per delivered batch, every cluster."""
         out: list[tuple[float, int]] = []
@@ -574,7 +649,8 @@ def run_scenario(
         # extensions (docs/outputs.md: keys are only ever added)
         "violation_counts": counts,
         "exit_code": 1 if failing else 0,
-        "tick_ms": TICK_S * 1000,
+        "tick_ms": sim.tick_s * 1000,
+        "latency_created_ms": _created_summary(sim),
         "network": {
             "messages": sim.network.sent,
             "dropped": sim.network.dropped,
@@ -586,6 +662,17 @@ def run_scenario(
         "shards": k,
     }
     return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", sim.clusters, k))
+
+
+def _created_summary(sim: Simulation) -> dict:
+    import numpy as np
+
+    xs = sim.created_latencies()
+    if not xs:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+    a = np.asarray(xs)
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p90": round(float(np.percentile(a, 90)), 3),
+            "p99": round(float(np.percentile(a, 99)), 3), "max": round(float(a.max()), 3)}
 
 
 def _site_state(nodes: list[SimMember]) -> dict:

@@ -66,6 +66,22 @@ class KafkaSpec(_Strict):
     # extension: the consumer pauses while this many consumed records are not
     # yet durable in the member's global topic (the real member's back-pressure)
     max_inflight: int = Field(default=50_000, ge=1, le=100_000_000)
+    # extension (testbed fidelity): the member's source consumer as librdkafka's
+    # fetch loop.  0 = off (a batch reaches the member consume_ms after it was
+    # acknowledged).  > 0: one fetch outstanding per member; a fetch that finds
+    # nothing new is held by the broker for fetch_wait_ms (fetch.wait.max.ms),
+    # then the next one goes out; each response takes fetch_overhead_ms more
+    fetch_wait_ms: float = Field(default=0.0, ge=0, le=60_000)
+    fetch_overhead_ms: float = Field(default=0.0, ge=0, le=60_000)
+    # extension: while it holds an idle fetch the broker looks for new data every
+    # fetch_check_ms and answers at the first look that finds some (0: at once;
+    # not given: never before fetch_wait_ms, a broker without early wake-up)
+    fetch_check_ms: float | None = Field(default=None, ge=0, le=60_000)
+    # extension: the member's global-topic producer: a batch opens with the
+    # first delivery and leaves sink_linger_ms later (linger.ms); it is durable
+    # produce_ms + ack_ms after it left (broker append, then acks=all replication)
+    sink_linger_ms: float = Field(default=0.0, ge=0, le=10_000)
+    ack_ms: float = Field(default=0.0, ge=0, le=60_000)
 
 
 class WorkloadSpec(_Strict):
@@ -137,9 +153,30 @@ class MemberCostSpec(_Strict):
     event_us: float = Field(default=0.0, ge=0, le=1e6)  # per record submitted or delivered
     ready_us: float = Field(default=0.0, ge=0, le=1e6)  # per Ready handshake (one loop iteration)
     cores: int = Field(default=1, ge=1, le=1024)  # of each site, shared by its shards' nodes
+    tick_us: float = Field(default=0.0, ge=0, le=1e6)  # per tick (timers, idle loop work), extension
 
     def costs_anything(self) -> bool:
-        return bool(self.message_us or self.event_us or self.ready_us)
+        return bool(self.message_us or self.event_us or self.ready_us or self.tick_us)
+
+
+class TimingSpec(_Strict):
+    """The member's timers as in kdsync run's [protocol] (extension).  With this
+    key the simulated node ticks every tick_ms and counts its timeouts in ticks
+    exactly like the real member (round(ms / tick_ms), at least 1); a key left
+    out takes kdsync's default (kdsync/config.py)."""
+
+    tick_ms: float | None = Field(default=None, gt=0, le=10_000)
+    heartbeat_ms: float | None = Field(default=None, gt=0, le=600_000)
+    suspect_ms: float | None = Field(default=None, gt=0, le=600_000)
+    retransmit_ms: float | None = Field(default=None, gt=0, le=600_000)
+
+    def resolved(self) -> dict[str, float]:
+        """Every timer in ms, kdsync's defaults for those not given."""
+        from kdsync.config import ProtocolSection
+
+        d = ProtocolSection()
+        return {k: (getattr(self, k) if getattr(self, k) is not None else getattr(d, k))
+                for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}
 
 
 class ExpectSpec(_Strict):
@@ -160,6 +197,7 @@ class Scenario(_Strict):
     faults: list[FaultSpec] = []
     expect: ExpectSpec = ExpectSpec()
     member_cost: MemberCostSpec | None = None
+    timing: TimingSpec | None = None  # extension: the real member's timers (default: the simulator's own)
     shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
 
     @property
