@@ -198,6 +198,7 @@ class Scenario(_Strict):
     expect: ExpectSpec = ExpectSpec()
     member_cost: MemberCostSpec | None = None
     timing: TimingSpec | None = None  # extension: the real member's timers (default: the simulator's own)
+    profile: str | None = None  # extension: the calibration profile merged in (parse_scenario)
     shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
 
     @property
@@ -283,6 +284,11 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"{source}:1: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ScenarioError(f"{source}:1: a scenario is a mapping (name, duration_s, members, ...)")
+    if "profile" in data:
+        try:
+            data = _with_profile(data, source)
+        except _LoadError as err:
+            raise ScenarioError(f"{source}:{_line_of(('profile',), lines)}: profile: {err}") from None
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as err:
@@ -302,6 +308,35 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         path, what = problem
         raise ScenarioError(f"{source}:{_line_of(path, lines)}: {_dotted(path)}: {what}")
     return scenario
+
+
+PROFILE_SECTIONS = ("kafka", "member_cost", "timing")
+
+
+def _with_profile(data: dict, source: str) -> dict:
+    """`data` with the calibration profile it names merged under its own keys."""
+    name = data["profile"]
+    if not isinstance(name, str) or not name:
+        raise _LoadError(1, "give the path of a calibration profile (kdsync-sim calibrate writes one)")
+    path = Path(name)
+    if not path.is_absolute():
+        near = Path(source).parent / path
+        path = near if near.exists() else path
+    try:
+        prof = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _LoadError(1, f"no such calibration profile {name!r} (kdsync-sim calibrate writes one)") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise _LoadError(1, f"cannot read calibration profile {name!r} ({err.__class__.__name__})") from None
+    if not isinstance(prof, dict) or not any(k in prof for k in PROFILE_SECTIONS):
+        raise _LoadError(1, f"{name!r} is not a calibration profile (no {', '.join(PROFILE_SECTIONS)} section)")
+    out = dict(data)
+    for sec in PROFILE_SECTIONS:
+        given = prof.get(sec)
+        if isinstance(given, dict):
+            own = data.get(sec)
+            out[sec] = {**given, **(own if isinstance(own, dict) else {})}
+    return out
 
 
 def _cross_check(s: Scenario) -> tuple[tuple, str] | None:
