@@ -71,6 +71,7 @@ from kdsync.kafka.reader import GlobalReader, load_start
 from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.logs import KafkaClientLog, kv
+from kdsync.profiling import profiler
 from kdsync.state import HardStateFile
 from kdsync.transport.channels import frame_channel, split_channel
 
@@ -146,6 +147,14 @@ class Member:
     # ------------------------------------------------------------ start
     async def run(self) -> int:
         """Run until SIGINT/SIGTERM or a fatal error; return 0 or 1."""
+        prof = profiler(f"{self.me}-loop")
+        try:
+            return await self._run()
+        finally:
+            if prof is not None:
+                prof()
+
+    async def _run(self) -> int:
         self.loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self._on_signal, sig)

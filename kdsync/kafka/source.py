@@ -28,6 +28,7 @@ from typing import Callable
 from kdsync.core import Event
 from kdsync.kafka.records import event_from_source
 from kdsync.logs import kv
+from kdsync.profiling import profiler
 
 __all__ = ["MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
 
@@ -112,6 +113,14 @@ class SourceConsumer:
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
+        prof = profiler(f"{self.origin}-consumer")
+        try:
+            self._consume()
+        finally:
+            if prof is not None:
+                prof()
+
+    def _consume(self) -> None:
         from confluent_kafka import Consumer
 
         c = Consumer(self.conf)
