@@ -208,6 +208,7 @@ class Simulation:
         self.fetch_wait_s = k.fetch_wait_ms / 1000.0  # 0: no fetch model (visible consume_ms after the ack)
         self.fetch_overhead_s = k.fetch_overhead_ms / 1000.0
         self.fetch_check_s = self.fetch_wait_s if k.fetch_check_ms is None else k.fetch_check_ms / 1000.0
+        self.written_until: dict[str, float] = {}  # per cluster: its source topic is written up to then
         self.tick_s = scenario.timing.resolved()["tick_ms"] / 1000.0 if scenario.timing is not None else TICK_S
         self.node_factory = node_factory or make_node
         self.shards = k = scenario.shards
@@ -358,6 +359,7 @@ class Simulation:
         lag = self.produce_s + (0.0 if fetching else self.consume_s)
         wake = self.poll_s <= 0.0 and not fetching
         for block, ws in enumerate(writes(self.scenario, self.seed, origin, WORKLOAD_BLOCK_S)):
+            self.written_until[origin] = (block + 1) * WORKLOAD_BLOCK_S
             last_vis: dict[int, float] = {}
             for w in ws:
                 part = c.source[w.partition]
@@ -372,13 +374,14 @@ class Simulation:
             nxt = (block + 1) * WORKLOAD_BLOCK_S
             if nxt > env.now:
                 yield env.timeout(nxt - env.now)
+        self.written_until[origin] = math.inf
 
     def acknowledged(self) -> int:
         """Records every source cluster acknowledged so far."""
         return sum(c.acknowledged() for c in self.clusters.values())
 
     # ---------------------------------------------------------- fetch loops
-    def _fetch(self, m: SimMember) -> None:
+    def _fetch(self, m: SimMember, issued: float | None = None) -> None:
         """kafka.fetch_wait_ms > 0: one fetch of member `m`'s consumer reaches the
         broker now.  Data already there: the response leaves at once.  Nothing
         new: the broker holds it, looking every fetch_check_s, and answers at the
@@ -386,11 +389,28 @@ class Simulation:
         that instant) reaches the member fetch_overhead_s later, and the next
         fetch goes out then (librdkafka keeps one fetch outstanding per broker)."""
         now = self.env.now
+        issued = now if issued is None else issued  # a held fetch looked at again (below)
         last = m.fetched_upto
         c = m.cluster
         parts = c.source[m.shard::self.shards] if c is not None else []
         first = min((p.next_ack_after(last) for p in parts), default=float("inf"))
         wait, check = self.fetch_wait_s, self.fetch_check_s
+        known = self.written_until.get(m.id, math.inf)  # the workload is written this far ahead
+        if first > known and issued + wait > known:
+            # what arrives after `known` is not written yet: look again once it is
+            self.after(known - now, self._fetch_again, (m, issued))
+            return
+        answer = self._answer(issued, first, wait, check)
+        m.fetched_upto = answer
+        self.after(answer - now + self.fetch_overhead_s, self._fetched, (m, answer))
+
+    def _fetch_again(self, arg) -> None:
+        self._fetch(*arg)
+
+    @staticmethod
+    def _answer(now: float, first: float, wait: float, check: float) -> float:
+        """When the broker answers a fetch that reached it at `now`, the first
+        new batch being acknowledged at `first`."""
         if first <= now + 1e-12:
             answer = now
         elif first >= now + wait:
@@ -399,8 +419,7 @@ class Simulation:
             answer = first
         else:
             answer = min(now + wait, now + check * math.ceil((first - now) / check - 1e-9))
-        m.fetched_upto = answer
-        self.after(answer - now + self.fetch_overhead_s, self._fetched, (m, answer))
+        return answer
 
     def _fetched(self, arg) -> None:
         m, horizon = arg
@@ -496,11 +515,13 @@ class Simulation:
             m.start()
             phase = phase_rng.random() * self.tick_s
             Timeout(self.env, phase, m).callbacks.append(self._tick)
-            if self.fetch_wait_s > 0.0 and m.cluster is not None:
-                self._fetch(m)
             if self.poll_s > 0.0 and m.cluster is not None:
                 Timeout(self.env, phase + self.poll_s, m).callbacks.append(self._poller)
         self._setup_workload()
+        if self.fetch_wait_s > 0.0:  # the first fetches, once the producers wrote their first block
+            for m in self.order:
+                if m.cluster is not None:
+                    self.after(0.0, self._fetch_again, (m, 0.0))
         self.env.process(self._faults())
         self.env.process(self._settle())
         if stop_when_settled:

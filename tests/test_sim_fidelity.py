@@ -1,0 +1,186 @@
+"""Testbed fidelity models of the simulator: the consumer's fetch loop, the
+member's producer (linger + acks), the real member's timers, per-tick CPU,
+calibration profiles, and the calibration fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.calibrate import fit_costs, nnls
+from sim.runner import Simulation, node_config, run_scenario
+from sim.scenario import ScenarioError, parse_scenario
+
+
+def _scn(kafka: str = "", extra: str = "", workload: str = "[{member: dc1, burst: 10, at_s: 1.0}]",
+         members: str = "[{id: dc1}, {id: dc2}, {id: dc3}]") -> str:
+    return f"""
+name: fid
+duration_s: 2
+settle_s: 2
+members: {members}
+network: {{default: {{latency_ms: 0}}}}
+kafka: {{produce_ms: 2, consume_ms: 0{kafka}}}
+workload: {workload}
+{extra}
+"""
+
+
+def _p50(text: str) -> float:
+    r = run_scenario(parse_scenario(text))
+    assert r.failing == [], [v.detail for v in r.failing]
+    return r.summary["latency_ms"]["p50"]
+
+
+def test_fetch_wait_without_early_wake_holds_records_until_the_fetch_ends():
+    base = _p50(_scn())
+    # fetches go out at t = 0, 0.02, 0.04, ...: the burst acknowledged at 1.002
+    # waits for the fetch that ends at 1.02
+    held = _p50(_scn(", fetch_wait_ms: 20"))
+    assert held - base == pytest.approx(18.0, abs=0.01)
+    # a broker that wakes the held fetch at once on data: no wait at all
+    assert _p50(_scn(", fetch_wait_ms: 20, fetch_check_ms: 0")) == pytest.approx(base, abs=0.01)
+    # looks every 5 ms: answered at 1.005
+    assert _p50(_scn(", fetch_wait_ms: 20, fetch_check_ms: 5")) - base == pytest.approx(3.0, abs=0.01)
+    # with 1.5 ms per response the fetches go out every 21.5 ms: the one of 0.989
+    # looks at 0.994, 0.999, 1.004 and its answer arrives at 1.0055
+    assert _p50(_scn(", fetch_wait_ms: 20, fetch_check_ms: 5, fetch_overhead_ms: 1.5")) - base == \
+        pytest.approx(3.5, abs=0.01)
+
+
+def test_fetch_loop_keeps_every_record_under_steady_load():
+    r = run_scenario(parse_scenario(_scn(", fetch_wait_ms: 5, fetch_overhead_ms: 0.5, fetch_check_ms: 1",
+                                         workload="[{member: all, rate_eps: 300, partitions: 2}]")))
+    assert r.failing == []
+    assert all(n == r.summary["events_submitted"] > 1000 for n in r.summary["events_delivered"].values())
+    assert r.summary["latency_ms"]["max"] < 20
+
+
+def test_member_producer_linger_and_acks_delay_durability_not_the_hand_over():
+    base = run_scenario(parse_scenario(_scn()))
+    slow = run_scenario(parse_scenario(_scn(", sink_linger_ms: 3, ack_ms: 4")))
+    assert slow.summary["latency_ms"]["p50"] - base.summary["latency_ms"]["p50"] == pytest.approx(7.0, abs=0.01)
+    # the records' CreateTime in the global topic is when they were handed over: unchanged
+    assert slow.summary["latency_created_ms"] == base.summary["latency_created_ms"]
+
+
+def test_member_producer_batches_what_it_is_handed_while_it_lingers():
+    text = _scn(", sink_linger_ms: 4", workload="[{member: dc1, burst: 5, at_s: 1.0}, {member: dc2, burst: 5, at_s: 1.001}]",
+                extra="member_cost: {event_us: 100}")
+    sim = Simulation(parse_scenario(text), 0)
+    sim.run()
+    t = sim.clusters["dc3"].topic
+    assert t.length == 10
+    handed = sorted(set(t.handed))
+    assert len(handed) >= 2  # two hand-overs (one per origin's slot) ...
+    assert len(set(t.ts)) == 1  # ... one producer batch: durable together
+    assert t.ts[0] == pytest.approx(handed[0] + 0.004 + 0.002)
+
+
+def test_timing_counts_the_real_members_timers_in_its_ticks():
+    s = parse_scenario(_scn(extra="timing: {}"))
+    cfg = node_config(s, "dc1")  # kdsync defaults: tick 10, heartbeat 20, suspect 500, retransmit 50
+    assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == (2, 50, 5)
+    s = parse_scenario(_scn(extra="timing: {tick_ms: 5, suspect_ms: 300, retransmit_ms: 32}"))
+    cfg = node_config(s, "dc1")
+    assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == (4, 60, 6)
+    assert Simulation(s, 0).tick_s == 0.005
+
+
+def test_ticks_fall_on_the_members_tick_boundaries():
+    from kdsync.core import make_node
+
+    times: dict[str, list[float]] = {}
+    sims: list[Simulation] = []
+
+    def factory(config, **kw):
+        node = make_node(config, **kw)
+        real = node.tick
+
+        def tick():
+            times.setdefault(config.member_id, []).append(sims[0].now)
+            real()
+
+        node.tick = tick
+        return node
+
+    sim = Simulation(parse_scenario(_scn(extra="timing: {tick_ms: 25}")), 3, factory)
+    sims.append(sim)
+    sim.run()
+    for ts in times.values():
+        gaps = np.diff(ts)
+        assert len(ts) > 100 and np.allclose(gaps, 0.025)
+
+
+def test_retransmission_waits_for_the_timer_in_ticks():
+    # lost messages are only resent by a tick's timer: a long retransmit_ms shows in the tail
+    def p99(retransmit: int) -> float:
+        text = _scn(workload="[{member: all, rate_eps: 200}]",
+                    extra=f"timing: {{tick_ms: 10, retransmit_ms: {retransmit}, suspect_ms: 5000}}")
+        text = text.replace("latency_ms: 0}", "latency_ms: 1, loss: 0.05}")
+        r = run_scenario(parse_scenario(text))
+        assert r.failing == []
+        return r.summary["latency_ms"]["p99"]
+
+    assert p99(400) > p99(20) + 100
+
+
+def test_tick_cost_is_charged_once_per_tick():
+    text = _scn(workload="[]", extra="timing: {tick_ms: 10}\nmember_cost: {tick_us: 1000}")
+    sim = Simulation(parse_scenario(text), 0)
+    sim.run()
+    for m in sim.order:  # 4 s of ticks every 10 ms, 1 ms each (plus a few heartbeats, free)
+        assert m.cpu_s == pytest.approx(0.4, abs=0.003)
+
+
+def test_profile_fills_what_the_scenario_does_not_give(tmp_path):
+    prof = tmp_path / "cal.yaml"
+    prof.write_text("kafka: {produce_ms: 1.5, fetch_wait_ms: 5}\nmember_cost: {event_us: 80, tick_us: 20}\n"
+                    "timing: {tick_ms: 10}\ncalibration: {when: now}\n")
+    scn = tmp_path / "s.yaml"
+    scn.write_text(_scn(", fetch_overhead_ms: 0.7", extra="profile: cal.yaml\nmember_cost: {event_us: 50}"))
+    from sim.scenario import load_scenario
+
+    s = load_scenario(scn)
+    assert (s.kafka.produce_ms, s.kafka.fetch_wait_ms, s.kafka.fetch_overhead_ms) == (2.0, 5.0, 0.7)  # own keys win
+    assert (s.member_cost.event_us, s.member_cost.tick_us) == (50, 20)
+    assert s.timing.tick_ms == 10
+
+
+def test_profile_errors_are_one_line_naming_the_key(tmp_path):
+    scn = tmp_path / "s.yaml"
+    scn.write_text(_scn(extra="profile: nowhere.yaml"))
+    from sim.scenario import load_scenario
+
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(scn)
+    msg = str(e.value)
+    assert "\n" not in msg and ":9: profile: no such calibration profile 'nowhere.yaml'" in msg
+    with pytest.raises(ScenarioError, match=r"kafka.fetch_wait_ms: Input should be greater than or equal to 0"):
+        parse_scenario(_scn(", fetch_wait_ms: -1"))
+
+
+# ------------------------------------------------------------ the calibration fit
+def test_calibration_fit_recovers_known_costs_from_noisy_rows():
+    rng = np.random.default_rng(7)
+    true = {"message_us": 40.0, "event_us": 120.0, "tick_us": 300.0}
+    rows = []
+    for rate in (0, 100, 300, 1000):
+        for _ in range(3):
+            secs = 6.0
+            events = rate * secs * rng.uniform(0.9, 1.1) * 4 / 3
+            frames = 200 * secs + rate * secs * 1.8 * rng.uniform(0.8, 1.2)
+            ticks = secs / 0.01
+            cpu = (true["message_us"] * frames + true["event_us"] * events + true["tick_us"] * ticks) / 1e6
+            rows.append({"cpu_s": cpu * rng.uniform(0.97, 1.03), "frames": frames, "events": events, "ticks": ticks})
+    fit = fit_costs(rows)
+    for k, v in true.items():
+        assert fit[k] == pytest.approx(v, rel=0.25), (k, fit)
+    assert fit["r2"] > 0.95
+
+
+def test_nnls_never_returns_a_negative_cost():
+    a = np.array([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]])
+    b = np.array([3.0, 2.0, 1.0])  # plain least squares: slope -1, intercept 4
+    x = nnls(a, b)
+    assert (x >= 0).all() and x[0] == 0.0 and x[1] == pytest.approx(2.0)
