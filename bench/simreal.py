@@ -1,0 +1,222 @@
+"""Simulator vs real: the four calibration points of issue 9.
+
+For 3 local clusters at 300 and 1 000 events/s in total, with 10 ms and 25 ms
+one-way delay between members (a `kdsync.testing.delay_proxy.DelayProxy` on
+every directed member link), the real run's p50/p99 (global record timestamp
+− `kdsync.origin.ts`, every paced event in every global topic, kdsync run's
+default configuration, 2 source partitions) next to the simulator's p50/p99
+(`latency_created_ms`: the same definition) for a scenario generated from the
+calibration profile (`kdsync-sim calibrate`).
+
+    python -m bench.simreal [--profile results/calibration.yaml] [--duration 8] [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import Headline, NotMeasured, Section, Table, percentile
+
+POINTS = ((300.0, 10.0), (300.0, 25.0), (1000.0, 10.0), (1000.0, 25.0))  # (total events/s, one-way delay ms)
+LOOPBACK_MS = 0.05  # one way, on top of the proxy's delay
+GOAL = "within ±20 % (0.8-1.2)"
+
+
+def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: str = "derecho",
+               partitions: int = 2, timeout_s: float = 120.0) -> dict:
+    """One real run: 3 embedded Tansu clusters, one kdsync run each (default
+    configuration), every member link through a DelayProxy of `delay_ms`."""
+    import psutil
+
+    from bench.load import _writers
+    from kdsync import demo
+    from kdsync.kafka.topic import ensure_topic
+    from kdsync.testing.delay_proxy import DelayProxy
+
+    clusters = 3
+    proxies: dict[tuple[int, int], DelayProxy] = {}
+    out: dict = {"rate_eps": rate_eps, "delay_ms": delay_ms, "duration_s": duration_s, "protocol": protocol}
+    with tempfile.TemporaryDirectory(prefix="kdsync-simreal-") as d:
+        g = demo.LocalGroup(clusters, Path(d), protocol=protocol, metrics=True,
+                            peer_address=lambda i, j: proxies[(i, j)].address)
+        g.timing = {}  # kdsync run's defaults (the README's minimal configuration)
+        try:
+            with g:
+                for i in range(clusters):
+                    for j in range(clusters):
+                        if i != j:
+                            proxies[(i, j)] = DelayProxy(("127.0.0.1", g.ports[j]), delay_ms).start()
+                for c in g.clusters:
+                    c.start()
+                for i in range(clusters):
+                    ensure_topic(g.bootstrap(i), g.topic, partitions)
+                g.start_members()
+                g.wait_ready(timeout=90)
+                g.wait_for(0, 5)
+                procs = [psutil.Process(p.pid) for p in g.procs]
+                cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
+                load0 = os.getloadavg()[0]
+                t0 = time.monotonic()
+                per = max(1, int(round(rate_eps * duration_s / clusters)))
+                _writers(g, clusters, per, "p", rate_eps / clusters)
+                got = g.wait_for(per * clusters, timeout_s, poll=0.05)
+                t1 = time.monotonic()
+                cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
+                short = {n: len(v) for n, v in got.items() if len(v) < per * clusters}
+                if short:
+                    raise RuntimeError(f"{per * clusters} events not ordered in {timeout_s:.0f} s: {short}")
+                lat = [max(0, r.write_ts - r.origin_ts) for v in got.values() for r in v
+                       if (r.key or b"").startswith(b"p")]
+                out.update({"events": per * clusters, "latency_samples": len(lat),
+                            "p50_ms": percentile(lat, 50), "p90_ms": percentile(lat, 90),
+                            "p99_ms": percentile(lat, 99), "max_ms": max(lat),
+                            "cpu_us_per_event": round(sum(cpu) / clusters / (per * clusters) * 1e6, 1),
+                            "member_cpu_pct": round(100 * sum(cpu) / clusters / max(1e-3, t1 - t0), 1),
+                            "loadavg_1m": round(load0, 2)})
+                if protocol != "mirror":
+                    out["agreement"] = demo.check_agreement(got, expected=per * clusters)[0]
+        finally:
+            for p in proxies.values():
+                p.close()
+    return out
+
+
+def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float,
+                 protocol: str = "derecho", partitions: int = 2) -> dict:
+    """The simulator's half of a point: the calibration profile, 3 members,
+    the proxy's delay on every link, the same paced load."""
+    return {
+        "name": f"simreal-{protocol}-{rate_eps:g}eps-{delay_ms:g}ms", "seed": 1, "protocol": protocol,
+        "profile": str(Path(profile_path).resolve()),
+        "duration_s": duration_s, "settle_s": 5,
+        "members": [{"id": "dc1"}, {"id": "dc2"}, {"id": "dc3"}],
+        "network": {"default": {"latency_ms": delay_ms + LOOPBACK_MS}},
+        "workload": [{"member": "all", "rate_eps": rate_eps / 3, "partitions": partitions, "payload_bytes": 40}],
+    }
+
+
+def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float, workdir: Path,
+              protocol: str = "derecho") -> dict:
+    from sim.runner import run_scenario
+    from sim.scenario import load_scenario
+
+    path = workdir / f"simreal-{rate_eps:g}-{delay_ms:g}.yaml"
+    path.write_text(yaml.safe_dump(scenario_for(profile_path, rate_eps, delay_ms, duration_s, protocol),
+                                   sort_keys=False))
+    r = run_scenario(load_scenario(path))
+    lat = r.summary["latency_created_ms"]
+    return {"p50_ms": lat["p50"], "p90_ms": lat["p90"], "p99_ms": lat["p99"], "max_ms": lat["max"],
+            "events": r.summary["events_submitted"], "violations": len(r.failing), "scenario": str(path)}
+
+
+def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, points=POINTS) -> list[dict]:
+    rows = []
+    for rate, delay in points:
+        say(f"simreal: {rate:g} events/s, {delay:g} ms one way: real run")
+        try:
+            real = real_point(rate, delay, duration_s)
+        except Exception as e:  # one point failing must not hide the others
+            real = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+        sim = sim_point(profile_path, rate, delay, duration_s, workdir)
+        row = {"rate_eps": rate, "delay_ms": delay, "real_p50_ms": real.get("p50_ms"),
+               "sim_p50_ms": sim["p50_ms"], "real_p99_ms": real.get("p99_ms"), "sim_p99_ms": sim["p99_ms"],
+               "real_p90_ms": real.get("p90_ms"), "sim_p90_ms": sim["p90_ms"],
+               "real_cpu_us_per_event": real.get("cpu_us_per_event"), "real_member_cpu_pct": real.get("member_cpu_pct"),
+               "loadavg_1m": real.get("loadavg_1m"), "real_events": real.get("events"), "sim_events": sim["events"],
+               "sim_violations": sim["violations"], "error": real.get("error", "")}
+        for q in ("p50", "p99"):
+            r, s = row[f"real_{q}_ms"], row[f"sim_{q}_ms"]
+            row[f"{q}_sim_over_real"] = round(s / r, 3) if r and s is not None else None
+            row[f"{q}_within_20pct"] = bool(row[f"{q}_sim_over_real"] and 0.8 <= row[f"{q}_sim_over_real"] <= 1.2)
+        say(f"simreal: real p50 {row['real_p50_ms']} p99 {row['real_p99_ms']} | sim p50 {row['sim_p50_ms']} "
+            f"p99 {row['sim_p99_ms']} | load {row['loadavg_1m']}")
+        rows.append(row)
+    return rows
+
+
+def simreal_section(profile_path: Path, duration_s: float, workdir: Path, out: Path, say=print) -> Section:
+    sec = Section("simreal", "Simulator vs real: the four calibration points")
+    if not Path(profile_path).is_file():
+        raise NotMeasured(f"no calibration profile at {profile_path} (kdsync-sim calibrate writes it)")
+    prof = yaml.safe_load(Path(profile_path).read_text())
+    rows = compare(Path(profile_path), duration_s, workdir, say)
+    if not any(r["real_p50_ms"] is not None for r in rows):
+        raise NotMeasured("no real point could be measured: " + "; ".join(r["error"] for r in rows))
+    c, k = prof["member_cost"], prof["kafka"]
+    sec.intro.append(
+        f"3 local clusters (embedded Tansu), one `kdsync run` each with the default configuration, 2 source "
+        f"partitions, {duration_s:g} s of paced load; every member link through a delaying TCP proxy "
+        f"(`kdsync.testing.delay_proxy`, the one-way delay in both directions). Real: global record timestamp − "
+        f"`kdsync.origin.ts` over every paced event in every global topic. Sim: the same definition "
+        f"(`latency_created_ms`) for a scenario generated from the calibration profile ({profile_path}: "
+        f"{c['message_us']} µs/message, {c['event_us']} µs/event, {c['tick_us']} µs/tick; produce "
+        f"{k['produce_ms']} ms; fetch wait {k['fetch_wait_ms']} ms, overhead {k['fetch_overhead_ms']} ms, check "
+        f"{k['fetch_check_ms']} ms; member linger {k['sink_linger_ms']} ms). Goal: sim / real within ±20 %. "
+        f"The real runs share a 2-core box with other work: the load average is in each row.")
+    sec.tables.append(Table("simreal", "Real vs simulated latency at the calibration points", rows))
+    for r in rows:
+        for q in ("p50", "p99"):
+            sec.headlines.append(Headline(
+                f"sim / real {q} derecho, {r['rate_eps']:g} events/s, {r['delay_ms']:g} ms one way "
+                f"(real {r[f'real_{q}_ms']} ms, sim {r[f'sim_{q}_ms']} ms)",
+                r[f"{q}_sim_over_real"], GOAL + " (issue 9)", "simreal.csv"))
+    try:
+        sec.plots += _plot(rows, out)
+    except Exception as e:  # a plot is a nicety
+        sec.notes.append(f"no plot ({type(e).__name__}: {e})")
+    return sec
+
+
+def _plot(rows: list[dict], out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    labels = [f"{r['rate_eps']:g}/s\n{r['delay_ms']:g} ms" for r in rows]
+    x = range(len(rows))
+    for ax, q in zip(axes, ("p50", "p99")):
+        ax.bar([i - 0.2 for i in x], [r[f"real_{q}_ms"] or 0 for r in rows], 0.4, label="real")
+        ax.bar([i + 0.2 for i in x], [r[f"sim_{q}_ms"] or 0 for r in rows], 0.4, label="sim")
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel(f"{q} latency (ms)")
+        ax.set_title(f"{q}: real vs sim")
+        ax.legend()
+    fig.tight_layout()
+    name = "simreal.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return [(name, "Real vs simulated p50 / p99 at the four calibration points (derecho, 3 local clusters)")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.simreal", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="results/calibration.yaml")
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--points", default=None, help="RATE:DELAY,... (default the four calibration points)")
+    p.add_argument("--sim-only", action="store_true", help="only the simulator's figures (no real run)")
+    a = p.parse_args(argv)
+    points = POINTS if not a.points else tuple(tuple(float(x) for x in pt.split(":")) for pt in a.points.split(","))
+    with tempfile.TemporaryDirectory() as d:
+        if a.sim_only:
+            for rate, delay in points:
+                print(json.dumps({"rate_eps": rate, "delay_ms": delay,
+                                  **sim_point(Path(a.profile), rate, delay, a.duration, Path(d))}))
+            return 0
+        rows = compare(Path(a.profile), a.duration, Path(d), points=points)
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
