@@ -156,6 +156,43 @@ def probe_embedded(fetch_wait_ms: float = 5.0, seconds: float = 4.0) -> dict:
         return probe_broker(c.bootstrap, fetch_wait_ms, seconds)
 
 
+# --------------------------------------------------------------------- box
+_BOX_PROBE = r"""
+import json, sys, time
+end = time.perf_counter() + float(sys.argv[1])
+over, wall, cpu = [], 0.0, 0.0
+while time.perf_counter() < end:
+    t0 = time.perf_counter()
+    time.sleep(0.002)
+    over.append(time.perf_counter() - t0 - 0.002)
+    c0, w0 = time.thread_time(), time.perf_counter()
+    while time.thread_time() - c0 < 0.0005:
+        pass
+    wall += time.perf_counter() - w0
+    cpu += time.thread_time() - c0
+over.sort()
+print(json.dumps({"wakeup_us": 1e6 * sum(over) / len(over), "wakeup_p50_us": 1e6 * over[len(over) // 2],
+                  "wakeup_p90_us": 1e6 * over[int(len(over) * 0.9)], "slowdown": wall / cpu, "samples": len(over)}))
+"""
+
+
+def start_box_probe(seconds: float):
+    """A process that sleeps 2 ms and spins 0.5 ms of CPU in turn for
+    `seconds`: how late a sleeper wakes up (the scheduler of this box now) and
+    wall / CPU time of a busy one.  `finish_box_probe` reads the result."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _BOX_PROBE, str(seconds)], stdout=subprocess.PIPE, text=True)
+
+
+def finish_box_probe(proc) -> dict:
+    import json
+
+    outs, _ = proc.communicate(timeout=120)
+    return json.loads(outs.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------ member
 def _counter(metrics: dict, name: str, **labels) -> float:
     want = set(labels.items())
@@ -188,6 +225,7 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
 
         def on_group(g, snap=snap):
             snap["before"] = _snapshot(g)
+            snap["box"] = start_box_probe(duration_s)
 
         def on_done(g, out, snap=snap):
             snap["after"] = _snapshot(g)
@@ -198,8 +236,10 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
             rows.append({"rate_eps": rate, "member": i, "cpu_s": a["cpu_s"] - b["cpu_s"],
                          "frames": a["frames"] - b["frames"], "events": a["events"] - b["events"],
                          "ticks": (a["t"] - b["t"]) / tick_s, "seconds": a["t"] - b["t"]})
-        runs.append({k: r.get(k) for k in ("rate_eps", "p50_ms", "p99_ms", "cpu_us_per_event", "frames_out_per_event",
-                                           "loadavg_1m")})
+        box = finish_box_probe(snap["box"])
+        runs.append({**{k: r.get(k) for k in ("rate_eps", "p50_ms", "p99_ms", "cpu_us_per_event",
+                                              "frames_out_per_event", "loadavg_1m")},
+                     "box": {k: round(v, 2) for k, v in box.items()}})
     return rows, runs
 
 
@@ -217,13 +257,22 @@ def defaults() -> dict:
             "timing": {k: float(getattr(p, k)) for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}}
 
 
-def build_profile(costs: dict, broker: dict, meta: dict) -> dict:
+def box_terms(runs: list[dict]) -> dict:
+    """wakeup_us and slowdown for the profile: the medians over the paced runs."""
+    boxes = [r["box"] for r in runs if r.get("box")]
+    if not boxes:
+        return {"wakeup_us": 0.0, "slowdown": 1.0}
+    return {"wakeup_us": round(statistics.median(b["wakeup_us"] for b in boxes), 1),
+            "slowdown": round(max(1.0, statistics.median(b["slowdown"] for b in boxes)), 3)}
+
+
+def build_profile(costs: dict, broker: dict, meta: dict, box: dict | None = None) -> dict:
     d = defaults()
     return {
         "kafka": {"produce_ms": broker["produce_ms"], "ack_ms": 0.0, "linger_ms": d["writer_linger_ms"],
                   "fetch_wait_ms": d["fetch_wait_ms"], "fetch_overhead_ms": broker["fetch_overhead_ms"],
                   "fetch_check_ms": broker["fetch_check_ms"], "sink_linger_ms": d["sink_linger_ms"]},
-        "member_cost": {k: costs[k] for k in COST_TERMS} | {"cores": 1},
+        "member_cost": {k: costs[k] for k in COST_TERMS} | (box or {}) | {"cores": 1},
         "timing": d["timing"],
         "calibration": {**meta, "fit_r2": costs.get("r2"), "fit_rows": costs.get("rows"), "broker": broker},
     }
@@ -249,6 +298,6 @@ def calibrate(out: Path, rates: list[float], duration_s: float, protocol: str = 
                                                                                round(os.getloadavg()[0], 2)],
             "cpus": os.cpu_count(), "runs": runs,
             "members": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]}
-    profile = build_profile(costs, broker, meta)
+    profile = build_profile(costs, broker, meta, box_terms(runs))
     write_profile(profile, out)
     return profile

@@ -139,6 +139,7 @@ class SimMember:
         self.views = 0
         self.bad_messages = 0
         self.deduplicated = 0
+        self._wakeup_rng = random.Random(f"{host.seed}/wakeup/{member_id}/{shard}")
         self.fetched_upto = -1.0  # kafka.fetch_wait_ms: the snapshot time of the last fetch (the broker side)
         self._sink_batch: list | None = None  # the member's producer batch while it lingers: [(deliveries, handed)]
 
@@ -356,6 +357,13 @@ class SimMember:
         """Ask for a core of the site (after the other inputs of this instant) if idle."""
         if not self.busy and self._queue and self.paused_until < 0:
             self.busy = True
+            if self.cost.wakeup_us > 0.0:  # an idle process waits for the scheduler first
+                self.host.after(self._wakeup_rng.expovariate(1e6 / self.cost.wakeup_us), self._woken, self.epoch)
+                return
+            self.host.cpu_acquire(self)
+
+    def _woken(self, epoch: int) -> None:
+        if epoch == self.epoch and self.busy:
             self.host.cpu_acquire(self)
 
     def _serve(self, epoch: int) -> None:
@@ -390,7 +398,7 @@ class SimMember:
         msgs_out = sum(len(rd.messages) for rd in out)
         events_out = sum(d.count for rd in out for d in rd.deliveries)
         t = (c.ready_us * max(1, len(out)) + c.message_us * (msgs_in + msgs_out)
-             + c.event_us * (events_in + events_out) + c.tick_us * ticks) / 1e6
+             + c.event_us * (events_in + events_out) + c.tick_us * ticks) / 1e6 * c.slowdown
         self.cpu_s += t
         self.host.after(t, self._served, (epoch, out))
 

@@ -154,9 +154,14 @@ class MemberCostSpec(_Strict):
     ready_us: float = Field(default=0.0, ge=0, le=1e6)  # per Ready handshake (one loop iteration)
     cores: int = Field(default=1, ge=1, le=1024)  # of each site, shared by its shards' nodes
     tick_us: float = Field(default=0.0, ge=0, le=1e6)  # per tick (timers, idle loop work), extension
+    # extension, the box: an idle member's next service starts after a wake-up
+    # delay (exponential, this mean: the scheduler of a busy box), and every
+    # service takes `slowdown` times its CPU time in wall time (cores shared)
+    wakeup_us: float = Field(default=0.0, ge=0, le=1e6)
+    slowdown: float = Field(default=1.0, ge=1.0, le=100.0)
 
     def costs_anything(self) -> bool:
-        return bool(self.message_us or self.event_us or self.ready_us or self.tick_us)
+        return bool(self.message_us or self.event_us or self.ready_us or self.tick_us or self.wakeup_us)
 
 
 class TimingSpec(_Strict):
