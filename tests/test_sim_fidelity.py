@@ -184,3 +184,18 @@ def test_nnls_never_returns_a_negative_cost():
     b = np.array([3.0, 2.0, 1.0])  # plain least squares: slope -1, intercept 4
     x = nnls(a, b)
     assert (x >= 0).all() and x[0] == 0.0 and x[1] == pytest.approx(2.0)
+
+
+def test_box_terms_wakeup_and_slowdown():
+    def run(cost: str):
+        sim = Simulation(parse_scenario(_scn(extra=f"timing: {{tick_ms: 10}}\nmember_cost: {{{cost}}}")), 0)
+        sim.run()
+        lat = sorted(sim.latencies())
+        return sim, lat[len(lat) // 2][0]
+
+    plain, p50 = run("tick_us: 1000")
+    slow, _ = run("tick_us: 1000, slowdown: 2")
+    assert slow.order[0].cpu_s == pytest.approx(2 * plain.order[0].cpu_s, rel=0.01)
+    _, woken = run("tick_us: 1000, wakeup_us: 5000")
+    # every hop of the burst (fetch -> submit, slot in at each peer, acks back) waits ~5 ms for the scheduler
+    assert woken > p50 + 5
