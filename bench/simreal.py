@@ -30,13 +30,59 @@ LOOPBACK_MS = 0.05  # one way, on top of the proxy's delay
 GOAL = "within ±20 % (0.8-1.2)"
 
 
+def paced_writers(g, clusters: int, per: int, rate_each: float, tag: str = "p") -> None:
+    """One idempotent producer per cluster (as `kdsync.demo.write_events`:
+    linger.ms 2), *warmed up* first — connected, producer id obtained, one
+    record acknowledged — then `per` records at `rate_each`/s.  (A fresh
+    idempotent producer holds its first records ~0.5 s while it starts: that
+    is the writer's start-up, not kdsync, and it would be the whole p99.)"""
+    import threading
+
+    from confluent_kafka import Producer
+
+    producers = []
+    for i in range(clusters):
+        p = Producer({"bootstrap.servers": g.bootstrap(i), "enable.idempotence": True, "linger.ms": 2,
+                      "log_level": 3})
+        p.produce(g.topic, key=f"w{i}".encode(), value=b"warm-up", partition=0)
+        producers.append(p)
+    for p in producers:
+        if p.flush(30):
+            raise RuntimeError("a writer did not start within 30 s")
+    start = threading.Barrier(clusters)
+    errors: list[str] = []
+
+    def one(i: int, p) -> None:
+        def cb(err, msg):
+            if err is not None:
+                errors.append(str(err))
+
+        start.wait()
+        t0 = time.monotonic()
+        for n in range(per):
+            p.produce(g.topic, key=f"{tag}{i}-{n}".encode(), value=f"{tag}{i} event {n}".encode(), on_delivery=cb)
+            p.poll(0)
+            ahead = (n + 1) / rate_each - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        if p.flush(60):
+            errors.append("unacknowledged records")
+
+    threads = [threading.Thread(target=one, args=(i, p), daemon=True) for i, p in enumerate(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"writing failed: {errors[0]}")
+
+
 def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: str = "derecho",
                partitions: int = 2, timeout_s: float = 120.0) -> dict:
     """One real run: 3 embedded Tansu clusters, one kdsync run each (default
     configuration), every member link through a DelayProxy of `delay_ms`."""
     import psutil
 
-    from bench.load import _writers
     from kdsync import demo
     from kdsync.kafka.topic import ensure_topic
     from kdsync.testing.delay_proxy import DelayProxy
@@ -66,23 +112,24 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 load0 = os.getloadavg()[0]
                 t0 = time.monotonic()
                 per = max(1, int(round(rate_eps * duration_s / clusters)))
-                _writers(g, clusters, per, "p", rate_eps / clusters)
-                got = g.wait_for(per * clusters, timeout_s, poll=0.05)
+                paced_writers(g, clusters, per, rate_eps / clusters)
+                total = per * clusters + clusters  # and one warm-up record per cluster
+                got = g.wait_for(total, timeout_s, poll=0.05)
                 t1 = time.monotonic()
                 cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
-                short = {n: len(v) for n, v in got.items() if len(v) < per * clusters}
+                short = {n: len(v) for n, v in got.items() if len(v) < total}
                 if short:
-                    raise RuntimeError(f"{per * clusters} events not ordered in {timeout_s:.0f} s: {short}")
+                    raise RuntimeError(f"{total} events not ordered in {timeout_s:.0f} s: {short}")
                 lat = [max(0, r.write_ts - r.origin_ts) for v in got.values() for r in v
                        if (r.key or b"").startswith(b"p")]
                 out.update({"events": per * clusters, "latency_samples": len(lat),
                             "p50_ms": percentile(lat, 50), "p90_ms": percentile(lat, 90),
                             "p99_ms": percentile(lat, 99), "max_ms": max(lat),
-                            "cpu_us_per_event": round(sum(cpu) / clusters / (per * clusters) * 1e6, 1),
+                            "cpu_us_per_event": round(sum(cpu) / clusters / total * 1e6, 1),
                             "member_cpu_pct": round(100 * sum(cpu) / clusters / max(1e-3, t1 - t0), 1),
                             "loadavg_1m": round(load0, 2)})
                 if protocol != "mirror":
-                    out["agreement"] = demo.check_agreement(got, expected=per * clusters)[0]
+                    out["agreement"] = demo.check_agreement(got, expected=total)[0]
         finally:
             for p in proxies.values():
                 p.close()

@@ -199,3 +199,29 @@ def test_box_terms_wakeup_and_slowdown():
     _, woken = run("tick_us: 1000, wakeup_us: 5000")
     # every hop of the burst (fetch -> submit, slot in at each peer, acks back) waits ~5 ms for the scheduler
     assert woken > p50 + 5
+
+
+def test_calibrate_on_real_members_writes_a_profile_scenarios_can_name(tmp_path):
+    """A short real calibration (3 embedded Tansu clusters, 3 kdsync run): the
+    profile has every term, non-negative, and a scenario naming it runs."""
+    pytest.importorskip("psutil")
+    from sim.cli import main
+
+    prof = tmp_path / "cal.yaml"
+    assert main(["calibrate", "--out", str(prof), "--rates", "150,600", "--duration", "1.5"]) == 0
+    import yaml
+
+    p = yaml.safe_load(prof.read_text())
+    c, k = p["member_cost"], p["kafka"]
+    assert all(c[t] >= 0 for t in ("message_us", "event_us", "tick_us", "wakeup_us"))
+    assert c["message_us"] + c["event_us"] + c["tick_us"] > 0  # a member costs something
+    assert c["slowdown"] >= 1.0
+    assert 0 < k["produce_ms"] < 100 and k["fetch_wait_ms"] == 5.0 and k["sink_linger_ms"] == 1.0
+    assert p["timing"] == {"tick_ms": 10.0, "heartbeat_ms": 20.0, "suspect_ms": 500.0, "retransmit_ms": 50.0}
+    assert len(p["calibration"]["members"]) == 6  # 3 members x 2 rates
+    scn = tmp_path / "s.yaml"
+    scn.write_text(_scn(workload="[{member: all, rate_eps: 100, partitions: 2}]", extra=f"profile: {prof.name}"))
+    from sim.scenario import load_scenario
+
+    r = run_scenario(load_scenario(scn))
+    assert r.failing == [] and r.summary["latency_created_ms"]["p50"] > 0
