@@ -269,7 +269,8 @@ def box_terms(runs: list[dict]) -> dict:
 def build_profile(costs: dict, broker: dict, meta: dict, box: dict | None = None) -> dict:
     d = defaults()
     return {
-        "kafka": {"produce_ms": broker["produce_ms"], "ack_ms": 0.0, "linger_ms": d["writer_linger_ms"],
+        "kafka": {"produce_ms": broker["produce_ms"], "ack_ms": 0.0, "linger_ms": 0.0,
+                  "writer_linger_ms": d["writer_linger_ms"],
                   "fetch_wait_ms": d["fetch_wait_ms"], "fetch_overhead_ms": broker["fetch_overhead_ms"],
                   "fetch_check_ms": broker["fetch_check_ms"], "sink_linger_ms": d["sink_linger_ms"]},
         "member_cost": {k: costs[k] for k in COST_TERMS} | (box or {}) | {"cores": 1},

@@ -541,10 +541,13 @@ class Simulation:
         topic to the CreateTime of its copy in a global topic (the instant the
         member handed it to its producer) — what the real bench measures
         (global record timestamp - kdsync.origin.ts).  The records of a producer
-        batch were created evenly over the kafka.linger_ms before it was sent."""
+        batch were created evenly over the kafka.linger_ms before it was sent
+        (writer_linger_ms: the first opened it writer_linger_ms before, the
+        others came evenly after it)."""
         import numpy as np
 
         linger = self.scenario.kafka.linger_ms / 1000.0
+        first_opens = self.scenario.kafka.writer_linger_ms / 1000.0  # librdkafka: the first record waits it all
         handed, sent, counts = [], [], []
         for t in (t for c in self.clusters.values() for t in c.topics):
             for b, h in zip(t.batches, t.handed):
@@ -557,7 +560,10 @@ class Simulation:
             return []
         k = np.asarray(counts)
         idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # index of each record in its batch
-        created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
+        if first_opens > 0:
+            created = np.repeat(np.asarray(sent), k) - first_opens * (1.0 - idx / np.repeat(k, k))
+        else:
+            created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
         return (np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0)).tolist()
 
     def latencies(self) -> list[tuple[float, int]]:

@@ -63,6 +63,9 @@ class KafkaSpec(_Strict):
     # the records written meanwhile (Kafka's linger.ms; librdkafka's default
     # is 5); 0 = every record its own batch at its own Poisson arrival time
     linger_ms: float = Field(default=5.0, ge=0, le=10_000)
+    # extension: with linger_ms 0 (exact arrivals), batch them as librdkafka does:
+    # the first record of a partition opens a batch sent writer_linger_ms later
+    writer_linger_ms: float = Field(default=0.0, ge=0, le=10_000)
     # extension: the consumer pauses while this many consumed records are not
     # yet durable in the member's global topic (the real member's back-pressure)
     max_inflight: int = Field(default=50_000, ge=1, le=100_000_000)
@@ -82,6 +85,13 @@ class KafkaSpec(_Strict):
     # produce_ms + ack_ms after it left (broker append, then acks=all replication)
     sink_linger_ms: float = Field(default=0.0, ge=0, le=10_000)
     ack_ms: float = Field(default=0.0, ge=0, le=60_000)
+
+
+    @model_validator(mode="after")
+    def _writer_linger(self) -> "KafkaSpec":
+        if self.writer_linger_ms > 0 and self.linger_ms > 0:
+            raise ValueError("writer_linger_ms batches exact arrivals: it needs linger_ms: 0")
+        return self
 
 
 class WorkloadSpec(_Strict):

@@ -208,7 +208,7 @@ def test_calibrate_on_real_members_writes_a_profile_scenarios_can_name(tmp_path)
     from sim.cli import main
 
     prof = tmp_path / "cal.yaml"
-    assert main(["calibrate", "--out", str(prof), "--rates", "150,600", "--duration", "1.5"]) == 0
+    assert main(["calibrate", "--out", str(prof), "--rates", "150,600", "--duration", "1.0"]) == 0
     import yaml
 
     p = yaml.safe_load(prof.read_text())
@@ -225,3 +225,27 @@ def test_calibrate_on_real_members_writes_a_profile_scenarios_can_name(tmp_path)
 
     r = run_scenario(load_scenario(scn))
     assert r.failing == [] and r.summary["latency_created_ms"]["p50"] > 0
+
+
+def test_writer_linger_batches_like_librdkafka():
+    from sim.workload import writes
+
+    s = parse_scenario(_scn(", linger_ms: 0, writer_linger_ms: 2",
+                            workload="[{member: dc1, rate_eps: 2000, partitions: 2}]"))
+    ws = [w for block in writes(s, 1, "dc1", 1.0) for w in block]
+    exact = [w for block in writes(parse_scenario(_scn(", linger_ms: 0", workload="[{member: dc1, rate_eps: 2000, "
+                                                                                   "partitions: 2}]")), 1, "dc1", 1.0)
+             for w in block]
+    assert sum(w.count for w in ws) == len(exact)  # every record, batched
+    assert len(ws) < len(exact) * 0.8 and max(w.count for w in ws) > 1
+    assert all(a.t <= b.t for a, b in zip(ws, ws[1:]))  # in send order
+    for p in (0, 1):  # a batch leaves 2 ms after the first record it holds, which came after the last batch left
+        mine = [w for w in ws if w.partition == p]
+        arrivals = [w.t for w in exact if w.partition == p]
+        j = 0
+        for w in mine:
+            assert w.t == pytest.approx(arrivals[j] + 0.002)
+            j += w.count
+            assert all(t < w.t for t in arrivals[j - w.count:j]) and (j == len(arrivals) or arrivals[j] >= w.t)
+    with pytest.raises(ScenarioError, match="writer_linger_ms batches exact arrivals: it needs linger_ms: 0"):
+        parse_scenario(_scn(", linger_ms: 5, writer_linger_ms: 2"))
