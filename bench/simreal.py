@@ -83,23 +83,28 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
     configuration), every member link through a DelayProxy of `delay_ms`."""
     import psutil
 
+    import subprocess
+
     from kdsync import demo
     from kdsync.kafka.topic import ensure_topic
-    from kdsync.testing.delay_proxy import DelayProxy
 
     clusters = 3
-    proxies: dict[tuple[int, int], DelayProxy] = {}
+    proxies: dict[tuple[int, int], str] = {}
+    proxy_proc = None
     out: dict = {"rate_eps": rate_eps, "delay_ms": delay_ms, "duration_s": duration_s, "protocol": protocol}
     with tempfile.TemporaryDirectory(prefix="kdsync-simreal-") as d:
         g = demo.LocalGroup(clusters, Path(d), protocol=protocol, metrics=True,
-                            peer_address=lambda i, j: proxies[(i, j)].address)
+                            peer_address=lambda i, j: proxies[(i, j)])
         g.timing = {}  # kdsync run's defaults (the README's minimal configuration)
         try:
             with g:
-                for i in range(clusters):
-                    for j in range(clusters):
-                        if i != j:
-                            proxies[(i, j)] = DelayProxy(("127.0.0.1", g.ports[j]), delay_ms).start()
+                # the proxies run in a process of their own: no GIL shared with the writers here
+                links = [(i, j) for i in range(clusters) for j in range(clusters) if i != j]
+                proxy_proc = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", str(delay_ms),
+                                               *[str(g.ports[j]) for _, j in links]],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                ports = json.loads(proxy_proc.stdout.readline())
+                proxies.update({link: f"127.0.0.1:{port}" for link, port in zip(links, ports)})
                 for c in g.clusters:
                     c.start()
                 for i in range(clusters):
@@ -131,8 +136,12 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 if protocol != "mirror":
                     out["agreement"] = demo.check_agreement(got, expected=total)[0]
         finally:
-            for p in proxies.values():
-                p.close()
+            if proxy_proc is not None:
+                proxy_proc.stdin.close()
+                try:
+                    proxy_proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proxy_proc.kill()
     return out
 
 

@@ -75,3 +75,20 @@ def test_proxy_keeps_the_stream_intact_and_in_order(echo):
         t.join(20)
     assert bytes(got) == blob
     assert p.bytes == 2 * len(blob)
+
+
+def test_proxy_process_serves_each_target_until_stdin_closes(echo):
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", "10", str(echo), str(echo)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ports = json.loads(p.stdout.readline())
+        assert len(ports) == 2 and len(set(ports)) == 2
+        for port in ports:
+            assert min(_rtts(port, 3)) >= 20.0
+    finally:
+        p.stdin.close()
+        assert p.wait(10) == 0

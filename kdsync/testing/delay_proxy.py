@@ -149,3 +149,24 @@ class DelayProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kdsync.testing.delay_proxy DELAY_MS PORT...`: one proxy per
+    target port on 127.0.0.1, in a process of its own (no GIL shared with the
+    caller); prints the listening ports as one JSON list, runs until stdin closes."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    delay, ports = float(args[0]), [int(p) for p in args[1:]]
+    proxies = [DelayProxy(("127.0.0.1", p), delay).start() for p in ports]
+    print(json.dumps([p.port for p in proxies]), flush=True)
+    sys.stdin.read()
+    for p in proxies:
+        p.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
