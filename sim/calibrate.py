@@ -171,7 +171,8 @@ while time.perf_counter() < end:
     wall += time.perf_counter() - w0
     cpu += time.thread_time() - c0
 over.sort()
-print(json.dumps({"wakeup_us": 1e6 * sum(over) / len(over), "wakeup_p50_us": 1e6 * over[len(over) // 2],
+qs = [1e6 * max(0.0, over[min(len(over) - 1, round(k * (len(over) - 1) / 40))]) for k in range(41)]
+print(json.dumps({"wakeup_us": 1e6 * sum(over) / len(over), "wakeup_p50_us": 1e6 * over[len(over) // 2], "quantiles_us": qs,
                   "wakeup_p90_us": 1e6 * over[int(len(over) * 0.9)], "slowdown": wall / cpu, "samples": len(over)}))
 """
 
@@ -239,7 +240,8 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
         box = finish_box_probe(snap["box"])
         runs.append({**{k: r.get(k) for k in ("rate_eps", "p50_ms", "p99_ms", "cpu_us_per_event",
                                               "frames_out_per_event", "loadavg_1m")},
-                     "box": {k: round(v, 2) for k, v in box.items()}})
+                     "box": {k: ([round(x, 1) for x in v] if isinstance(v, list) else round(v, 2))
+                             for k, v in box.items()}})
     return rows, runs
 
 
@@ -262,8 +264,13 @@ def box_terms(runs: list[dict]) -> dict:
     boxes = [r["box"] for r in runs if r.get("box")]
     if not boxes:
         return {"wakeup_us": 0.0, "slowdown": 1.0}
-    return {"wakeup_us": round(statistics.median(b["wakeup_us"] for b in boxes), 1),
-            "slowdown": round(max(1.0, statistics.median(b["slowdown"] for b in boxes)), 3)}
+    n = len(boxes[0].get("quantiles_us", []))
+    out = {"wakeup_us": round(statistics.median(b["wakeup_us"] for b in boxes), 1),
+           "slowdown": round(max(1.0, statistics.median(b["slowdown"] for b in boxes)), 3)}
+    if n and all(len(b.get("quantiles_us", [])) == n for b in boxes):  # pooled: the mean of each quantile
+        out["wakeup_quantiles_us"] = [round(statistics.fmean(b["quantiles_us"][k] for b in boxes), 1)
+                                      for k in range(n)]
+    return out
 
 
 def build_profile(costs: dict, broker: dict, meta: dict, box: dict | None = None) -> dict:

@@ -357,10 +357,22 @@ class SimMember:
         """Ask for a core of the site (after the other inputs of this instant) if idle."""
         if not self.busy and self._queue and self.paused_until < 0:
             self.busy = True
-            if self.cost.wakeup_us > 0.0:  # an idle process waits for the scheduler first
-                self.host.after(self._wakeup_rng.expovariate(1e6 / self.cost.wakeup_us), self._woken, self.epoch)
+            delay = self._wakeup_delay()
+            if delay > 0.0:  # an idle process waits for the scheduler first
+                self.host.after(delay, self._woken, self.epoch)
                 return
             self.host.cpu_acquire(self)
+
+    def _wakeup_delay(self) -> float:
+        c = self.cost
+        q = c.wakeup_quantiles_us
+        if q:  # inverse CDF of the measured distribution
+            x = self._wakeup_rng.random() * (len(q) - 1)
+            i = min(int(x), len(q) - 2)
+            return (q[i] + (q[i + 1] - q[i]) * (x - i)) / 1e6
+        if c.wakeup_us > 0.0:
+            return self._wakeup_rng.expovariate(1e6 / c.wakeup_us)
+        return 0.0
 
     def _woken(self, epoch: int) -> None:
         if epoch == self.epoch and self.busy:

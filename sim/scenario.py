@@ -169,9 +169,20 @@ class MemberCostSpec(_Strict):
     # service takes `slowdown` times its CPU time in wall time (cores shared)
     wakeup_us: float = Field(default=0.0, ge=0, le=1e6)
     slowdown: float = Field(default=1.0, ge=1.0, le=100.0)
+    # extension: the wake-up delay's distribution instead of an exponential: its
+    # quantiles at 0, 1/n, ..., 1 (µs, non-decreasing), sampled by inverse CDF
+    wakeup_quantiles_us: list[float] | None = Field(default=None, min_length=2, max_length=1001)
+
+    @model_validator(mode="after")
+    def _quantiles(self) -> "MemberCostSpec":
+        q = self.wakeup_quantiles_us
+        if q is not None and (any(b < a for a, b in zip(q, q[1:])) or q[0] < 0):
+            raise ValueError("wakeup_quantiles_us must be >= 0 and non-decreasing")
+        return self
 
     def costs_anything(self) -> bool:
-        return bool(self.message_us or self.event_us or self.ready_us or self.tick_us or self.wakeup_us)
+        return bool(self.message_us or self.event_us or self.ready_us or self.tick_us or self.wakeup_us
+                    or self.wakeup_quantiles_us)
 
 
 class TimingSpec(_Strict):

@@ -249,3 +249,14 @@ def test_writer_linger_batches_like_librdkafka():
             assert all(t < w.t for t in arrivals[j - w.count:j]) and (j == len(arrivals) or arrivals[j] >= w.t)
     with pytest.raises(ScenarioError, match="writer_linger_ms batches exact arrivals: it needs linger_ms: 0"):
         parse_scenario(_scn(", linger_ms: 5, writer_linger_ms: 2"))
+
+
+def test_wakeup_quantiles_are_sampled_by_inverse_cdf():
+    s = parse_scenario(_scn(extra="member_cost: {wakeup_quantiles_us: [1000, 1000, 3000]}"))
+    sim = Simulation(s, 0)
+    m = sim.order[0]
+    xs = [m._wakeup_delay() for _ in range(4000)]
+    assert min(xs) >= 0.001 - 1e-12 and max(xs) <= 0.003 + 1e-12
+    assert sum(x <= 0.001 + 1e-9 for x in xs) / len(xs) == pytest.approx(0.5, abs=0.03)  # half the mass at 1 ms
+    with pytest.raises(ScenarioError, match="non-decreasing"):
+        parse_scenario(_scn(extra="member_cost: {wakeup_quantiles_us: [3, 1]}"))
