@@ -260,3 +260,22 @@ def test_wakeup_quantiles_are_sampled_by_inverse_cdf():
     assert sum(x <= 0.001 + 1e-9 for x in xs) / len(xs) == pytest.approx(0.5, abs=0.03)  # half the mass at 1 ms
     with pytest.raises(ScenarioError, match="non-decreasing"):
         parse_scenario(_scn(extra="member_cost: {wakeup_quantiles_us: [3, 1]}"))
+
+
+def test_simreal_scenario_from_a_profile(tmp_path):
+    import yaml
+
+    from bench.simreal import LOOPBACK_MS, scenario_for, sim_point
+    from sim.calibrate import build_profile, write_profile
+
+    broker = {"produce_ms": 0.9, "fetch_overhead_ms": 0.1, "fetch_check_ms": 3.0}
+    prof = write_profile(build_profile({"message_us": 100.0, "event_us": 40.0, "tick_us": 500.0}, broker, {},
+                                       {"wakeup_us": 300.0, "slowdown": 1.2}), tmp_path / "cal.yaml")
+    d = scenario_for(prof, 300, 10, 3)
+    assert d["network"]["default"]["latency_ms"] == 10 + LOOPBACK_MS
+    s = parse_scenario(yaml.safe_dump(d), str(tmp_path / "x.yaml"))
+    assert s.kafka.writer_linger_ms == 2.0 and s.kafka.fetch_wait_ms == 5.0 and s.member_cost.slowdown == 1.2
+    near = sim_point(prof, 300, 10, 3, tmp_path)
+    far = sim_point(prof, 300, 25, 3, tmp_path)
+    assert near["violations"] == 0 and near["events"] > 700
+    assert far["p50_ms"] > near["p50_ms"] + 30  # derecho's hops each carry the 15 ms more
