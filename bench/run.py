@@ -223,9 +223,9 @@ def simreal_section(out: Path, work: Path, prog: "Progress") -> Section:
 
     profile = out / "calibration.yaml"
     prog.say("simreal: kdsync-sim calibrate -> " + str(profile))
-    calibrate(profile, [100.0, 300.0, 1000.0], 5.0, say=prog.say)
+    calibrate(profile, [20.0, 300.0, 1000.0], 5.0, say=prog.say)
     sec = points_section(profile, 8.0, work, out, say=prog.say)
-    sec.intro.insert(0, f"`make bench` first runs `kdsync-sim calibrate --out {profile}` (3 paced runs at 100, 300 "
+    sec.intro.insert(0, f"`make bench` first runs `kdsync-sim calibrate --out {profile}` (3 paced runs at 20, 300 "
                         f"and 1 000 events/s and a broker probe), then each point below once for real and once in "
                         f"the simulator.")
     return sec

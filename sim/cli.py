@@ -162,7 +162,7 @@ def _cmd_swarm(
                                "produce and fetch latencies; write a profile scenarios name with  profile: FILE.")
 def _cmd_calibrate(
     out: str = typer.Option("results/calibration.yaml", metavar="FILE", help="profile to write"),
-    rates: str = typer.Option("100,300,1000", metavar="R1,R2,...", help="total events/s of each paced run"),
+    rates: str = typer.Option("20,300,1000", metavar="R1,R2,...", help="total events/s of each paced run (a low one pins the idle cost)"),
     duration: float = typer.Option(5.0, metavar="S", help="seconds of paced load per rate"),
     protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
 ) -> int:
