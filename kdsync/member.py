@@ -77,6 +77,14 @@ from kdsync.transport.channels import frame_channel, split_channel
 log = logging.getLogger("kdsync.member")
 
 EARLY_MESSAGES = 10_000  # peer messages kept per topic while its pipeline starts
+REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
+
+
+def run_loop(main):
+    """Run coroutine `main` on a new asyncio event loop; return its result.
+    (uvloop was tried: its transports refuse the protocol switch of
+    kdsync.transport.tcp's accept path, so asyncio's loop it is.)"""
+    return asyncio.run(main)
 
 
 # ---------------------------------------------------------------- per topic
@@ -131,6 +139,7 @@ class Member:
         self._kafka_err_logged: dict = {}
         self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its pipeline was ready
         self.rng = random.Random()
+        self._report_poll: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ helpers
     def _node_config(self) -> NodeConfig:
@@ -474,6 +483,19 @@ class Member:
         else:
             p.writer.write(d)
             p.checkpoint.delivered(d)
+            if self._report_poll is None:
+                self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
+
+    def _poll_reports(self) -> None:
+        """Serve delivery reports while some are outstanding (the tick serves
+        them too, but a tick is long: durable ends and commits follow the
+        reports within a few ms, not a tick)."""
+        self._report_poll = None
+        if self._stopping:
+            return  # _shutdown serves the last reports itself
+        self.producer.poll(0)
+        if any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None):
+            self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
 
     def _note_status(self, p: TopicPipeline, status: str) -> None:
         if status and status != p.status:
