@@ -49,6 +49,23 @@ def _cpu_s(proc) -> float:
     return t.user + t.system
 
 
+def _thread_cpu(proc) -> dict[str, float]:
+    """CPU seconds of a member's threads by kind: `loop` (the main thread:
+    asyncio loop, ordering core, producer callbacks), `kafka` (librdkafka's
+    own threads, rdk:*), `threads` (other Python threads: the source
+    consumer, to_thread workers, the metrics server)."""
+    out = {"loop": 0.0, "kafka": 0.0, "threads": 0.0}
+    for t in proc.threads():
+        try:
+            with open(f"/proc/{proc.pid}/task/{t.id}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            name = ""
+        kind = "loop" if t.id == proc.pid else "kafka" if name.startswith("rdk:") else "threads"
+        out[kind] += t.user_time + t.system_time
+    return out
+
+
 def _writers(g, clusters: int, per: int, tag: str, rate: float | None) -> None:
     """Backlog writers (as fast as possible): kdsync.demo.write_events in every cluster at once."""
     from kdsync import demo
@@ -278,6 +295,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             load0 = os.getloadavg()
             frames0 = [_frames_out(g, i) for i in range(clusters)]
             cpu0 = [_cpu_s(p) for p in procs]
+            split0 = [_thread_cpu(p) for p in procs]
             t0 = time.monotonic()
             writers.go()
             writers.join()
@@ -285,6 +303,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             got = g.wait_for(total, timeout_s, poll=0.05)
             t1 = time.monotonic()
             cpu1 = [_cpu_s(p) for p in procs]
+            split1 = [_thread_cpu(p) for p in procs]
             frames1 = [_frames_out(g, i) for i in range(clusters)]
             if fl:
                 fl.join(30)
@@ -310,6 +329,9 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 "loadavg_1m": round(load0[0], 2),
             })
             out["cpu_us_per_event"] = round(sum(out["cpu_us_per_event_by_member"]) / clusters, 1)
+            for kind in ("loop", "kafka", "threads"):  # µs per ordered event, mean over members
+                out[f"cpu_us_{kind}"] = round(sum((b[kind] - a[kind]) / max(1, n) * 1e6 for a, b, n in
+                                                  zip(split0, split1, ordered)) / clusters, 1)
             if protocol != "mirror":
                 ok, detail = demo.check_agreement(got, expected=total)
                 out["agreement"], out["agreement_detail"] = ok, detail

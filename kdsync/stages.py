@@ -114,17 +114,15 @@ class StageClock:
 
     def delivered(self, d, now: float, writes: bool = True) -> None:
         me, own, h = self.me, self.own, self.h["delivered"]
-        recs = []
         rows = [] if self.trace is not None else None
         seq = d.first_seq
         for b in d.batches:
             if b.origin == me:
                 rec = own.pop((b.partition, b.first_offset), None)
-                if rec is not None:
+                if rec is not None:  # None: submitted before a restart or cut differently (a view change)
                     h.observe(now - (rec[6] or rec[5]))
-                    recs.append(rec)
-                    if rows is not None:
-                        rows.append((b, seq, rec))
+                if rows is not None:
+                    rows.append((b, seq, rec))
             elif rows is not None:
                 rows.append((b, seq, None))
             seq += b.count
