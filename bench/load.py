@@ -220,6 +220,16 @@ class _Floor:
         p.flush(30)
 
 
+def _stage_sums(g, i: int) -> dict[str, tuple[float, float]]:
+    """kdsync_stage_seconds of member i: stage -> (sum, count)."""
+    out: dict[str, list[float]] = {}
+    for (name, labels), v in g.metrics(i).items():
+        if name in ("kdsync_stage_seconds_sum", "kdsync_stage_seconds_count"):
+            stage = dict(labels).get("stage", "")
+            out.setdefault(stage, [0.0, 0.0])[0 if name.endswith("_sum") else 1] += v
+    return {k: (a, b) for k, (a, b) in out.items()}
+
+
 def _frames_out(g, i: int) -> float:
     return sum(v for (name, labels), v in g.metrics(i).items()
                if name == "kdsync_peer_frames_total" and ("direction", "out") in labels)
@@ -294,6 +304,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 fl.start()
             load0 = os.getloadavg()
             frames0 = [_frames_out(g, i) for i in range(clusters)]
+            stages0 = [_stage_sums(g, i) for i in range(clusters)]
             cpu0 = [_cpu_s(p) for p in procs]
             split0 = [_thread_cpu(p) for p in procs]
             t0 = time.monotonic()
@@ -305,6 +316,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             cpu1 = [_cpu_s(p) for p in procs]
             split1 = [_thread_cpu(p) for p in procs]
             frames1 = [_frames_out(g, i) for i in range(clusters)]
+            stages1 = [_stage_sums(g, i) for i in range(clusters)]
             if fl:
                 fl.join(30)
             short = {n: len(v) for n, v in got.items() if len(v) < total}
@@ -329,6 +341,11 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 "loadavg_1m": round(load0[0], 2),
             })
             out["cpu_us_per_event"] = round(sum(out["cpu_us_per_event_by_member"]) / clusters, 1)
+            for stage in ("fetch", "handoff", "sent", "delivered", "produced", "report"):
+                # mean time of the stage per batch in the phase, ms, over every member
+                tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
+                n = sum(b.get(stage, (0, 0))[1] - a.get(stage, (0, 0))[1] for a, b in zip(stages0, stages1))
+                out[f"stage_{stage}_ms"] = round(1000 * tot / n, 3) if n else None
             for kind in ("loop", "kafka", "threads"):  # µs per ordered event, mean over members
                 out[f"cpu_us_{kind}"] = round(sum((b[kind] - a[kind]) / max(1, n) * 1e6 for a, b, n in
                                                   zip(split0, split1, ordered)) / clusters, 1)
