@@ -49,7 +49,25 @@ def _cpu_s(proc) -> float:
     return t.user + t.system
 
 
+def _thread_cpu(proc) -> dict[str, float]:
+    """CPU seconds of a member's threads by kind: `loop` (the main thread:
+    asyncio loop, ordering core, producer callbacks), `kafka` (librdkafka's
+    own threads, rdk:*), `threads` (other Python threads: the source
+    consumer, to_thread workers, the metrics server)."""
+    out = {"loop": 0.0, "kafka": 0.0, "threads": 0.0}
+    for t in proc.threads():
+        try:
+            with open(f"/proc/{proc.pid}/task/{t.id}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            name = ""
+        kind = "loop" if t.id == proc.pid else "kafka" if name.startswith("rdk:") else "threads"
+        out[kind] += t.user_time + t.system_time
+    return out
+
+
 def _writers(g, clusters: int, per: int, tag: str, rate: float | None) -> None:
+    """Backlog writers (as fast as possible): kdsync.demo.write_events in every cluster at once."""
     from kdsync import demo
 
     errors: list[str] = []
@@ -67,6 +85,77 @@ def _writers(g, clusters: int, per: int, tag: str, rate: float | None) -> None:
         t.join()
     if errors:
         raise RuntimeError(f"writing failed: {errors[0]}")
+
+
+class _Paced:
+    """One application producer per cluster (idempotent, linger.ms=1, as
+    kdsync.demo.write_events) writing `per` records keyed f"{tag}{i}-{n}" at
+    `rate` records/s each, all starting together once every producer is
+    connected: one warm-up record each (key "w...", ordered like any other
+    but not measured) is acknowledged first, so the latency figures hold no
+    client start-up (metadata, producer id: hundreds of ms on a busy box)."""
+
+    STEP_S = 0.005  # records of a 5 ms step are written back to back, then the thread sleeps
+
+    def __init__(self, bootstraps: list[str], topic: str, per: int, tag: str, rate: float):
+        self.bootstraps, self.topic, self.per, self.tag, self.rate = bootstraps, topic, per, tag, rate
+        self.errors: list[str] = []
+        self._warm = threading.Barrier(len(bootstraps) + 1)
+        self._go = threading.Event()
+        self.t0 = 0.0
+        self.threads = [threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(len(bootstraps))]
+
+    def warm(self, timeout: float = 60.0) -> None:
+        for t in self.threads:
+            t.start()
+        self._warm.wait(timeout)
+
+    def go(self) -> None:
+        self.t0 = time.monotonic()
+        self._go.set()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        if self.errors:
+            raise RuntimeError(f"writing failed: {self.errors[0]}")
+
+    def _one(self, i: int) -> None:
+        from confluent_kafka import Producer
+
+        failed: list = []
+
+        def cb(err, msg):
+            if err is not None:
+                failed.append(err)
+
+        try:
+            p = Producer({"bootstrap.servers": self.bootstraps[i], "enable.idempotence": True, "linger.ms": 1,
+                          "log_level": 3})
+            p.produce(self.topic, key=f"w{self.tag}{i}".encode(), value=b"warm-up", on_delivery=cb)
+            if p.flush(30) or failed:
+                raise RuntimeError("warm-up record not acknowledged")
+        except Exception as e:
+            self.errors.append(str(e))
+            self._warm.abort()
+            return
+        self._warm.wait()
+        self._go.wait()
+        n, step, rate, t0 = 0, self.STEP_S, self.rate, self.t0
+        tag = f"{self.tag}{i}"
+        while n < self.per:
+            due = min(self.per, int((time.monotonic() - t0) * rate) + 1)
+            while n < due:
+                try:
+                    p.produce(self.topic, key=f"{tag}-{n}".encode(), value=f"{tag} event {n}".encode(),
+                              headers=[("app", tag.encode())], on_delivery=cb)
+                    n += 1
+                except BufferError:
+                    p.poll(0.01)
+            p.poll(0)
+            time.sleep(step)
+        if p.flush(60) or failed:
+            self.errors.append(f"{self.bootstraps[i]}: {len(failed)} errors")
 
 
 class _Floor:
@@ -105,7 +194,7 @@ class _Floor:
             deadline = time.monotonic() + 60 + self.n / max(1.0, self.rate)
             while len(self.lat) < self.n and time.monotonic() < deadline:
                 m = c.poll(0.2)
-                if m is None or m.error():
+                if m is None or m.error() or m.key() == b"fw":
                     continue
                 now = time.time() * 1000.0
                 self.lat.append(max(0.0, now - m.timestamp()[1]))
@@ -119,6 +208,8 @@ class _Floor:
         from confluent_kafka import Producer
 
         p = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1, "log_level": 3})
+        p.produce(FLOOR_TOPIC, key=b"fw", value=b"warm-up", partition=0)  # connected before the clock starts
+        p.flush(30)
         t0 = time.monotonic()
         for i in range(self.n):
             p.produce(FLOOR_TOPIC, key=b"f%d" % i, value=b"floor", partition=0)
@@ -127,6 +218,16 @@ class _Floor:
             if ahead > 0:
                 time.sleep(ahead)
         p.flush(30)
+
+
+def _stage_sums(g, i: int) -> dict[str, tuple[float, float]]:
+    """kdsync_stage_seconds of member i: stage -> (sum, count)."""
+    out: dict[str, list[float]] = {}
+    for (name, labels), v in g.metrics(i).items():
+        if name in ("kdsync_stage_seconds_sum", "kdsync_stage_seconds_count"):
+            stage = dict(labels).get("stage", "")
+            out.setdefault(stage, [0.0, 0.0])[0 if name.endswith("_sum") else 1] += v
+    return {k: (a, b) for k, (a, b) in out.items()}
 
 
 def _frames_out(g, i: int) -> float:
@@ -192,21 +293,30 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 got = g.wait_for(0, 5)
             if on_group is not None:
                 on_group(g)
-            have0 = [len(v) for v in got.values()]
-            frames0 = [_frames_out(g, i) for i in range(clusters)]
-            cpu0 = [_cpu_s(p) for p in procs]
-            t0 = time.monotonic()
             per = max(1, int(round(rate_eps * duration_s / clusters)))
+            writers = _Paced([g.bootstrap(i) for i in range(clusters)], g.topic, per, "p", rate_eps / clusters)
+            writers.warm()
+            before += clusters  # the warm-up records
+            got = g.wait_for(before, timeout_s, poll=0.05)
+            have0 = [len(v) for v in got.values()]
             fl = _Floor(g.bootstrap(0), per, rate_eps / clusters) if floor else None
             if fl:
                 fl.start()
             load0 = os.getloadavg()
-            _writers(g, clusters, per, "p", rate_eps / clusters)
+            frames0 = [_frames_out(g, i) for i in range(clusters)]
+            stages0 = [_stage_sums(g, i) for i in range(clusters)]
+            cpu0 = [_cpu_s(p) for p in procs]
+            split0 = [_thread_cpu(p) for p in procs]
+            t0 = time.monotonic()
+            writers.go()
+            writers.join()
             total = before + per * clusters
             got = g.wait_for(total, timeout_s, poll=0.05)
             t1 = time.monotonic()
             cpu1 = [_cpu_s(p) for p in procs]
+            split1 = [_thread_cpu(p) for p in procs]
             frames1 = [_frames_out(g, i) for i in range(clusters)]
+            stages1 = [_stage_sums(g, i) for i in range(clusters)]
             if fl:
                 fl.join(30)
             short = {n: len(v) for n, v in got.items() if len(v) < total}
@@ -231,6 +341,14 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 "loadavg_1m": round(load0[0], 2),
             })
             out["cpu_us_per_event"] = round(sum(out["cpu_us_per_event_by_member"]) / clusters, 1)
+            for stage in ("fetch", "handoff", "sent", "delivered", "produced", "report"):
+                # mean time of the stage per batch in the phase, ms, over every member
+                tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
+                n = sum(b.get(stage, (0, 0))[1] - a.get(stage, (0, 0))[1] for a, b in zip(stages0, stages1))
+                out[f"stage_{stage}_ms"] = round(1000 * tot / n, 3) if n else None
+            for kind in ("loop", "kafka", "threads"):  # µs per ordered event, mean over members
+                out[f"cpu_us_{kind}"] = round(sum((b[kind] - a[kind]) / max(1, n) * 1e6 for a, b, n in
+                                                  zip(split0, split1, ordered)) / clusters, 1)
             if protocol != "mirror":
                 ok, detail = demo.check_agreement(got, expected=total)
                 out["agreement"], out["agreement_detail"] = ok, detail

@@ -9,6 +9,7 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   sim       the same workload under the three protocols, RTT x loss x seeds
   audit     the sim traces through the PySpark `kdsync audit` vs summary.json
   real      three embedded Tansu clusters + `kdsync run` members, end to end
+  member    one member under paced load (bench.load): CPU per event, latency vs the Kafka floor, drain, idle
   simreal   kdsync-sim calibrate, then real vs simulated p50/p99 at 300 and 1 000 events/s x 10 and 25 ms between members
   rdma      RDMA/TCP ratios from a soft-RoCE VM run (boots it with --rdma)
 
@@ -35,14 +36,16 @@ from typing import Callable, Iterator
 from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "audit", "real", "simreal", "rdma")
+SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
+               "member": "skipped by --quick (six paced loads on real brokers take minutes)",
                "simreal": "skipped by --quick (calibration and four real runs take minutes)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
+          "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
           "simreal": "Simulator vs real: the four calibration points", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "rdma_", "simreal_", "summary")
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "summary")
 
 
 class UsageError(Exception):
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import plots as plot
     from bench.audit import audit_section
     from bench.core import core_section
+    from bench.member import MemberParams, member_section
     from bench.rdma import rdma_section
     from bench.scale import scale_section
     from bench.real import RealParams, real_section
@@ -266,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         jobs = sweep_jobs(params, work) if "sim" in wanted or "audit" in wanted else []
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
-        total = len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
+        member_params = MemberParams()
+        total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
+                 + (2 * len(member_params.rates) if "member" in wanted else 0))
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
@@ -314,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                               prog)
                 sections.append(real)
                 prog.step("real")
+            if "member" in wanted:
+                sections.append(_guard("member", TITLES["member"],
+                                       lambda: member_section(member_params, out, progress=lambda: prog.step("member")),
+                                       prog))
+                prog.step("member")
             if "simreal" in wanted:
                 sections.append(_guard("simreal", "Simulator vs real: the four calibration points",
                                        lambda: simreal_section(out, work, prog), prog))

@@ -25,7 +25,7 @@ def test_small_paced_run_measures_the_records(tmp_path):
 
     r = run_load("derecho", 150, 1.0, workdir=tmp_path, backlog=50, idle_s=0.5, on_done=check)
     assert r["events"] == 150  # 50 per cluster
-    assert seen["counts"] == {"dc1": 300, "dc2": 300, "dc3": 300}  # backlog + paced, in every cluster
+    assert seen["counts"] == {"dc1": 303, "dc2": 303, "dc3": 303}  # backlog + 3 warm-up + paced, in every cluster
     assert seen["origins"] == {"dc1", "dc2", "dc3"}
     assert seen["partitions"] == {0, 1}  # keys spread over the 2 source partitions
     assert r["latency_samples"] == len(seen["lat"]) == 450

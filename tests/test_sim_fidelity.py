@@ -78,9 +78,14 @@ def test_member_producer_batches_what_it_is_handed_while_it_lingers():
 
 
 def test_timing_counts_the_real_members_timers_in_its_ticks():
+    from kdsync.config import ProtocolSection
+
     s = parse_scenario(_scn(extra="timing: {}"))
-    cfg = node_config(s, "dc1")  # kdsync defaults: tick 10, heartbeat 20, suspect 500, retransmit 50
-    assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == (2, 50, 5)
+    cfg = node_config(s, "dc1")  # kdsync run's defaults, counted as kdsync run counts them
+    p = ProtocolSection()
+    assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == \
+        (p.ticks(p.heartbeat_ms), p.ticks(p.suspect_ms), p.ticks(p.retransmit_ms))
+    assert Simulation(s, 0).tick_s == p.tick_ms / 1000.0
     s = parse_scenario(_scn(extra="timing: {tick_ms: 5, suspect_ms: 300, retransmit_ms: 32}"))
     cfg = node_config(s, "dc1")
     assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == (4, 60, 6)
@@ -217,7 +222,10 @@ def test_calibrate_on_real_members_writes_a_profile_scenarios_can_name(tmp_path)
     assert c["message_us"] + c["event_us"] + c["tick_us"] > 0  # a member costs something
     assert c["slowdown"] >= 1.0
     assert 0 < k["produce_ms"] < 100 and k["fetch_wait_ms"] == 5.0 and k["sink_linger_ms"] == 1.0
-    assert p["timing"] == {"tick_ms": 10.0, "heartbeat_ms": 20.0, "suspect_ms": 500.0, "retransmit_ms": 50.0}
+    from kdsync.config import ProtocolSection
+
+    d = ProtocolSection()
+    assert p["timing"] == {k: float(getattr(d, k)) for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}
     assert len(p["calibration"]["members"]) == 6  # 3 members x 2 rates
     scn = tmp_path / "s.yaml"
     scn.write_text(_scn(workload="[{member: all, rate_eps: 100, partitions: 2}]", extra=f"profile: {prof.name}"))
