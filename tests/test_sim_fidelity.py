@@ -86,7 +86,7 @@ def test_timing_counts_the_real_members_timers_in_its_ticks():
     assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == \
         (p.ticks(p.heartbeat_ms), p.ticks(p.suspect_ms), p.ticks(p.retransmit_ms))
     assert Simulation(s, 0).tick_s == p.tick_ms / 1000.0
-    s = parse_scenario(_scn(extra="timing: {tick_ms: 5, suspect_ms: 300, retransmit_ms: 32}"))
+    s = parse_scenario(_scn(extra="timing: {tick_ms: 5, heartbeat_ms: 20, suspect_ms: 300, retransmit_ms: 32}"))
     cfg = node_config(s, "dc1")
     assert (cfg.heartbeat_ticks, cfg.suspect_ticks, cfg.retransmit_ticks) == (4, 60, 6)
     assert Simulation(s, 0).tick_s == 0.005
