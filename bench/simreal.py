@@ -148,7 +148,12 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
 def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float,
                  protocol: str = "derecho", partitions: int = 2) -> dict:
     """The simulator's half of a point: the calibration profile, 3 members,
-    the proxy's delay on every link, the same paced load."""
+    the proxy's delay on every link, the same paced load; the broker's
+    latencies as calibrate measured them at this rate (interpolated)."""
+    from sim.calibrate import kafka_at
+
+    prof = yaml.safe_load(Path(profile_path).read_text())
+    kafka = kafka_at(prof, rate_eps)
     return {
         "name": f"simreal-{protocol}-{rate_eps:g}eps-{delay_ms:g}ms", "seed": 1, "protocol": protocol,
         "profile": str(Path(profile_path).resolve()),
@@ -156,6 +161,7 @@ def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_
         "members": [{"id": "dc1"}, {"id": "dc2"}, {"id": "dc3"}],
         "network": {"default": {"latency_ms": delay_ms + LOOPBACK_MS}},
         "workload": [{"member": "all", "rate_eps": rate_eps / 3, "partitions": partitions, "payload_bytes": 40}],
+        **({"kafka": kafka} if kafka else {}),
     }
 
 

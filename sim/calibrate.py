@@ -85,13 +85,13 @@ def fit_costs(rows: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------ broker
-def probe_broker(bootstrap: str, fetch_wait_ms: float = 5.0, seconds: float = 4.0, gap_s: float = 0.013) -> dict:
+def probe_broker(bootstrap: str, fetch_wait_ms: float = 5.0, seconds: float = 4.0, gap_s: float = 0.013,
+                 topic: str = "kdsync-calibrate") -> dict:
     """produce (acks=all) and fetch latencies of one broker, in ms (module doc)."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
     from kdsync.kafka.topic import ensure_topic
 
-    topic = "kdsync-calibrate"
     ensure_topic(bootstrap, topic)
     cons = Consumer({"bootstrap.servers": bootstrap, "group.id": "kdsync-calibrate", "enable.auto.commit": False,
                      "fetch.wait.max.ms": int(fetch_wait_ms), "log_level": 3})
@@ -225,16 +225,30 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
     from kdsync.config import ProtocolSection
 
     tick_s = (tick_ms or ProtocolSection().tick_ms) / 1000.0
+    fetch_wait = defaults()["fetch_wait_ms"]
     rows, runs = [], []
     for rate in rates:
         snap: dict = {}
 
         def on_group(g, snap=snap):
+            import threading
+
             snap["before"] = _snapshot(g)
             snap["box"] = start_box_probe(duration_s)
 
+            def broker():  # the broker's latencies while it carries this rate
+                try:
+                    snap["broker"] = probe_broker(g.bootstrap(0), fetch_wait, max(1.0, duration_s - 1.0),
+                                                  topic="kdsync-calibrate-loaded")
+                except Exception as e:  # reported, the fit does not need it
+                    snap["broker"] = {"error": str(e)[:200]}
+
+            snap["broker_thread"] = threading.Thread(target=broker, daemon=True)
+            snap["broker_thread"].start()
+
         def on_done(g, out, snap=snap):
             snap["after"] = _snapshot(g)
+            snap["broker_thread"].join(60)
 
         say(f"calibrate: {protocol} at {rate:g} events/s for {duration_s:g} s")
         r = run_load(protocol, rate, duration_s, on_group=on_group, on_done=on_done, floor=False)
@@ -246,7 +260,8 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
         runs.append({**{k: r.get(k) for k in ("rate_eps", "p50_ms", "p99_ms", "cpu_us_per_event",
                                               "frames_out_per_event", "loadavg_1m")},
                      "box": {k: ([round(x, 1) for x in v] if isinstance(v, list) else round(v, 2))
-                             for k, v in box.items()}})
+                             for k, v in box.items()},
+                     "broker": snap.get("broker", {})})
     return rows, runs
 
 
@@ -262,6 +277,31 @@ def defaults() -> dict:
             "sink_linger_ms": float(producer_conf({})["linger.ms"]),
             "writer_linger_ms": 2.0,  # kdsync.demo.write_events (the bench's writers)
             "timing": {k: float(getattr(p, k)) for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}}
+
+
+def broker_by_rate(runs: list[dict]) -> list[dict]:
+    """The broker terms measured under each paced rate (bench/simreal.py
+    interpolates them at a point's rate)."""
+    keys = ("produce_ms", "fetch_overhead_ms", "fetch_check_ms")
+    return [{"rate_eps": r["rate_eps"], **{k: r["broker"][k] for k in keys}}
+            for r in runs if all(k in r.get("broker", {}) for k in keys)]
+
+
+def kafka_at(profile: dict, rate_eps: float) -> dict:
+    """The profile's broker terms at `rate_eps`: linear between the measured
+    rates (flat beyond them); the idle probe's when none was measured."""
+    pts = sorted(profile.get("calibration", {}).get("broker_by_rate") or [], key=lambda r: r["rate_eps"])
+    if not pts:
+        return {}
+    if rate_eps <= pts[0]["rate_eps"]:
+        lo = hi = pts[0]
+    elif rate_eps >= pts[-1]["rate_eps"]:
+        lo = hi = pts[-1]
+    else:
+        hi = next(p for p in pts if p["rate_eps"] >= rate_eps)
+        lo = [p for p in pts if p["rate_eps"] <= rate_eps][-1]
+    w = 0.0 if hi is lo or hi["rate_eps"] == lo["rate_eps"] else (rate_eps - lo["rate_eps"]) / (hi["rate_eps"] - lo["rate_eps"])
+    return {k: round(lo[k] + (hi[k] - lo[k]) * w, 3) for k in ("produce_ms", "fetch_overhead_ms", "fetch_check_ms")}
 
 
 def box_terms(runs: list[dict]) -> dict:
@@ -307,6 +347,7 @@ def calibrate(out: Path, rates: list[float], duration_s: float, protocol: str = 
     rows, runs = measure_member(rates, duration_s, protocol, say=say)
     costs = fit_costs(rows)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "protocol": protocol,
+            "broker_by_rate": broker_by_rate(runs),
             "rates_eps": list(rates), "duration_s": duration_s, "loadavg_1m": [round(load0, 2),
                                                                                round(os.getloadavg()[0], 2)],
             "cpus": os.cpu_count(), "runs": runs,

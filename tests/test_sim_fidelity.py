@@ -287,3 +287,14 @@ def test_simreal_scenario_from_a_profile(tmp_path):
     far = sim_point(prof, 300, 25, 3, tmp_path)
     assert near["violations"] == 0 and near["events"] > 700
     assert far["p50_ms"] > near["p50_ms"] + 30  # derecho's hops each carry the 15 ms more
+
+
+def test_broker_terms_are_interpolated_at_a_points_rate():
+    from sim.calibrate import kafka_at
+
+    prof = {"calibration": {"broker_by_rate": [
+        {"rate_eps": 1000, "produce_ms": 3.0, "fetch_overhead_ms": 1.0, "fetch_check_ms": 4.0},
+        {"rate_eps": 100, "produce_ms": 1.0, "fetch_overhead_ms": 0.0, "fetch_check_ms": 2.0}]}}
+    assert kafka_at(prof, 550) == {"produce_ms": 2.0, "fetch_overhead_ms": 0.5, "fetch_check_ms": 3.0}
+    assert kafka_at(prof, 50)["produce_ms"] == 1.0 and kafka_at(prof, 5000)["produce_ms"] == 3.0
+    assert kafka_at({}, 300) == {}
