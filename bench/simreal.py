@@ -85,6 +85,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
 
     import subprocess
 
+    from bench.load import _stage_sums
     from kdsync import demo
     from kdsync.kafka.topic import ensure_topic
 
@@ -113,6 +114,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 g.wait_ready(timeout=90)
                 g.wait_for(0, 5)
                 procs = [psutil.Process(p.pid) for p in g.procs]
+                stages0 = [_stage_sums(g, i) for i in range(clusters)]
                 cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
                 load0 = os.getloadavg()[0]
                 t0 = time.monotonic()
@@ -122,6 +124,11 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 got = g.wait_for(total, timeout_s, poll=0.05)
                 t1 = time.monotonic()
                 cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
+                stages1 = [_stage_sums(g, i) for i in range(clusters)]
+                for stage in ("fetch", "handoff", "sent", "delivered", "produced"):  # mean ms per batch
+                    tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
+                    n = sum(b.get(stage, (0, 0))[1] - a.get(stage, (0, 0))[1] for a, b in zip(stages0, stages1))
+                    out[f"stage_{stage}_ms"] = round(1000 * tot / n, 3) if n else None
                 short = {n: len(v) for n, v in got.items() if len(v) < total}
                 if short:
                     raise RuntimeError(f"{total} events not ordered in {timeout_s:.0f} s: {short}")
@@ -173,10 +180,12 @@ def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: 
     path = workdir / f"simreal-{rate_eps:g}-{delay_ms:g}.yaml"
     path.write_text(yaml.safe_dump(scenario_for(profile_path, rate_eps, delay_ms, duration_s, protocol),
                                    sort_keys=False))
-    r = run_scenario(load_scenario(path))
+    r = run_scenario(load_scenario(path), stages=True)
     lat = r.summary["latency_created_ms"]
+    st = r.summary["stages_ms"]
     return {"p50_ms": lat["p50"], "p90_ms": lat["p90"], "p99_ms": lat["p99"], "max_ms": lat["max"],
-            "events": r.summary["events_submitted"], "violations": len(r.failing), "scenario": str(path)}
+            "events": r.summary["events_submitted"], "violations": len(r.failing), "scenario": str(path),
+            "stage_fetch_ms": st["fetch"], "stage_ordering_ms": st["ordering"]}
 
 
 def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, points=POINTS) -> list[dict]:
@@ -193,15 +202,25 @@ def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, poi
                "real_p90_ms": real.get("p90_ms"), "sim_p90_ms": sim["p90_ms"],
                "real_cpu_us_per_event": real.get("cpu_us_per_event"), "real_member_cpu_pct": real.get("member_cpu_pct"),
                "loadavg_1m": real.get("loadavg_1m"), "real_events": real.get("events"), "sim_events": sim["events"],
-               "sim_violations": sim["violations"], "error": real.get("error", "")}
+               "sim_violations": sim["violations"],
+               "real_stage_fetch_ms": real.get("stage_fetch_ms"), "sim_stage_fetch_ms": sim["stage_fetch_ms"],
+               "real_stage_ordering_ms": _ordering(real), "sim_stage_ordering_ms": sim["stage_ordering_ms"],
+               "error": real.get("error", "")}
         for q in ("p50", "p99"):
             r, s = row[f"real_{q}_ms"], row[f"sim_{q}_ms"]
             row[f"{q}_sim_over_real"] = round(s / r, 3) if r and s is not None else None
             row[f"{q}_within_20pct"] = bool(row[f"{q}_sim_over_real"] and 0.8 <= row[f"{q}_sim_over_real"] <= 1.2)
         say(f"simreal: real p50 {row['real_p50_ms']} p99 {row['real_p99_ms']} | sim p50 {row['sim_p50_ms']} "
-            f"p99 {row['sim_p99_ms']} | load {row['loadavg_1m']}")
+            f"p99 {row['sim_p99_ms']} | fetch real {row['real_stage_fetch_ms']} sim {row['sim_stage_fetch_ms']} | "
+            f"ordering real {row['real_stage_ordering_ms']} sim {row['sim_stage_ordering_ms']} | load {row['loadavg_1m']}")
         rows.append(row)
     return rows
+
+
+def _ordering(real: dict) -> float | None:
+    """The real member's handoff + sent + delivered + produced (the sim's `ordering`)."""
+    parts = [real.get(f"stage_{s}_ms") for s in ("handoff", "sent", "delivered", "produced")]
+    return round(sum(parts), 3) if all(p is not None for p in parts) else None
 
 
 def simreal_section(profile_path: Path, duration_s: float, workdir: Path, out: Path, say=print) -> Section:

@@ -141,7 +141,8 @@ class SimMember:
         self.deduplicated = 0
         self._wakeup_rng = random.Random(f"{host.seed}/wakeup/{member_id}/{shard}")
         self.fetched_upto = -1.0  # kafka.fetch_wait_ms: the snapshot time of the last fetch (the broker side)
-        self._sink_batch: list | None = None  # the member's producer batch while it lingers: [(deliveries, handed)]
+        self._sink_batch: list | None = None
+        self.stages: dict | None = None  # (partition, first offset) -> [fetched, handed] of own batches (bench)  # the member's producer batch while it lingers: [(deliveries, handed)]
 
     # ------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -296,6 +297,8 @@ class SimMember:
                 room -= b.first_offset + b.count - pos[p]
                 skip = pos[p] - b.first_offset
                 out.append(b.slice(skip) if skip > 0 else b)
+                if self.stages is not None:
+                    self.stages[(p, out[-1].first_offset)] = [self.host.now, None]
                 pos[p] = b.first_offset + b.count
                 i += 1
             cur[p] = i
@@ -430,6 +433,13 @@ class SimMember:
             host.after(0.0, self._witness_durable_cb, (self.epoch, deliveries[-1].end_seq))
             return
         now = host.now
+        if self.stages is not None:
+            me = self.id
+            for d in deliveries:
+                for b in d.batches:
+                    st = self.stages.get((b.partition, b.first_offset)) if b.origin == me else None
+                    if st is not None and st[1] is None:
+                        st[1] = now
         if host.sink_linger_s <= 0.0:
             host.after(host.produce_s + host.sink_extra_s, self._durable_cb, (self.epoch, [(deliveries, now)]))
             return

@@ -608,6 +608,7 @@ def run_scenario(
     node_factory: NodeFactory | None = None,
     progress: Callable[[float], None] | None = None,
     stop_when_settled: bool = False,
+    stages: bool = False,
 ) -> RunResult:
     """Run `scenario` with `seed` (default: the scenario's own) and judge it.
 
@@ -619,6 +620,9 @@ def run_scenario(
     seed = scenario.seed if seed is None else seed
     t0 = time.perf_counter()
     sim = Simulation(scenario, seed, node_factory)
+    if stages:
+        for m in sim.order:
+            m.stages = {}
     sim.run(progress, stop_when_settled)
     wall = time.perf_counter() - t0
 
@@ -678,6 +682,7 @@ def run_scenario(
         "exit_code": 1 if failing else 0,
         "tick_ms": sim.tick_s * 1000,
         "latency_created_ms": _created_summary(sim),
+        **({"stages_ms": _stage_means(sim)} if stages else {}),
         "network": {
             "messages": sim.network.sent,
             "dropped": sim.network.dropped,
@@ -689,6 +694,27 @@ def run_scenario(
         "shards": k,
     }
     return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", sim.clusters, k))
+
+
+def _stage_means(sim: Simulation) -> dict:
+    """run_scenario(stages=True): like kdsync_stage_seconds of the real member,
+    mean ms per own source batch — fetch (CreateTime of its first record ->
+    the member has it) and ordering (has it -> handed to the producer in its
+    own global topic)."""
+    linger = sim.scenario.kafka.writer_linger_ms / 1000.0 or sim.scenario.kafka.linger_ms / 1000.0
+    fetch, order = [], []
+    for m in sim.order:
+        c = m.cluster
+        for (p, off), (fetched, handed) in (m.stages or {}).items():
+            if handed is None or c is None:
+                continue
+            part = c.source[p]
+            i = part.index_of(off)
+            created = part.ack[i] - sim.produce_s - linger  # the first record of a producer batch
+            fetch.append(fetched - created)
+            order.append(handed - fetched)
+    mean = (lambda xs: round(1000 * sum(xs) / len(xs), 3) if xs else None)
+    return {"fetch": mean(fetch), "ordering": mean(order), "batches": len(fetch)}
 
 
 def _created_summary(sim: Simulation) -> dict:
