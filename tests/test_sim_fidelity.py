@@ -298,3 +298,11 @@ def test_broker_terms_are_interpolated_at_a_points_rate():
     assert kafka_at(prof, 550) == {"produce_ms": 2.0, "fetch_overhead_ms": 0.5, "fetch_check_ms": 3.0}
     assert kafka_at(prof, 50)["produce_ms"] == 1.0 and kafka_at(prof, 5000)["produce_ms"] == 3.0
     assert kafka_at({}, 300) == {}
+
+
+def test_stage_means_split_fetch_from_ordering():
+    r = run_scenario(parse_scenario(_scn(", linger_ms: 0, fetch_wait_ms: 20")), stages=True)
+    st = r.summary["stages_ms"]
+    assert st["batches"] == 1 and st["fetch"] == pytest.approx(20.0, abs=0.01)  # written 1.0, fetched 1.02
+    assert r.summary["latency_created_ms"]["p50"] == pytest.approx(st["fetch"] + st["ordering"], abs=1.0)
+    assert "stages_ms" not in run_scenario(parse_scenario(_scn())).summary
