@@ -233,7 +233,10 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
         def on_group(g, snap=snap):
             import threading
 
+            from bench.load import _stage_sums
+
             snap["before"] = _snapshot(g)
+            snap["stages0"] = [_stage_sums(g, i) for i in range(len(g.procs))]
             snap["box"] = start_box_probe(duration_s)
 
             def broker():  # the broker's latencies while it carries this rate
@@ -247,7 +250,13 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
             snap["broker_thread"].start()
 
         def on_done(g, out, snap=snap):
+            from bench.load import _stage_sums
+
             snap["after"] = _snapshot(g)
+            s1 = [_stage_sums(g, i) for i in range(len(g.procs))]
+            tot = sum(b.get("fetch", (0, 0))[0] - a.get("fetch", (0, 0))[0] for a, b in zip(snap["stages0"], s1))
+            n = sum(b.get("fetch", (0, 0))[1] - a.get("fetch", (0, 0))[1] for a, b in zip(snap["stages0"], s1))
+            snap["member_fetch_ms"] = round(1000 * tot / n, 3) if n else None
             snap["broker_thread"].join(60)
 
         say(f"calibrate: {protocol} at {rate:g} events/s for {duration_s:g} s")
@@ -261,7 +270,9 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
                                               "frames_out_per_event", "loadavg_1m")},
                      "box": {k: ([round(x, 1) for x in v] if isinstance(v, list) else round(v, 2))
                              for k, v in box.items()},
-                     "broker": snap.get("broker", {})})
+                     "broker": snap.get("broker", {}),
+                     # kdsync_stage_seconds{stage="fetch"}: source CreateTime -> the member's consumer has it
+                     "member_fetch_ms": snap.get("member_fetch_ms")})
     return rows, runs
 
 
@@ -283,8 +294,22 @@ def broker_by_rate(runs: list[dict]) -> list[dict]:
     """The broker terms measured under each paced rate (bench/simreal.py
     interpolates them at a point's rate)."""
     keys = ("produce_ms", "fetch_overhead_ms", "fetch_check_ms")
-    return [{"rate_eps": r["rate_eps"], **{k: r["broker"][k] for k in keys}}
-            for r in runs if all(k in r.get("broker", {}) for k in keys)]
+    writer_linger = defaults()["writer_linger_ms"]
+    out = []
+    for r in runs:
+        b = r.get("broker", {})
+        if not all(k in b for k in keys):
+            continue
+        row = {"rate_eps": r["rate_eps"], **{k: b[k] for k in keys}}
+        if r.get("member_fetch_ms") is not None:
+            # the source path as the member saw it (writer linger + append + fetch): what the
+            # probe's own client does not see of it (its process, the writers' librdkafka
+            # threads on a busy box) is put on produce_ms, the step the fetch model does not cap
+            seen = writer_linger + b["produce_ms"] + b["fetch_p50_ms"]
+            row["produce_ms"] = round(max(0.05, b["produce_ms"] + r["member_fetch_ms"] - seen), 3)
+            row["member_fetch_ms"] = r["member_fetch_ms"]
+        out.append(row)
+    return out
 
 
 def kafka_at(profile: dict, rate_eps: float) -> dict:

@@ -306,3 +306,15 @@ def test_stage_means_split_fetch_from_ordering():
     assert st["batches"] == 1 and st["fetch"] == pytest.approx(20.0, abs=0.01)  # written 1.0, fetched 1.02
     assert r.summary["latency_created_ms"]["p50"] == pytest.approx(st["fetch"] + st["ordering"], abs=1.0)
     assert "stages_ms" not in run_scenario(parse_scenario(_scn())).summary
+
+
+def test_broker_by_rate_puts_what_the_member_saw_of_the_source_path_on_produce():
+    from sim.calibrate import broker_by_rate
+
+    b = {"produce_ms": 1.0, "fetch_overhead_ms": 0.1, "fetch_check_ms": 3.0, "fetch_p50_ms": 1.5}
+    rows = broker_by_rate([{"rate_eps": 300, "broker": b, "member_fetch_ms": 9.5},
+                           {"rate_eps": 1000, "broker": b, "member_fetch_ms": None},
+                           {"rate_eps": 20, "broker": {"error": "x"}}])
+    assert [r["rate_eps"] for r in rows] == [300, 1000]
+    assert rows[0]["produce_ms"] == pytest.approx(9.5 - 2.0 - 1.5)  # member's fetch stage - writer linger - fetch p50
+    assert rows[1]["produce_ms"] == 1.0
