@@ -308,7 +308,7 @@ def test_stage_means_split_fetch_from_ordering():
     assert "stages_ms" not in run_scenario(parse_scenario(_scn())).summary
 
 
-def test_broker_by_rate_puts_what_the_member_saw_of_the_source_path_on_produce():
+def test_broker_by_rate_keeps_the_probes_terms_and_records_the_members_fetch_stage():
     from sim.calibrate import broker_by_rate
 
     b = {"produce_ms": 1.0, "fetch_overhead_ms": 0.1, "fetch_check_ms": 3.0, "fetch_p50_ms": 1.5}
@@ -316,5 +316,5 @@ def test_broker_by_rate_puts_what_the_member_saw_of_the_source_path_on_produce()
                            {"rate_eps": 1000, "broker": b, "member_fetch_ms": None},
                            {"rate_eps": 20, "broker": {"error": "x"}}])
     assert [r["rate_eps"] for r in rows] == [300, 1000]
-    assert rows[0]["produce_ms"] == pytest.approx(9.5 - 2.0 - 1.5)  # member's fetch stage - writer linger - fetch p50
-    assert rows[1]["produce_ms"] == 1.0
+    assert rows[0]["produce_ms"] == rows[1]["produce_ms"] == 1.0
+    assert rows[0]["member_fetch_ms"] == 9.5 and rows[0]["probe_fetch_path_ms"] == pytest.approx(2.0 + 1.0 + 1.5)
