@@ -106,29 +106,6 @@ def bars(rows: list[dict], metrics: list[tuple[str, str]], title: str, out: Path
     return [(_save(fig, out, name), title)]
 
 
-def sim_vs_real(rows: list[dict], out: Path) -> list[tuple[str, str]]:
-    """p50/p99 of the same paced workload, simulator next to real brokers."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    protos = [p for p in PROTOCOLS if any(r["protocol"] == p for r in rows)]
-    width = 0.2
-    for j, (src, key, hatch) in enumerate([("sim", "p50_ms", ""), ("real", "p50_ms", "//"),
-                                           ("sim", "p99_ms", ".."), ("real", "p99_ms", "xx")]):
-        vals = []
-        for p in protos:
-            r = next((r for r in rows if r["protocol"] == p and r["source"] == src), None)
-            v = r.get(key) if r else None
-            vals.append(v if isinstance(v, (int, float)) and not math.isnan(v) else 0)
-        ax.bar([i + (j - 1.5) * width for i in range(len(protos))], vals, width, hatch=hatch,
-               color=[COLORS[p] for p in protos], edgecolor="black", alpha=0.55 if src == "sim" else 0.9,
-               label=f"{src} {key[:3]}")
-    ax.set_xticks(range(len(protos)), protos)
-    ax.set_ylabel("latency (ms)")
-    ax.set_title("same paced workload: simulator (loopback links) vs real brokers")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    return [(_save(fig, out, "sim_vs_real.png"), "Simulator (loopback-like links) next to three real local clusters")]
-
-
 def shard_scaling(rows: list[dict], out: Path) -> list[tuple[str, str]]:
     """Drain throughput against the number of shards, next to linear scaling."""
     rs = [r for r in rows if r.get("records_per_s")]

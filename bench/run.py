@@ -9,7 +9,8 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   sim       the same workload under the three protocols, RTT x loss x seeds
   audit     the sim traces through the PySpark `kdsync audit` vs summary.json
   real      three embedded Tansu clusters + `kdsync run` members, end to end
-  simreal   the same small paced workload in the simulator and on real brokers
+  member    one member under paced load (bench.load): CPU per event, latency vs the Kafka floor, drain, idle
+  simreal   kdsync-sim calibrate, then real vs simulated p50/p99 at 300 and 1 000 events/s x 10 and 25 ms between members
   rdma      RDMA/TCP ratios from a soft-RoCE VM run (boots it with --rdma)
 
 Writes DIR/report.md (tables, plots embedded), DIR/*.png, DIR/*.csv.
@@ -35,14 +36,16 @@ from typing import Callable, Iterator
 from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "audit", "real", "simreal", "rdma")
+SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
-               "simreal": "skipped by --quick (needs the real section)"}
+               "member": "skipped by --quick (six paced loads on real brokers take minutes)",
+               "simreal": "skipped by --quick (calibration and four real runs take minutes)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
-          "simreal": "Simulator vs real brokers: the same small workload", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "rdma_", "simreal_", "summary")
+          "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
+          "simreal": "Simulator vs real: the four calibration points", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "summary")
 
 
 class UsageError(Exception):
@@ -215,37 +218,19 @@ def _clean(out: Path) -> None:
             f.unlink()
 
 
-def simreal_section(loop_rows: list[dict], real: Section | None, plot, out: Path) -> Section:
-    sec = Section("simreal", "Simulator vs real brokers: the same small workload")
-    if real is None or not real.ok:
-        raise NotMeasured("the real section did not run" + (f" ({real.reason})" if real is not None else ""))
-    real_rows = next(t.rows for t in real.tables if t.name == "real_e2e")
-    rows = []
-    for proto in ("derecho", "sequencer", "mirror"):
-        s = next((r for r in loop_rows if r["protocol"] == proto and "p50_ms" in r), None)
-        r = next((r for r in real_rows if r["protocol"] == proto), None)
-        if s:
-            rows.append({"protocol": proto, "source": "sim", "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"],
-                         "events": s["events_submitted"], "agreement_violations": s["v_agreement"]})
-        if r:
-            rows.append({"protocol": proto, "source": "real", "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
-                         "events": r["paced_events"], "agreement_violations": None})
-    if not rows:
-        raise NotMeasured("neither the loopback simulation nor the real runs produced figures")
-    rp = real_rows[0]
-    sec.intro.append(
-        f"The paced phase of the real section ({rp['paced_events']} events at {rp['paced_rate_eps']:g} events/s in "
-        f"total, spread over 3 clusters, 1 partition) replayed in the simulator with loopback-like links (0.05 ms one "
-        f"way) and a broker model of 1 ms produce / 0.5 ms consume. The gap shows what the simulator's model leaves "
-        f"out (Python member overhead, librdkafka batching and linger, a loaded 2-core box).")
-    sec.tables.append(Table("simreal", "Latency of the same workload, simulator vs real", rows))
-    sec.plots += plot.sim_vs_real(rows, out)
-    for proto in ("derecho", "mirror"):
-        s = next((r for r in rows if r["protocol"] == proto and r["source"] == "sim"), None)
-        r = next((r for r in rows if r["protocol"] == proto and r["source"] == "real"), None)
-        if s and r and s["p50_ms"]:
-            sec.headlines.append(Headline(f"{proto} real p50 / sim p50 (loopback workload)",
-                                          round(r["p50_ms"] / s["p50_ms"], 2), "", "simreal.csv"))
+def simreal_section(out: Path, work: Path, prog: "Progress") -> Section:
+    """`kdsync-sim calibrate` (writes OUT/calibration.yaml), then the four
+    calibration points real vs sim (bench/simreal.py)."""
+    from bench.simreal import simreal_section as points_section
+    from sim.calibrate import calibrate
+
+    profile = out / "calibration.yaml"
+    prog.say("simreal: kdsync-sim calibrate -> " + str(profile))
+    calibrate(profile, [20.0, 300.0, 1000.0], 5.0, say=prog.say)
+    sec = points_section(profile, 8.0, work, out, say=prog.say)
+    sec.intro.insert(0, f"`make bench` first runs `kdsync-sim calibrate --out {profile}` (3 paced runs at 20, 300 "
+                        f"and 1 000 events/s and a broker probe), then each point below once for real and once in "
+                        f"the simulator.")
     return sec
 
 
@@ -272,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench import plots as plot
     from bench.audit import audit_section
     from bench.core import core_section
+    from bench.member import MemberParams, member_section
     from bench.rdma import rdma_section
     from bench.scale import scale_section
     from bench.real import RealParams, real_section
-    from bench.sim import (FULL, QUICK, loopback_jobs, loopback_rows, run_job, sweep_jobs, sweep_section,
-                           yardstick_jobs, yardstick_rows)
+    from bench.sim import FULL, QUICK, run_job, sweep_jobs, sweep_section, yardstick_jobs, yardstick_rows
 
     params = QUICK if args.quick else FULL
     real_params = RealParams()
@@ -284,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.keep_work) if args.keep_work else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         jobs = sweep_jobs(params, work) if "sim" in wanted or "audit" in wanted else []
-        ljobs = loopback_jobs(real_params.rate_eps, real_params.paced_total, work) if "simreal" in wanted else []
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
-        total = len(wanted) + len(jobs) + len(ljobs) + len(yjobs) + (3 if "real" in wanted else 0)
+        member_params = MemberParams()
+        total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
+                 + (2 * len(member_params.rates) if "member" in wanted else 0))
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
@@ -299,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("scale", "Core and simulator at Kafka scale",
                                        lambda: scale_section(args.quick, plot, out), prog))
                 prog.step("scale")
-            all_jobs = yjobs + jobs + ljobs  # the long yardstick first, so it overlaps the short runs
+            all_jobs = yjobs + jobs  # the long yardstick first, so it overlaps the short runs
             all_res: list[dict] = []
             if all_jobs:
                 prog.say(f"sim: {len(all_jobs)} kdsync-sim runs, {args.jobs} at a time")
@@ -314,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
                         prog.step("sim runs")
             yres = all_res[:len(yjobs)]
             results = all_res[len(yjobs):len(yjobs) + len(jobs)]
-            lresults = all_res[len(yjobs) + len(jobs):]
             if "sim" in wanted:
                 sections.append(_guard("sim", "Simulator: the same workload under derecho / sequencer / mirror",
                                        lambda: sweep_section(jobs, results, params, out, plot,
@@ -335,10 +320,14 @@ def main(argv: list[str] | None = None) -> int:
                               prog)
                 sections.append(real)
                 prog.step("real")
+            if "member" in wanted:
+                sections.append(_guard("member", TITLES["member"],
+                                       lambda: member_section(member_params, out, progress=lambda: prog.step("member")),
+                                       prog))
+                prog.step("member")
             if "simreal" in wanted:
-                lrows = loopback_rows(ljobs, lresults)
-                sections.append(_guard("simreal", "Simulator vs real brokers: the same small workload",
-                                       lambda: simreal_section(lrows, real, plot, out), prog))
+                sections.append(_guard("simreal", "Simulator vs real: the four calibration points",
+                                       lambda: simreal_section(out, work, prog), prog))
                 prog.step("simreal")
             if "rdma" in wanted:
                 sections.append(_guard("rdma", "RDMA (soft-RoCE in a VM) vs TCP",

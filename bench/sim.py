@@ -2,7 +2,7 @@
 mirror across a sweep of WAN round-trip times and loss rates, several seeds
 each, through the public `kdsync-sim run SCENARIO --seed N --out DIR` (called
 in-process in pool workers: `sim.cli.main`, so a run does not pay for a new
-interpreter), plus the loopback workload of the sim-vs-real comparison.
+interpreter),.
 
 Scenario files are generated into a temporary directory (never sim/scenarios).
 Figures come from each run's summary.json; disagreeing positions and the
@@ -49,7 +49,7 @@ QUICK = SweepParams(rtts_ms=(50,), losses=(0.0,), seeds=(1,), duration_s=3, sett
 
 @dataclass(frozen=True)
 class SimJob:
-    group: str  # "sweep" | "loopback"
+    group: str  # "sweep" | "yardstick"
     protocol: str
     rtt_ms: float
     loss: float
@@ -93,25 +93,6 @@ def sweep_jobs(p: SweepParams, workdir: Path) -> list[SimJob]:
                 for seed in p.seeds:
                     jobs.append(SimJob("sweep", protocol, rtt, loss, seed, str(path),
                                        str(workdir / "runs" / f"{name}-s{seed}")))
-    return jobs
-
-
-def loopback_jobs(rate_eps_total: float, events_total: int, workdir: Path) -> list[SimJob]:
-    """The sim half of sim-vs-real: three members on loopback-like links
-    (0.05 ms one way) with the paced workload of the real section."""
-    scen = workdir / "scenarios"
-    scen.mkdir(parents=True, exist_ok=True)
-    per_member = rate_eps_total / 3
-    duration = events_total / rate_eps_total
-    p = SweepParams(rtts_ms=(0.1,), losses=(0.0,), seeds=(1,), duration_s=round(duration, 3), settle_s=3,
-                    rate_eps=per_member, bursts=(), partitions=1)
-    jobs = []
-    for protocol in PROTOCOLS:
-        name = f"loopback-{protocol}"
-        path = scen / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(scenario_dict(name, protocol, 0.1, 0.0, p, produce_ms=1.0, consume_ms=0.5),
-                                       sort_keys=False))
-        jobs.append(SimJob("loopback", protocol, 0.1, 0.0, 1, str(path), str(workdir / "runs" / name)))
     return jobs
 
 
@@ -316,9 +297,3 @@ def _first_violation(run_dir: Path) -> str:
     return f"{vs[0]['kind']}: {vs[0]['detail'][:160]}" if vs else "no violation recorded"
 
 
-def loopback_rows(jobs: list[SimJob], results: list[dict]) -> list[dict]:
-    out = []
-    for job, res in zip(jobs, results):
-        row, _ = run_row(job, res)
-        out.append(row)
-    return out

@@ -79,6 +79,9 @@ def _run(
                                       help="TOML configuration file"),
     log_level: str | None = typer.Option(None, "--log-level", metavar="LEVEL", show_default="[log] level",
                                          help="debug, info, warning or error; overrides [log] level"),
+    trace_latency: str | None = typer.Option(None, "--trace-latency", metavar="FILE", show_default="none",
+                                             help="append one JSON line per batch of records once durable: the time "
+                                                  "it reached each stage (docs/outputs.md)"),
     n: str | None = typer.Argument(None, metavar="N", show_default="2",
                                    help="original form: number of members; peers come from $DERECHO_CONF_FILE, "
                                         "./derecho.cfg or /etc/derecho/derecho.cfg"),
@@ -114,10 +117,10 @@ def _run(
 
     for msg, fields in notes:
         logging.getLogger("kdsync.config").info(msg, **kv(**fields))
-    from kdsync.member import Member
+    from kdsync.member import Member, run_loop
 
     try:
-        return asyncio.run(Member(cfg).run())
+        return run_loop(Member(cfg, trace_latency=trace_latency).run())
     except FatalError as e:
         print(f"kdsync run: {e}", file=sys.stderr)
         return 1

@@ -37,10 +37,10 @@ The TOML file (reference: docs/config.md) with every optional section::
 
     [protocol]
     name = "derecho"                    # derecho | sequencer | mirror
-    tick_ms = 10
-    heartbeat_ms = 20
-    suspect_ms = 200
-    retransmit_ms = 30
+    tick_ms = 50
+    heartbeat_ms = 100
+    suspect_ms = 500
+    retransmit_ms = 50
 
     [checkpoint]                        # the restart state next to each global topic (T-global.kdsync)
     interval_ms = 10000                 # written at most this often while positions advance
@@ -258,8 +258,8 @@ class TransportSection(_Model):
 
 class ProtocolSection(_Model):
     name: Literal["derecho", "sequencer", "mirror"] = "derecho"
-    tick_ms: Annotated[float, Field(gt=0, le=10_000)] = 10
-    heartbeat_ms: Annotated[float, Field(gt=0)] = 20
+    tick_ms: Annotated[float, Field(gt=0, le=10_000)] = 50
+    heartbeat_ms: Annotated[float, Field(gt=0)] = 100
     suspect_ms: Annotated[float, Field(gt=0)] = 500
     retransmit_ms: Annotated[float, Field(gt=0)] = 50
     max_batch: Annotated[int, Field(ge=1)] = 10_000

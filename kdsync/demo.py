@@ -217,6 +217,7 @@ class LocalGroup:
         self.peer_address = peer_address or (lambda i, j: f"127.0.0.1:{self.ports[j]}")
         self.extra = extra or {}
         self.procs: list[subprocess.Popen | None] = [None] * n
+        self.member_args: dict[int, list[str]] = {}  # extra `kdsync run` arguments of member i
         self.logs: list[Path] = [self.dir / f"member-{name}.log" for name in self.names]
         self._tails: dict[int, GlobalTail] = {}
 
@@ -266,7 +267,8 @@ class LocalGroup:
         path.write_text(self.config_text(i, **overrides))
         log = open(self.logs[i], "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path)],
+        self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path),
+                                          *self.member_args.get(i, ())],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          preexec_fn=_die_with_parent, start_new_session=True)
         log.close()

@@ -54,9 +54,7 @@ from dataclasses import dataclass, field
 
 from kdsync.config import Config, parse_address
 from kdsync.core import (
-    Batch,
     Delivery,
-    Event,
     LocalProtocolError,
     LogChunk,
     NodeConfig,
@@ -71,12 +69,22 @@ from kdsync.kafka.reader import GlobalReader, load_start
 from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.logs import KafkaClientLog, kv
+from kdsync.profiling import profiler
+from kdsync.stages import LatencyTrace, StageClock
 from kdsync.state import HardStateFile
 from kdsync.transport.channels import frame_channel, split_channel
 
 log = logging.getLogger("kdsync.member")
 
 EARLY_MESSAGES = 10_000  # peer messages kept per topic while its pipeline starts
+REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
+
+
+def run_loop(main):
+    """Run coroutine `main` on a new asyncio event loop; return its result.
+    (uvloop was tried: its transports refuse the protocol switch of
+    kdsync.transport.tcp's accept path, so asyncio's loop it is.)"""
+    return asyncio.run(main)
 
 
 # ---------------------------------------------------------------- per topic
@@ -99,14 +107,17 @@ class TopicPipeline:
     durable_end: int = 0
     status: str = ""  # the node's, as last logged
     process_scheduled: bool = False  # a ready() drain is queued on the loop
+    stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
 
 
 class Member:
     """One kdsync member: drives a TopicPipeline per source topic from one
     asyncio loop (see the module docstring).  `run()` returns the exit code."""
 
-    def __init__(self, cfg: Config, *, consume_batch: int = 1000):
+    def __init__(self, cfg: Config, *, consume_batch: int = 1000, trace_latency: str | None = None):
         self.cfg = cfg
+        self.trace_path = trace_latency
+        self.trace: LatencyTrace | None = None
         self.me = cfg.member.id
         self.witness = cfg.member.role == "witness"
         self.pcfg = cfg.protocol
@@ -128,6 +139,7 @@ class Member:
         self._kafka_err_logged: dict = {}
         self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its pipeline was ready
         self.rng = random.Random()
+        self._report_poll: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ helpers
     def _node_config(self) -> NodeConfig:
@@ -146,6 +158,14 @@ class Member:
     # ------------------------------------------------------------ start
     async def run(self) -> int:
         """Run until SIGINT/SIGTERM or a fatal error; return 0 or 1."""
+        prof = profiler(f"{self.me}-loop")
+        try:
+            return await self._run()
+        finally:
+            if prof is not None:
+                prof()
+
+    async def _run(self) -> int:
         self.loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self._on_signal, sig)
@@ -153,6 +173,11 @@ class Member:
         from kdsync.transport import TLSSettings, TransportError, make_transport
 
         self.metrics = MemberMetrics(self._peer_stats, self._stats_for_metrics)
+        if self.trace_path:
+            try:
+                self.trace = LatencyTrace(self.trace_path)
+            except OSError as e:
+                raise FatalError(f"--trace-latency: cannot write {self.trace_path}: {e.strerror}") from None
         if self.cfg.metrics.listen:
             host, port = parse_address(self.cfg.metrics.listen)
             try:
@@ -242,7 +267,8 @@ class Member:
         self.source = SourceConsumer(
             {**self.kafka_conf, "error_cb": self._on_kafka_error}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
-            on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag))
+            on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
+            on_commit=lambda t, delay: self.metrics.stage.labels(t, "committed").observe(delay))
         topics = await self._retry("listing source topics", self._discover_topics)
         if not topics:
             log.warning("no source topic matches yet; waiting for one", **kv(source=str(self.cfg.topics.source)))
@@ -290,12 +316,12 @@ class Member:
             except LocalProtocolError as e:
                 raise FatalError(f"protocol: {e}") from None
             p = TopicPipeline(topic, gt, node, state, durable_end=start_seq)
+            p.stages = StageClock(topic, self.me, self.metrics, self.trace)
             if not self.witness:
                 p.writer = GlobalWriter(
                     self.producer, gt, parts, start_seq, origin=self.me, present=present,
                     on_durable=lambda end, commits: self._on_durable(p, end, commits),
-                    on_written=lambda ev, catchup: self._on_written(p, ev, catchup),
-                    on_fatal=self.fatal, schedule=self.loop.call_soon)
+                    on_done=p.stages.written, on_fatal=self.fatal, schedule=self.loop.call_soon)
                 p.reader = GlobalReader(self.kafka_conf, f"kdsync-{self.me}-reader", gt, parts, start.seq_base)
                 self._start_checkpoints(p, start, parts)
             if present:
@@ -406,12 +432,13 @@ class Member:
         if self._stopping:
             return  # not committed: consumed again after a restart
         touched: dict[str, TopicPipeline] = {}
+        now = time.monotonic()
         for run in runs:
             p = self.pipelines.get(run.topic)
             if p is None:
                 continue
-            self.metrics.consumed.labels(run.topic).inc(len(run.events))
-            p.node.submit([Batch.from_events(run.events)])
+            p.stages.submitted(run, now)
+            p.node.submit([run.batch])
             touched[run.topic] = p
         for p in touched.values():
             self._process(p)
@@ -427,6 +454,8 @@ class Member:
             if rd.hard_state is not None:
                 p.state.save(rd.hard_state)
             send = self.transport.send
+            if rd.messages and p.stages.unsent:
+                p.stages.sent(time.monotonic())
             for m in rd.messages:
                 try:
                     send(m.to, frame_channel(p.topic, m.data))
@@ -448,11 +477,25 @@ class Member:
                 self.metrics.delivered.labels(p.topic).set(p.durable_end)
 
     def _deliver(self, p: TopicPipeline, d: Delivery) -> None:
+        p.stages.delivered(d, time.monotonic(), writes=p.writer is not None)
         if p.writer is None:  # a witness: nothing to write, durable at once (reported after advance)
             p.durable_end = d.end_seq
         else:
             p.writer.write(d)
             p.checkpoint.delivered(d)
+            if self._report_poll is None:
+                self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
+
+    def _poll_reports(self) -> None:
+        """Serve delivery reports while some are outstanding (the tick serves
+        them too, but a tick is long: durable ends and commits follow the
+        reports within a few ms, not a tick)."""
+        self._report_poll = None
+        if self._stopping:
+            return  # _shutdown serves the last reports itself
+        self.producer.poll(0)
+        if any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None):
+            self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
 
     def _note_status(self, p: TopicPipeline, status: str) -> None:
         if status and status != p.status:
@@ -461,11 +504,6 @@ class Member:
             self.metrics.set_status(p.topic, status)
 
     # ------------------------------------------------------------ the global topic's reports
-    def _on_written(self, p: TopicPipeline, ev: Event, catchup: bool) -> None:
-        if not catchup and ev.timestamp_ms > 0:
-            self.metrics.latency.labels(p.topic).observe(max(0.0, time.time() - ev.timestamp_ms / 1000.0))
-        self.metrics.written.labels(p.topic).inc()
-
     def _on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:
         p.durable_end = end
         p.node.durable(end)
@@ -522,5 +560,7 @@ class Member:
             await self.transport.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.trace is not None:
+            self.trace.close()
         log.info("member stopped", **kv(clean=self._fatal is None, **{
             f"end_{t}": p.durable_end for t, p in self.pipelines.items()}))

@@ -2,6 +2,7 @@
 
     kdsync-sim run SCENARIO.yaml [--seed N] [--out DIR]
     kdsync-sim swarm --seeds N [--first S] [--protocol P] [--out DIR] [--master URL | --local]
+    kdsync-sim calibrate [--out FILE] [--rates R1,R2,...] [--duration S] [--protocol P]
 
 Exit codes: 0 every invariant holds, 1 a violation (each one printed with a
 `repro:` line), 2 a bad scenario or bad arguments (one line naming what to fix).
@@ -154,6 +155,35 @@ def _cmd_swarm(
 
             print(f"kdsync-sim swarm: Spark failed: {one_line(err)}", file=sys.stderr)
             return 1
+
+
+@app.command("calibrate", help="Measure a real member's CPU per peer message, per event and per tick (3 embedded "
+                               "Tansu clusters, one kdsync run each, paced load at each rate) and the broker's "
+                               "produce and fetch latencies; write a profile scenarios name with  profile: FILE.")
+def _cmd_calibrate(
+    out: str = typer.Option("results/calibration.yaml", metavar="FILE", help="profile to write"),
+    rates: str = typer.Option("20,300,1000", metavar="R1,R2,...", help="total events/s of each paced run (a low one pins the idle cost)"),
+    duration: float = typer.Option(5.0, metavar="S", help="seconds of paced load per rate"),
+    protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
+) -> int:
+    from sim.calibrate import calibrate
+
+    try:
+        rate_list = [float(x) for x in rates.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--rates: give numbers separated by commas (got {rates!r})") from None
+    if not rate_list or any(r <= 0 for r in rate_list):
+        raise UsageError("--rates: give at least one rate, each > 0")
+    if not 0.5 <= duration <= 600:
+        raise UsageError("--duration must be between 0.5 and 600 seconds")
+    prof = calibrate(Path(out), rate_list, duration, protocol, say=lambda m: print(m, flush=True))
+    c, k = prof["member_cost"], prof["kafka"]
+    print(f"member: {c['message_us']} us/message, {c['event_us']} us/event, {c['tick_us']} us/tick "
+          f"(fit r2 {prof['calibration']['fit_r2']}); broker: produce {k['produce_ms']} ms, fetch overhead "
+          f"{k['fetch_overhead_ms']} ms, check {k['fetch_check_ms']} ms; load average "
+          f"{prof['calibration']['loadavg_1m']}")
+    print(f"profile: {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,23 +53,30 @@ class SourcePartition:
     def ack_time(self, offset: int) -> float:
         return self.ack[bisect_right(self.firsts, offset) - 1]
 
+    def next_ack_after(self, t: float) -> float:
+        """When the first batch acknowledged after `t` is (inf if none yet)."""
+        i = bisect_right(self.ack, t)
+        return self.ack[i] if i < len(self.ack) else float("inf")
+
 
 class GlobalTopic:
     """The durable global topic of one cluster: batches in position order."""
 
-    __slots__ = ("batches", "firsts", "ts", "length", "watermarks")
+    __slots__ = ("batches", "firsts", "ts", "handed", "length", "watermarks")
 
     def __init__(self) -> None:
         self.batches: list[Batch] = []
         self.firsts: list[int] = []  # position of each batch's first record
         self.ts: list[float] = []  # when each became durable
+        self.handed: list[float] = []  # when the member handed it to its producer (the record's CreateTime)
         self.length = 0
         self.watermarks: dict[tuple[str, int], int] = {}
 
-    def append(self, b: Batch, now: float) -> None:
+    def append(self, b: Batch, now: float, handed: float | None = None) -> None:
         self.batches.append(b)
         self.firsts.append(self.length)
         self.ts.append(now)
+        self.handed.append(now if handed is None else handed)
         self.length += b.count
         watermarks((b,), self.watermarks)
 

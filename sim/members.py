@@ -69,6 +69,8 @@ class Host(Protocol):
     seed: int
     produce_s: float
     consume_s: float
+    sink_linger_s: float  # the member's producer: linger.ms
+    sink_extra_s: float  # replication ack (acks=all) after the broker append (produce_s)
     commit_s: float
     max_inflight: int  # records consumed and not yet durable before a consumer pauses
 
@@ -118,7 +120,7 @@ class SimMember:
         self._throttled = False  # the consumer paused on back-pressure
         self.topic = cluster.topics[shard] if cluster is not None else None
         self.cost = cost if cost is not None and cost.costs_anything() else None
-        self._queue: deque[tuple[Callable[[], None], int, int]] = deque()  # (input, messages, records) waiting for the CPU
+        self._queue: deque[tuple[Callable[[], None], int, int, int]] = deque()  # (input, messages, records, ticks) waiting for the CPU
         self.busy = False  # a service is running (cost model)
         self.cpu_s = 0.0  # total service time (cost model)
         self.id = member_id
@@ -137,6 +139,10 @@ class SimMember:
         self.views = 0
         self.bad_messages = 0
         self.deduplicated = 0
+        self._wakeup_rng = random.Random(f"{host.seed}/wakeup/{member_id}/{shard}")
+        self.fetched_upto = -1.0  # kafka.fetch_wait_ms: the snapshot time of the last fetch (the broker side)
+        self._sink_batch: list | None = None
+        self.stages: dict | None = None  # (partition, first offset) -> [fetched, handed] of own batches (bench)  # the member's producer batch while it lingers: [(deliveries, handed)]
 
     # ------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -171,6 +177,7 @@ class SimMember:
         self.epoch += 1
         self._buffer.clear()
         self._queue.clear()
+        self._sink_batch = None  # a lingering batch dies with the process
         self.busy = False
         self.paused_until = -1.0
         self.status = "down"
@@ -187,7 +194,7 @@ class SimMember:
         self.paused_until = -1.0
         held, self._buffer = self._buffer, []
         if self.cost is not None:
-            self._queue.extend((fn, 0, 0) for fn in held)
+            self._queue.extend((fn, 0, 0, 0) for fn in held)
             self.poll()
             self._kick()
             return
@@ -211,12 +218,12 @@ class SimMember:
             self.deduplicated += int(self.node.stats.get("deduplicated", 0))
 
     # ---------------------------------------------------------------- inputs
-    def _input(self, fn: Callable[[], None], msgs: int = 0, events: int = 0) -> None:
+    def _input(self, fn: Callable[[], None], msgs: int = 0, events: int = 0, ticks: int = 0) -> None:
         if self.paused_until >= 0:
             self._buffer.append(fn)
             return
         if self.cost is not None:
-            self._queue.append((fn, msgs, events))
+            self._queue.append((fn, msgs, events, ticks))
             self._kick()
             return
         fn()
@@ -240,7 +247,7 @@ class SimMember:
         if not self.up or self.paused_until >= 0:
             return
         if self.cost is not None:
-            self._input(self._tick_node)
+            self._input(self._tick_node, ticks=1)
             return
         self.node.tick()
         self.flush()
@@ -257,12 +264,14 @@ class SimMember:
         if epoch == self.epoch:
             self.poll()
 
-    def poll(self) -> None:
-        """Fetch every batch visible past the consumer position; submit them in one call."""
+    def poll(self, horizon: float | None = None) -> None:
+        """Fetch every batch visible past the consumer position (visible by
+        `horizon`: a fetch's snapshot; default now); submit them in one call."""
         if not self.up or self.paused_until >= 0 or self.cluster is None:
             return
         src = self.cluster.source
-        horizon = self.host.now + 1e-9  # float slack: the wake-up time is vis, give or take an ulp
+        # float slack: the wake-up time is vis, give or take an ulp
+        horizon = (self.host.now if horizon is None else horizon) + 1e-9
         pos, cur = self.positions, self._cursor
         while len(pos) < len(src):
             pos.append(0)
@@ -288,6 +297,8 @@ class SimMember:
                 room -= b.first_offset + b.count - pos[p]
                 skip = pos[p] - b.first_offset
                 out.append(b.slice(skip) if skip > 0 else b)
+                if self.stages is not None:
+                    self.stages[(p, out[-1].first_offset)] = [self.host.now, None]
                 pos[p] = b.first_offset + b.count
                 i += 1
             cur[p] = i
@@ -349,6 +360,25 @@ class SimMember:
         """Ask for a core of the site (after the other inputs of this instant) if idle."""
         if not self.busy and self._queue and self.paused_until < 0:
             self.busy = True
+            delay = self._wakeup_delay()
+            if delay > 0.0:  # an idle process waits for the scheduler first
+                self.host.after(delay, self._woken, self.epoch)
+                return
+            self.host.cpu_acquire(self)
+
+    def _wakeup_delay(self) -> float:
+        c = self.cost
+        q = c.wakeup_quantiles_us
+        if q:  # inverse CDF of the measured distribution
+            x = self._wakeup_rng.random() * (len(q) - 1)
+            i = min(int(x), len(q) - 2)
+            return (q[i] + (q[i + 1] - q[i]) * (x - i)) / 1e6
+        if c.wakeup_us > 0.0:
+            return self._wakeup_rng.expovariate(1e6 / c.wakeup_us)
+        return 0.0
+
+    def _woken(self, epoch: int) -> None:
+        if epoch == self.epoch and self.busy:
             self.host.cpu_acquire(self)
 
     def _serve(self, epoch: int) -> None:
@@ -365,15 +395,17 @@ class SimMember:
         q = self._queue
         msgs_in = events_in = 0
         records = 0
-        held: list[tuple[Callable[[], None], int, int]] = []
+        held: list[tuple[Callable[[], None], int, int, int]] = []
+        ticks = 0
         while q:
-            fn, m, e = q.popleft()
+            fn, m, e, k = q.popleft()
             if e and records and records + e > SERVICE_RECORDS:
-                held.append((fn, m, e))  # a fetch for the next service; messages and ticks go first
+                held.append((fn, m, e, k))  # a fetch for the next service; messages and ticks go first
                 continue
             records += e
             msgs_in += m
             events_in += e
+            ticks += k
             fn()
         q.extend(held)
         out = self._handshake()
@@ -381,7 +413,7 @@ class SimMember:
         msgs_out = sum(len(rd.messages) for rd in out)
         events_out = sum(d.count for rd in out for d in rd.deliveries)
         t = (c.ready_us * max(1, len(out)) + c.message_us * (msgs_in + msgs_out)
-             + c.event_us * (events_in + events_out)) / 1e6
+             + c.event_us * (events_in + events_out) + c.tick_us * ticks) / 1e6 * c.slowdown
         self.cpu_s += t
         self.host.after(t, self._served, (epoch, out))
 
@@ -400,23 +432,46 @@ class SimMember:
         if self.cluster is None:  # a witness has no global topic: durable as soon as handed over
             host.after(0.0, self._witness_durable_cb, (self.epoch, deliveries[-1].end_seq))
             return
-        host.after(host.produce_s, self._durable_cb, (self.epoch, deliveries))
+        now = host.now
+        if self.stages is not None:
+            me = self.id
+            for d in deliveries:
+                for b in d.batches:
+                    st = self.stages.get((b.partition, b.first_offset)) if b.origin == me else None
+                    if st is not None and st[1] is None:
+                        st[1] = now
+        if host.sink_linger_s <= 0.0:
+            host.after(host.produce_s + host.sink_extra_s, self._durable_cb, (self.epoch, [(deliveries, now)]))
+            return
+        # the member's producer (linger.ms): the first delivery opens a batch that
+        # leaves sink_linger_s later with everything handed over meanwhile
+        if self._sink_batch is None:
+            self._sink_batch = []
+            host.after(host.sink_linger_s, self._sink_send, self.epoch)
+        self._sink_batch.append((deliveries, now))
+
+    def _sink_send(self, epoch: int) -> None:
+        if epoch != self.epoch or self._sink_batch is None:
+            return
+        batch, self._sink_batch = self._sink_batch, None
+        self.host.after(self.host.produce_s + self.host.sink_extra_s, self._durable_cb, (epoch, batch))
 
     def _durable_cb(self, arg) -> None:
-        epoch, deliveries = arg
+        epoch, handed_over = arg
         if epoch != self.epoch:
             return  # the producer died before the brokers acknowledged: the append is lost
         topic = self.topic
         now = self.host.now
         me = self.id
         commits: dict[int, int] = {}
-        for d in deliveries:
-            if d.first_seq != topic.length:
-                self.host.observe_gap(self, topic.length, d.first_seq)
-            for b in d.batches:
-                topic.append(b, now)
-                if b.origin == me:
-                    commits[b.partition] = b.first_offset + b.count
+        for deliveries, handed in handed_over:
+            for d in deliveries:
+                if d.first_seq != topic.length:
+                    self.host.observe_gap(self, topic.length, d.first_seq)
+                for b in d.batches:
+                    topic.append(b, now, handed)
+                    if b.origin == me:
+                        commits[b.partition] = b.first_offset + b.count
         if commits:
             self.host.after(self.host.commit_s, self._commit_cb, (self.epoch, commits))
             if self._throttled:  # room again for the paused consumer

@@ -22,6 +22,7 @@ so the same scenario and seed give the same run, byte for byte.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from bisect import bisect_right
@@ -63,6 +64,16 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
     message).
     """
     base = NodeConfig(member_id=member_id, members=s.member_ids)
+    if s.timing is not None:  # the real member's timers, counted in its ticks (kdsync/config.py ticks())
+        t = s.timing.resolved()
+
+        def ticks(ms: float) -> int:
+            return max(1, round(ms / t["tick_ms"]))
+
+        return NodeConfig(member_id=member_id, members=s.member_ids,
+                          roles={m.id: m.role for m in s.members if m.role == "witness"}, protocol=s.protocol,
+                          suspect_ticks=ticks(t["suspect_ms"]), heartbeat_ticks=ticks(t["heartbeat_ms"]),
+                          retransmit_ticks=ticks(t["retransmit_ms"]))
     worst_ms = s.network.default.latency_ms or 1.0
     worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
     for o in s.network.links:
@@ -191,6 +202,14 @@ class Simulation:
         self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.max_inflight = scenario.kafka.max_inflight
+        k = scenario.kafka
+        self.sink_linger_s = k.sink_linger_ms / 1000.0
+        self.sink_extra_s = k.ack_ms / 1000.0
+        self.fetch_wait_s = k.fetch_wait_ms / 1000.0  # 0: no fetch model (visible consume_ms after the ack)
+        self.fetch_overhead_s = k.fetch_overhead_ms / 1000.0
+        self.fetch_check_s = self.fetch_wait_s if k.fetch_check_ms is None else k.fetch_check_ms / 1000.0
+        self.written_until: dict[str, float] = {}  # per cluster: its source topic is written up to then
+        self.tick_s = scenario.timing.resolved()["tick_ms"] / 1000.0 if scenario.timing is not None else TICK_S
         self.node_factory = node_factory or make_node
         self.shards = k = scenario.shards
         self.checkers = [Checker(scenario.member_ids, s, k) for s in range(k)]  # one per shard (ordering group)
@@ -336,9 +355,11 @@ class Simulation:
         c = self.clusters[origin]
         nodes = self.site_nodes[origin]
         k = self.shards
-        lag = self.produce_s + self.consume_s
-        wake = self.poll_s <= 0.0
+        fetching = self.fetch_wait_s > 0.0  # the fetch loops (_fetch) hand batches over
+        lag = self.produce_s + (0.0 if fetching else self.consume_s)
+        wake = self.poll_s <= 0.0 and not fetching
         for block, ws in enumerate(writes(self.scenario, self.seed, origin, WORKLOAD_BLOCK_S)):
+            self.written_until[origin] = (block + 1) * WORKLOAD_BLOCK_S
             last_vis: dict[int, float] = {}
             for w in ws:
                 part = c.source[w.partition]
@@ -353,10 +374,57 @@ class Simulation:
             nxt = (block + 1) * WORKLOAD_BLOCK_S
             if nxt > env.now:
                 yield env.timeout(nxt - env.now)
+        self.written_until[origin] = math.inf
 
     def acknowledged(self) -> int:
         """Records every source cluster acknowledged so far."""
         return sum(c.acknowledged() for c in self.clusters.values())
+
+    # ---------------------------------------------------------- fetch loops
+    def _fetch(self, m: SimMember, issued: float | None = None) -> None:
+        """kafka.fetch_wait_ms > 0: one fetch of member `m`'s consumer reaches the
+        broker now.  Data already there: the response leaves at once.  Nothing
+        new: the broker holds it, looking every fetch_check_s, and answers at the
+        first look that finds data or at fetch_wait_s.  The response (snapshot at
+        that instant) reaches the member fetch_overhead_s later, and the next
+        fetch goes out then (librdkafka keeps one fetch outstanding per broker)."""
+        now = self.env.now
+        issued = now if issued is None else issued  # a held fetch looked at again (below)
+        last = m.fetched_upto
+        c = m.cluster
+        parts = c.source[m.shard::self.shards] if c is not None else []
+        first = min((p.next_ack_after(last) for p in parts), default=float("inf"))
+        wait, check = self.fetch_wait_s, self.fetch_check_s
+        known = self.written_until.get(m.id, math.inf)  # the workload is written this far ahead
+        if first > known and issued + wait > known:
+            # what arrives after `known` is not written yet: look again once it is
+            self.after(known - now, self._fetch_again, (m, issued))
+            return
+        answer = self._answer(issued, first, wait, check)
+        m.fetched_upto = answer
+        self.after(answer - now + self.fetch_overhead_s, self._fetched, (m, answer))
+
+    def _fetch_again(self, arg) -> None:
+        self._fetch(*arg)
+
+    @staticmethod
+    def _answer(now: float, first: float, wait: float, check: float) -> float:
+        """When the broker answers a fetch that reached it at `now`, the first
+        new batch being acknowledged at `first`."""
+        if first <= now + 1e-12:
+            answer = now
+        elif first >= now + wait:
+            answer = now + wait
+        elif check <= 0.0:
+            answer = first
+        else:
+            answer = min(now + wait, now + check * math.ceil((first - now) / check - 1e-9))
+        return answer
+
+    def _fetched(self, arg) -> None:
+        m, horizon = arg
+        m.poll(horizon)
+        self._fetch(m)
 
     def _poller(self, ev) -> None:
         """kafka.poll_ms > 0: each member's consume loop hands over a batch every poll_ms."""
@@ -412,7 +480,7 @@ class Simulation:
     # ---------------------------------------------------------------- ticks
     def _tick(self, ev) -> None:
         m = ev.value
-        Timeout(self.env, TICK_S, m).callbacks.append(self._tick)
+        Timeout(self.env, self.tick_s, m).callbacks.append(self._tick)
         m.on_tick()
 
     # ------------------------------------------------------------------ run
@@ -445,16 +513,20 @@ class Simulation:
         phase_rng = random.Random(f"{self.seed}/tick-phase")
         for m in self.order:
             m.start()
-            phase = phase_rng.random() * TICK_S
+            phase = phase_rng.random() * self.tick_s
             Timeout(self.env, phase, m).callbacks.append(self._tick)
             if self.poll_s > 0.0 and m.cluster is not None:
                 Timeout(self.env, phase + self.poll_s, m).callbacks.append(self._poller)
         self._setup_workload()
+        if self.fetch_wait_s > 0.0:  # the first fetches, once the producers wrote their first block
+            for m in self.order:
+                if m.cluster is not None:
+                    self.after(0.0, self._fetch_again, (m, 0.0))
         self.env.process(self._faults())
         self.env.process(self._settle())
         if stop_when_settled:
             self.env.process(self._watch_settle())
-        step = max(self.end_s / 200.0, TICK_S) if progress else 0.5
+        step = max(self.end_s / 200.0, self.tick_s) if progress else 0.5
         t = 0.0
         while t < self.end_s:
             t = min(self.end_s, t + step)
@@ -464,6 +536,36 @@ class Simulation:
             t = self.env.now  # the settle watcher may have stopped the run early
 
     # ------------------------------------------------------------- results
+    def created_latencies(self) -> list[float]:
+        """Per record, every cluster: whole ms from its CreateTime in the source
+        topic to the CreateTime of its copy in a global topic (the instant the
+        member handed it to its producer) — what the real bench measures
+        (global record timestamp - kdsync.origin.ts).  The records of a producer
+        batch were created evenly over the kafka.linger_ms before it was sent
+        (writer_linger_ms: the first opened it writer_linger_ms before, the
+        others came evenly after it)."""
+        import numpy as np
+
+        linger = self.scenario.kafka.linger_ms / 1000.0
+        first_opens = self.scenario.kafka.writer_linger_ms / 1000.0  # librdkafka: the first record waits it all
+        handed, sent, counts = [], [], []
+        for t in (t for c in self.clusters.values() for t in c.topics):
+            for b, h in zip(t.batches, t.handed):
+                ack = _ack_time(self.clusters, b)
+                if ack == ack:  # not NaN
+                    handed.append(h)
+                    sent.append(ack - self.produce_s)
+                    counts.append(b.count)
+        if not counts:
+            return []
+        k = np.asarray(counts)
+        idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # index of each record in its batch
+        if first_opens > 0:
+            created = np.repeat(np.asarray(sent), k) - first_opens * (1.0 - idx / np.repeat(k, k))
+        else:
+            created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
+        return (np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0)).tolist()
+
     def latencies(self) -> list[tuple[float, int]]:
         """(latency ms, records) per delivered batch, every cluster."""
         out: list[tuple[float, int]] = []
@@ -506,6 +608,7 @@ def run_scenario(
     node_factory: NodeFactory | None = None,
     progress: Callable[[float], None] | None = None,
     stop_when_settled: bool = False,
+    stages: bool = False,
 ) -> RunResult:
     """Run `scenario` with `seed` (default: the scenario's own) and judge it.
 
@@ -517,6 +620,9 @@ def run_scenario(
     seed = scenario.seed if seed is None else seed
     t0 = time.perf_counter()
     sim = Simulation(scenario, seed, node_factory)
+    if stages:
+        for m in sim.order:
+            m.stages = {}
     sim.run(progress, stop_when_settled)
     wall = time.perf_counter() - t0
 
@@ -574,7 +680,9 @@ def run_scenario(
         # extensions (docs/outputs.md: keys are only ever added)
         "violation_counts": counts,
         "exit_code": 1 if failing else 0,
-        "tick_ms": TICK_S * 1000,
+        "tick_ms": sim.tick_s * 1000,
+        "latency_created_ms": _created_summary(sim),
+        **({"stages_ms": _stage_means(sim)} if stages else {}),
         "network": {
             "messages": sim.network.sent,
             "dropped": sim.network.dropped,
@@ -586,6 +694,38 @@ def run_scenario(
         "shards": k,
     }
     return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", sim.clusters, k))
+
+
+def _stage_means(sim: Simulation) -> dict:
+    """run_scenario(stages=True): like kdsync_stage_seconds of the real member,
+    mean ms per own source batch — fetch (CreateTime of its first record ->
+    the member has it) and ordering (has it -> handed to the producer in its
+    own global topic)."""
+    linger = sim.scenario.kafka.writer_linger_ms / 1000.0 or sim.scenario.kafka.linger_ms / 1000.0
+    fetch, order = [], []
+    for m in sim.order:
+        c = m.cluster
+        for (p, off), (fetched, handed) in (m.stages or {}).items():
+            if handed is None or c is None:
+                continue
+            part = c.source[p]
+            i = part.index_of(off)
+            created = part.ack[i] - sim.produce_s - linger  # the first record of a producer batch
+            fetch.append(fetched - created)
+            order.append(handed - fetched)
+    mean = (lambda xs: round(1000 * sum(xs) / len(xs), 3) if xs else None)
+    return {"fetch": mean(fetch), "ordering": mean(order), "batches": len(fetch)}
+
+
+def _created_summary(sim: Simulation) -> dict:
+    import numpy as np
+
+    xs = sim.created_latencies()
+    if not xs:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+    a = np.asarray(xs)
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p90": round(float(np.percentile(a, 90)), 3),
+            "p99": round(float(np.percentile(a, 99)), 3), "max": round(float(a.max()), 3)}
 
 
 def _site_state(nodes: list[SimMember]) -> dict:

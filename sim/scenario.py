@@ -63,9 +63,35 @@ class KafkaSpec(_Strict):
     # the records written meanwhile (Kafka's linger.ms; librdkafka's default
     # is 5); 0 = every record its own batch at its own Poisson arrival time
     linger_ms: float = Field(default=5.0, ge=0, le=10_000)
+    # extension: with linger_ms 0 (exact arrivals), batch them as librdkafka does:
+    # the first record of a partition opens a batch sent writer_linger_ms later
+    writer_linger_ms: float = Field(default=0.0, ge=0, le=10_000)
     # extension: the consumer pauses while this many consumed records are not
     # yet durable in the member's global topic (the real member's back-pressure)
     max_inflight: int = Field(default=50_000, ge=1, le=100_000_000)
+    # extension (testbed fidelity): the member's source consumer as librdkafka's
+    # fetch loop.  0 = off (a batch reaches the member consume_ms after it was
+    # acknowledged).  > 0: one fetch outstanding per member; a fetch that finds
+    # nothing new is held by the broker for fetch_wait_ms (fetch.wait.max.ms),
+    # then the next one goes out; each response takes fetch_overhead_ms more
+    fetch_wait_ms: float = Field(default=0.0, ge=0, le=60_000)
+    fetch_overhead_ms: float = Field(default=0.0, ge=0, le=60_000)
+    # extension: while it holds an idle fetch the broker looks for new data every
+    # fetch_check_ms and answers at the first look that finds some (0: at once;
+    # not given: never before fetch_wait_ms, a broker without early wake-up)
+    fetch_check_ms: float | None = Field(default=None, ge=0, le=60_000)
+    # extension: the member's global-topic producer: a batch opens with the
+    # first delivery and leaves sink_linger_ms later (linger.ms); it is durable
+    # produce_ms + ack_ms after it left (broker append, then acks=all replication)
+    sink_linger_ms: float = Field(default=0.0, ge=0, le=10_000)
+    ack_ms: float = Field(default=0.0, ge=0, le=60_000)
+
+
+    @model_validator(mode="after")
+    def _writer_linger(self) -> "KafkaSpec":
+        if self.writer_linger_ms > 0 and self.linger_ms > 0:
+            raise ValueError("writer_linger_ms batches exact arrivals: it needs linger_ms: 0")
+        return self
 
 
 class WorkloadSpec(_Strict):
@@ -137,9 +163,46 @@ class MemberCostSpec(_Strict):
     event_us: float = Field(default=0.0, ge=0, le=1e6)  # per record submitted or delivered
     ready_us: float = Field(default=0.0, ge=0, le=1e6)  # per Ready handshake (one loop iteration)
     cores: int = Field(default=1, ge=1, le=1024)  # of each site, shared by its shards' nodes
+    tick_us: float = Field(default=0.0, ge=0, le=1e6)  # per tick (timers, idle loop work), extension
+    # extension, the box: an idle member's next service starts after a wake-up
+    # delay (exponential, this mean: the scheduler of a busy box), and every
+    # service takes `slowdown` times its CPU time in wall time (cores shared)
+    wakeup_us: float = Field(default=0.0, ge=0, le=1e6)
+    slowdown: float = Field(default=1.0, ge=1.0, le=100.0)
+    # extension: the wake-up delay's distribution instead of an exponential: its
+    # quantiles at 0, 1/n, ..., 1 (µs, non-decreasing), sampled by inverse CDF
+    wakeup_quantiles_us: list[float] | None = Field(default=None, min_length=2, max_length=1001)
+
+    @model_validator(mode="after")
+    def _quantiles(self) -> "MemberCostSpec":
+        q = self.wakeup_quantiles_us
+        if q is not None and (any(b < a for a, b in zip(q, q[1:])) or q[0] < 0):
+            raise ValueError("wakeup_quantiles_us must be >= 0 and non-decreasing")
+        return self
 
     def costs_anything(self) -> bool:
-        return bool(self.message_us or self.event_us or self.ready_us)
+        return bool(self.message_us or self.event_us or self.ready_us or self.tick_us or self.wakeup_us
+                    or self.wakeup_quantiles_us)
+
+
+class TimingSpec(_Strict):
+    """The member's timers as in kdsync run's [protocol] (extension).  With this
+    key the simulated node ticks every tick_ms and counts its timeouts in ticks
+    exactly like the real member (round(ms / tick_ms), at least 1); a key left
+    out takes kdsync's default (kdsync/config.py)."""
+
+    tick_ms: float | None = Field(default=None, gt=0, le=10_000)
+    heartbeat_ms: float | None = Field(default=None, gt=0, le=600_000)
+    suspect_ms: float | None = Field(default=None, gt=0, le=600_000)
+    retransmit_ms: float | None = Field(default=None, gt=0, le=600_000)
+
+    def resolved(self) -> dict[str, float]:
+        """Every timer in ms, kdsync's defaults for those not given."""
+        from kdsync.config import ProtocolSection
+
+        d = ProtocolSection()
+        return {k: (getattr(self, k) if getattr(self, k) is not None else getattr(d, k))
+                for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}
 
 
 class ExpectSpec(_Strict):
@@ -160,6 +223,8 @@ class Scenario(_Strict):
     faults: list[FaultSpec] = []
     expect: ExpectSpec = ExpectSpec()
     member_cost: MemberCostSpec | None = None
+    timing: TimingSpec | None = None  # extension: the real member's timers (default: the simulator's own)
+    profile: str | None = None  # extension: the calibration profile merged in (parse_scenario)
     shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
 
     @property
@@ -245,6 +310,11 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"{source}:1: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ScenarioError(f"{source}:1: a scenario is a mapping (name, duration_s, members, ...)")
+    if "profile" in data:
+        try:
+            data = _with_profile(data, source)
+        except _LoadError as err:
+            raise ScenarioError(f"{source}:{_line_of(('profile',), lines)}: profile: {err}") from None
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as err:
@@ -264,6 +334,35 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         path, what = problem
         raise ScenarioError(f"{source}:{_line_of(path, lines)}: {_dotted(path)}: {what}")
     return scenario
+
+
+PROFILE_SECTIONS = ("kafka", "member_cost", "timing")
+
+
+def _with_profile(data: dict, source: str) -> dict:
+    """`data` with the calibration profile it names merged under its own keys."""
+    name = data["profile"]
+    if not isinstance(name, str) or not name:
+        raise _LoadError(1, "give the path of a calibration profile (kdsync-sim calibrate writes one)")
+    path = Path(name)
+    if not path.is_absolute():
+        near = Path(source).parent / path
+        path = near if near.exists() else path
+    try:
+        prof = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _LoadError(1, f"no such calibration profile {name!r} (kdsync-sim calibrate writes one)") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise _LoadError(1, f"cannot read calibration profile {name!r} ({err.__class__.__name__})") from None
+    if not isinstance(prof, dict) or not any(k in prof for k in PROFILE_SECTIONS):
+        raise _LoadError(1, f"{name!r} is not a calibration profile (no {', '.join(PROFILE_SECTIONS)} section)")
+    out = dict(data)
+    for sec in PROFILE_SECTIONS:
+        given = prof.get(sec)
+        if isinstance(given, dict):
+            own = data.get(sec)
+            out[sec] = {**given, **(own if isinstance(own, dict) else {})}
+    return out
 
 
 def _cross_check(s: Scenario) -> tuple[tuple, str] | None:

@@ -80,7 +80,9 @@ def _entry_writes(s: Scenario, seed: int, cluster: str, i: int, w: WorkloadSpec,
     start = w.start_s or 0.0
     stop = s.duration_s if w.stop_s is None else w.stop_s
     if tick <= 0.0:
-        yield from _exact(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}"))
+        exact = _exact(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}"))
+        linger = s.kafka.writer_linger_ms / 1000.0
+        yield from (_librdkafka_batches(exact, linger) if linger > 0 else exact)
         return
     rng = _generator(seed, "workload", i, cluster)
     lam = w.rate_eps * tick / parts
@@ -104,3 +106,23 @@ def _exact(w: WorkloadSpec, i: int, start: float, stop: float, rng: random.Rando
         p = rng.randrange(w.partitions) if w.partitions > 1 else 0
         yield Write(t, i, p, 1, w.payload_bytes)
         t += rng.expovariate(w.rate_eps)
+
+
+def _librdkafka_batches(arrivals: Iterator[Write], linger: float) -> Iterator[Write]:
+    """kafka.writer_linger_ms: librdkafka's linger.ms over exact arrivals — the
+    first record of a partition opens a batch that is sent `linger` later with
+    every record of that partition that arrived meanwhile.  In send order."""
+    open_: dict[int, list] = {}  # partition -> [first arrival, count, template]
+    for a in arrivals:
+        due = sorted((b[0] + linger, p) for p, b in open_.items() if b[0] + linger <= a.t)
+        for t, p in due:
+            first, n, tmpl = open_.pop(p)
+            yield Write(t, tmpl.entry, p, n, tmpl.payload_bytes)
+        b = open_.get(a.partition)
+        if b is None:
+            open_[a.partition] = [a.t, 1, a]
+        else:
+            b[1] += 1
+    for t, p in sorted((b[0] + linger, p) for p, b in open_.items()):
+        first, n, tmpl = open_[p]
+        yield Write(t, tmpl.entry, p, n, tmpl.payload_bytes)

@@ -213,3 +213,14 @@ def test_checkpoint_and_kafka_log_keys(tmp_path):
     with pytest.raises(ConfigError, match="^config error: checkpoint.interval_ms: Input should be greater than or "
                                           "equal to 100$"):
         load_config(write(tmp_path, MINIMAL + "[checkpoint]\ninterval_ms = 5\n", "e.toml"))
+
+
+def test_protocol_timing_defaults_keep_an_idle_member_cheap():
+    """Issue 9: a tick every 50 ms and a heartbeat every 100 ms by default (an
+    idle member's CPU is mostly ticks and heartbeats), suspicion after 5
+    heartbeats, retransmission within a few ticks."""
+    from kdsync.config import ProtocolSection
+
+    p = ProtocolSection()
+    assert (p.tick_ms, p.heartbeat_ms, p.suspect_ms, p.retransmit_ms) == (50, 100, 500, 50)
+    assert (p.ticks(p.heartbeat_ms), p.ticks(p.suspect_ms), p.ticks(p.retransmit_ms)) == (2, 10, 1)

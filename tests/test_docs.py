@@ -181,7 +181,7 @@ def test_every_option_is_documented(cmd):
     assert f"kdsync {' '.join(cmd)}" in text
 
 
-@pytest.mark.parametrize("cmd", [["run"], ["swarm"]])
+@pytest.mark.parametrize("cmd", [["run"], ["swarm"], ["calibrate"]])
 def test_every_sim_option_is_documented(cmd):
     text = (DOCS / "commands.md").read_text()
     r = subprocess.run([sys.executable, "-m", "sim.cli", *cmd, "--help"], capture_output=True, text=True, timeout=60)

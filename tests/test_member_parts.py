@@ -11,7 +11,7 @@ import pytest
 from kdsync.core import Delivery, Event, HardState, RemoteProtocolError
 from kdsync.core import batches_from_events
 from kdsync.errors import FatalError
-from kdsync.kafka.records import H_SEQ, pack_payload
+from kdsync.kafka.records import H_SEQ, global_headers, pack_payload
 from kdsync.kafka.sink import GlobalWriter
 from kdsync.kafka.source import SourceConsumer
 from kdsync.state import HardStateFile
@@ -49,10 +49,10 @@ def delivery(first, events, catchup=False):
 
 
 def writer(prod, start=0, present=None, partitions=1):
-    got = {"durable": [], "written": [], "fatal": [], "scheduled": []}
+    got = {"durable": [], "done": [], "fatal": [], "scheduled": []}
     w = GlobalWriter(prod, "t-global", partitions, start, origin="me", present=present,
                      on_durable=lambda end, commits: got["durable"].append((end, commits)),
-                     on_written=lambda e, catchup: got["written"].append((e.offset, catchup)),
+                     on_done=lambda done: got["done"].extend((d.first_seq, d.end_seq, d.catchup) for d in done),
                      on_fatal=got["fatal"].append, schedule=got["scheduled"].append)
     return w, got
 
@@ -76,10 +76,15 @@ def test_writer_reports_the_contiguous_prefix_and_commits_only_own_events_below_
     assert w.durable_end == 13 and len(got["scheduled"]) == 1  # one report for the batch of delivery reports
     run_scheduled(got)
     assert got["durable"] == [(13, {0: 6, 1: 4})]  # own events below 13: p0 offset 5, p1 offset 3
+    assert got["done"] == []  # the delivery is not wholly durable yet
     prod.report(3)
     run_scheduled(got)
     assert got["durable"][-1] == (14, {0: 7}) and w.outstanding == 0
-    assert got["written"] == [(7, False), (5, False), (3, False), (6, False)] and got["fatal"] == []
+    assert got["done"] == [(10, 14, False)] and w.written == 4 and got["fatal"] == []
+    # the records carry the source record and kdsync's headers, in records.global_headers' order
+    key, value, headers = prod.records[2][1:4]
+    assert (key, value) == (b"k3", b"v")
+    assert headers == global_headers(12, "me", 1, 3, 1003)
 
 
 def test_writer_skips_positions_already_present_and_refuses_gaps_and_failed_writes():
@@ -89,7 +94,7 @@ def test_writer_skips_positions_already_present_and_refuses_gaps_and_failed_writ
     assert len(prod.records) == 1  # position 3 is in the topic already: not written twice
     prod.report(0)
     run_scheduled(got)
-    assert got["durable"] == [(4, {})] and got["written"] == [(2, True), (1, True)]
+    assert got["durable"] == [(4, {})] and got["done"] == [(2, 4, True)] and w.written == 2
     w.write(delivery(9, (ev("me", 0, 9),)))
     assert got["fatal"] == ["internal: delivery at position 9 but t-global continues at 4"]
     w.write(delivery(4, (ev("me", 0, 9),)))
@@ -154,3 +159,56 @@ def test_channels_frame_and_refuse_malformed():
     for bad in (b"", b"\x00x", b"\x09ab", b"\x02\xff\xfe"):
         with pytest.raises(RemoteProtocolError):
             split_channel(bad)
+
+
+def test_observe_many_tallies_like_observe():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from kdsync.metrics import LATENCY_BUCKETS, observe_many
+
+    reg = CollectorRegistry()
+    h = Histogram("x_seconds", "x", ["t"], buckets=LATENCY_BUCKETS, registry=reg)
+    values = [0.0, 0.0005, 0.0007, 0.001, 0.3, 7.0, 100.0, 0.02, 0.02]
+    for v in values:
+        h.labels("one").observe(v)
+    observe_many(h.labels("many"), values)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in reg.collect() for s in fam.samples
+               if not s.name.endswith("_created")}
+    one = {(n, tuple(x for x in labels if x[0] != "t")): v for (n, labels), v in samples.items() if ("t", "one") in labels}
+    many = {(n, tuple(x for x in labels if x[0] != "t")): v for (n, labels), v in samples.items() if ("t", "many") in labels}
+    assert one == many and one[("x_seconds_count", ())] == len(values)
+
+
+class FakeConsumer:
+    def __init__(self):
+        self.commits = []
+
+    def commit(self, offsets, asynchronous):
+        self.commits.append(([(tp.topic, tp.partition, tp.offset) for tp in offsets], asynchronous))
+
+
+def test_source_commits_at_most_once_per_interval_and_everything_at_the_end():
+    delays = []
+    s = SourceConsumer({}, "me", loop=None, on_runs=None, on_fatal=None, on_lag=None, commit_interval=3600,
+                       on_commit=lambda t, d: delays.append(t))
+    c = FakeConsumer()
+    s.commit("a", {0: 5})
+    s._drain_commits(c)
+    assert c.commits == [([("a", 0, 5)], True)]  # the first goes out at once
+    s.commit("a", {0: 9, 1: 2})
+    s.commit("a", {0: 7})
+    s._drain_commits(c)
+    assert len(c.commits) == 1  # within the interval: held back...
+    assert s._committed == {("a", 0): 9, ("a", 1): 2}  # ...but back-pressure and lag count them durable
+    s._drain_commits(c, final=True)
+    assert c.commits[-1] == ([("a", 0, 9), ("a", 1, 2)], False)  # the highest offsets, synchronously
+    assert delays == ["a", "a"]
+
+
+def test_source_runs_are_batches_with_the_records_timestamps():
+    s = SourceConsumer({}, "me", loop=None, on_runs=None, on_fatal=None, on_lag=None)
+    runs = s._runs([Msg("a", 0, 4), Msg("a", 0, 5)], {})
+    (r,) = runs
+    assert (r.batch.origin, r.batch.partition, r.batch.first_offset, r.batch.count) == ("me", 0, 4, 2)
+    assert r.batch.timestamps_ms() == [5, 5] and r.fetched_wall > 0 and r.fetched_t > 0
+    assert r.batch.payloads() == [pack_payload(None, b"v", None)] * 2

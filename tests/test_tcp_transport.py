@@ -122,6 +122,29 @@ async def test_three_members_round_trip_order_and_batching():
         await close_all(ts)
 
 
+@async_test
+async def test_one_loop_iteration_of_sends_leaves_as_one_frame_without_the_writer_task():
+    ids = ["dc1", "dc2"]
+    inboxes = {m: Inbox() for m in ids}
+    ts = group(ids, free_ports(2), inboxes, ping_interval=60)  # no PING in the way
+    await start_all(ts)
+    try:
+        await all_connected(ts)
+        st = ts["dc1"].stats["dc2"]
+        link = ts["dc1"]._links["dc2"]
+        for round_ in range(3):
+            before = st.frames_out
+            for i in range(50):  # one loop iteration: no await between the sends
+                assert ts["dc1"].send("dc2", b"r%d-%d" % (round_, i))
+            assert not link.wakeup.is_set()  # the connected fast path does not wake the writer task
+            await asyncio.sleep(0)  # the scheduled flush runs
+            assert st.frames_out == before + 1 and link.queued == 0 and not link.queue
+            await until(lambda: len(inboxes["dc2"].got["dc1"]) == 50 * (round_ + 1), 10, "round delivered")
+        assert inboxes["dc2"].got["dc1"] == [b"r%d-%d" % (r, i) for r in range(3) for i in range(50)]
+    finally:
+        await close_all(ts)
+
+
 # ------------------------------------------------------------------ reconnect
 
 

@@ -17,14 +17,16 @@ its event loop; every callback of this module runs there.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Callable
+from functools import partial
+from typing import Callable, NamedTuple
 
-from kdsync.core import Delivery, Event
+from kdsync.core import Delivery
 from kdsync.errors import FatalError
-from kdsync.kafka.records import global_partition, global_record
+from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ, global_partition, unpack_payload
 
-__all__ = ["GlobalWriter", "ensure_global", "make_producer", "producer_conf"]
+__all__ = ["GlobalWriter", "WrittenDelivery", "ensure_global", "make_producer", "producer_conf"]
 
 
 def producer_conf(overrides: dict) -> dict:
@@ -73,88 +75,138 @@ class GlobalWriter:
     `on_durable(end, commits)` — positions below `end` are durable, and
     `commits` (source partition -> next offset) of this member's own events
     may be committed; called once per batch of delivery reports, through
-    `schedule` (e.g. `loop.call_soon`).  `on_written(event, catchup)` — one
-    record confirmed.  `on_fatal(message)` — a write failed.
+    `schedule` (e.g. `loop.call_soon`).  `on_done(done)` (optional) — at the
+    same moment, the `WrittenDelivery`s now wholly durable (one per Delivery,
+    not per record: what the member's metrics and trace sample).
+    `on_fatal(message)` — a write failed.
+
+    The hot path is per record only where Kafka is: one `produce` and one
+    delivery report each; everything else (commits, metrics, the durable
+    report) is per batch or per Delivery.
     """
 
     def __init__(self, producer, global_topic: str, partitions: int, start_seq: int, *, origin: str,
                  present: set[int] | None = None, on_durable: Callable[[int, dict[int, int]], None],
-                 on_written: Callable[[Event, bool], None], on_fatal: Callable[[str], None],
-                 schedule: Callable[[Callable[[], None]], object]):
+                 on_fatal: Callable[[str], None], schedule: Callable[[Callable[[], None]], object],
+                 on_done: Callable[[list["WrittenDelivery"]], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.producer = producer
         self.global_topic = global_topic
         self.partitions = partitions
         self.origin = origin
         self.present = set(present or ())
-        self.on_durable, self.on_written, self.on_fatal, self.schedule = on_durable, on_written, on_fatal, schedule
+        self.on_durable, self.on_fatal, self.schedule, self.on_done = on_durable, on_fatal, schedule, on_done
+        self.clock = clock
         self.durable_end = start_seq  # positions below are confirmed
         self.produced_end = start_seq  # next position to produce
-        self._pending: dict[int, Event] = {}  # seq -> event produced, report outstanding
+        self.written = 0  # records confirmed (a counter the metrics read)
+        self._outstanding = 0  # produced, delivery report not yet come
         self._confirmed: set[int] = set()  # seqs confirmed above the durable prefix
-        self._own: deque = deque()  # (seq, partition, offset) of own events produced, not yet durable
+        self._own: deque = deque()  # (last seq, partition, last offset) of own batches produced, not yet durable
+        self._done: deque = deque()  # WrittenDelivery of each Delivery produced, not yet durable
         self._scheduled = False
+        self._origin_b: dict[str, bytes] = {}
 
     @property
     def outstanding(self) -> int:
         """Records produced whose delivery report has not come yet."""
-        return len(self._pending)
+        return self._outstanding
 
     def write(self, d: Delivery) -> None:
         """Produce the records of `d`, which must continue where the last ended
         (else on_fatal)."""
-        p = self.producer
         seq = d.first_seq
         if seq != self.produced_end:
             self.on_fatal(f"internal: delivery at position {seq} but {self.global_topic} continues at "
                           f"{self.produced_end}")
             return
-        for ev in d.events():
-            key, value, headers = global_record(seq, ev)
-            self._pending[seq] = ev
-            if ev.origin == self.origin:
-                self._own.append((seq, ev.partition, ev.offset))
-            if self.present and seq in self.present:  # written before a crash, beyond a gap: do not duplicate
-                self.present.discard(seq)
-                self._on_delivery(seq, True, None, None)
+        t0 = self.clock()
+        produce, topic, parts, report = self.producer.produce, self.global_topic, self.partitions, self._on_delivery
+        present = self.present
+        first_ts = 0
+        for b in d.batches:
+            ob = self._origin_b.get(b.origin)
+            if ob is None:
+                ob = self._origin_b[b.origin] = b.origin.encode()
+            oh, ph = (H_ORIGIN, ob), (H_OPART, b"%d" % b.partition)
+            off = b.first_offset
+            tss = b.timestamps_ms()
+            if not first_ts:
+                first_ts = tss[0]
+            for payload, ts in zip(b.payloads(), tss):
+                key, value, headers = unpack_payload(payload)
+                # the source record's headers, then kdsync's (records.global_headers, in its order)
+                headers += ((H_SEQ, b"%d" % seq), oh, ph, (H_OOFF, b"%d" % off), (H_OTS, b"%d" % ts))
+                self._outstanding += 1
+                if present and seq in present:  # written before a crash, beyond a gap: do not duplicate
+                    present.discard(seq)
+                    report(seq, None, None)
+                else:
+                    part = 0 if parts == 1 else global_partition(key, seq, parts)
+                    while True:
+                        try:
+                            produce(topic, value=value, key=key, partition=part, on_delivery=partial(report, seq),
+                                    headers=headers)
+                            break
+                        except BufferError:  # local queue full: serve reports, then retry
+                            self.producer.poll(0.05)
                 seq += 1
-                continue
-            cb = (lambda err, msg, s=seq, c=d.catchup: self._on_delivery(s, c, err, msg))
-            while True:
-                try:
-                    p.produce(self.global_topic, value=value, key=key, headers=headers,
-                              partition=global_partition(key, seq, self.partitions), on_delivery=cb)
-                    break
-                except BufferError:  # local queue full: serve reports, then retry
-                    p.poll(0.05)
-            seq += 1
+                off += 1
+            if b.origin == self.origin:
+                self._own.append((seq - 1, b.partition, off - 1))
         self.produced_end = seq
+        self._done.append(WrittenDelivery(d.first_seq, seq, first_ts, d.catchup, t0, self.clock()))
 
-    def _on_delivery(self, seq: int, catchup: bool, err, msg) -> None:
-        ev = self._pending.pop(seq, None)
+    def _on_delivery(self, seq: int, err, msg) -> None:
+        self._outstanding -= 1
         if err is not None:
             self.on_fatal(f"writing position {seq} to {self.global_topic} failed: {err.str()} "
                           f"(restart the member once the cluster accepts writes; it resumes from the global topic)")
             return
-        if ev is None:
-            return
-        self.on_written(ev, catchup)
-        self._confirmed.add(seq)
+        self.written += 1
         if seq == self.durable_end:
-            end = seq
-            while end in self._confirmed:
-                self._confirmed.discard(end)
-                end += 1
+            end = seq + 1
+            confirmed = self._confirmed
+            if confirmed:
+                while end in confirmed:
+                    confirmed.discard(end)
+                    end += 1
             self.durable_end = end
             if not self._scheduled:  # report once per batch of delivery reports
                 self._scheduled = True
                 self.schedule(self.report_durable)
+        else:
+            self._confirmed.add(seq)
 
     def report_durable(self) -> None:
-        """Call on_durable with the durable end and the commits it allows now."""
+        """Call on_durable with the durable end and the commits it allows now
+        (and on_done with the deliveries now wholly durable)."""
         self._scheduled = False
+        end = self.durable_end
         commits: dict[int, int] = {}
         own = self._own
-        while own and own[0][0] < self.durable_end:
+        while own and own[0][0] < end:
             _, part, off = own.popleft()
             commits[part] = off + 1
-        self.on_durable(self.durable_end, commits)
+        if self._done and self._done[0].end_seq <= end:
+            now = self.clock()
+            done = []
+            while self._done and self._done[0].end_seq <= end:
+                done.append(self._done.popleft()._replace(durable_t=now))
+            if self.on_done is not None:
+                self.on_done(done)
+        self.on_durable(end, commits)
+
+
+class WrittenDelivery(NamedTuple):
+    """One Delivery on its way through the global topic (loop clock, seconds):
+    handed to the writer at `write_t`, every record produced by `produced_t`,
+    every delivery report in by `durable_t`.  `first_ts_ms`: the source
+    timestamp of its first record."""
+
+    first_seq: int
+    end_seq: int
+    first_ts_ms: int
+    catchup: bool
+    write_t: float
+    produced_t: float
+    durable_t: float = 0.0

@@ -22,12 +22,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-from kdsync.core import Event
-from kdsync.kafka.records import event_from_source
+from kdsync.core import Batch, Event
+from kdsync.kafka.records import pack_payload
 from kdsync.logs import kv
+from kdsync.profiling import profiler
 
 __all__ = ["MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
 
@@ -47,14 +47,21 @@ def consumer_conf(member_id: str, overrides: dict) -> dict:
     return conf
 
 
-@dataclass
 class SourceRun:
-    """Records of one source partition at consecutive offsets, as core events
-    (in offset order; origin = this member)."""
+    """Records of one source partition at consecutive offsets, as one core
+    `Batch` (origin = this member), with when the consumer thread got them
+    (`fetched_wall`: time.time(), `fetched_t`: time.monotonic())."""
 
-    topic: str
-    partition: int
-    events: list[Event]
+    __slots__ = ("topic", "partition", "batch", "fetched_wall", "fetched_t")
+
+    def __init__(self, topic: str, partition: int, batch: Batch, fetched_wall: float = 0.0, fetched_t: float = 0.0):
+        self.topic, self.partition, self.batch = topic, partition, batch
+        self.fetched_wall, self.fetched_t = fetched_wall, fetched_t
+
+    @property
+    def events(self) -> list[Event]:
+        """The records taken apart (tests; not the hot path)."""
+        return self.batch.events()
 
 
 class SourceConsumer:
@@ -68,7 +75,8 @@ class SourceConsumer:
 
     def __init__(self, conf: dict, origin: str, loop: asyncio.AbstractEventLoop, *,
                  on_runs: Callable[[list[SourceRun]], None], on_fatal: Callable[[str], None],
-                 on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT):
+                 on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT,
+                 commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -78,7 +86,13 @@ class SourceConsumer:
         self.max_inflight = max_inflight
         self._topics: dict[str, dict[int, int]] = {}  # topic -> partition -> lowest offset to consume
         self._commit_q: queue.Queue = queue.Queue()
-        self._committed: dict[tuple[str, int], int] = {}  # source offsets committed (durably ordered below)
+        self._committed: dict[tuple[str, int], int] = {}  # source offsets durably ordered below (committed soon)
+        self._to_commit: dict[tuple[str, int], int] = {}  # of those, not sent to the coordinator yet
+        self.commit_interval = commit_interval
+        self._last_commit = float("-inf")
+        self.commits = 0  # commit requests sent
+        self.on_commit = on_commit  # (topic, seconds since the oldest commit it carries was queued), this thread
+        self._queued_at: dict[str, float] = {}
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -92,7 +106,7 @@ class SourceConsumer:
     def commit(self, topic: str, offsets: dict[int, int]) -> None:
         """Commit `offsets` (partition -> next offset) of `topic` soon, in the consumer thread."""
         if offsets:
-            self._commit_q.put((topic, offsets))
+            self._commit_q.put((topic, offsets, time.monotonic()))
 
     def start(self) -> None:
         """Start the consumer thread."""
@@ -112,6 +126,14 @@ class SourceConsumer:
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
+        prof = profiler(f"{self.origin}-consumer")
+        try:
+            self._consume()
+        finally:
+            if prof is not None:
+                prof()
+
+    def _consume(self) -> None:
         from confluent_kafka import Consumer
 
         c = Consumer(self.conf)
@@ -154,9 +176,14 @@ class SourceConsumer:
 
     def _runs(self, msgs: list, consumed: dict[tuple[str, int], int]) -> list[SourceRun]:
         """Cut consumed messages into runs (a new run at every change of
-        partition and every offset gap), keeping their order."""
+        partition and every offset gap), keeping their order; each run is
+        one Batch, built without a Python object per record beyond its payload."""
         runs: list[SourceRun] = []
-        last = None  # (topic, partition, next offset) of the run being filled
+        wall, mono = time.time(), time.monotonic()
+        origin = self.origin
+        now_ms = 0
+        cur = None  # [topic, partition, first offset, next offset, payloads, timestamps]
+        parts: list = []
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -166,11 +193,18 @@ class SourceConsumer:
                     log.warning("consumer", **kv(error=err.str()))
                 continue
             topic, part, off = m.topic(), m.partition(), m.offset()
-            consumed[(topic, part)] = off + 1
-            if last != (topic, part, off):
-                runs.append(SourceRun(topic, part, []))
-            runs[-1].events.append(event_from_source(self.origin, m))
-            last = (topic, part, off + 1)
+            if cur is None or cur[3] != off or cur[1] != part or cur[0] != topic:
+                cur = [topic, part, off, off, [], []]
+                parts.append(cur)
+            cur[3] = off + 1
+            cur[4].append(pack_payload(m.key(), m.value(), m.headers()))
+            ts = m.timestamp()[1]
+            if ts <= 0:  # a record without a timestamp gets the time now
+                ts = now_ms = now_ms or int(wall * 1000)
+            cur[5].append(ts)
+        for topic, part, first, nxt, payloads, tss in parts:
+            consumed[(topic, part)] = nxt
+            runs.append(SourceRun(topic, part, Batch.of(origin, part, first, payloads, tss), wall, mono))
         return runs
 
     def _refresh(self, c, assigned: dict[tuple[str, int], bool]) -> None:
@@ -219,23 +253,41 @@ class SourceConsumer:
                 self.on_lag(t, p, max(0, hi - self._committed.get((t, p), 0)))
 
     def _drain_commits(self, c, final: bool = False) -> None:
+        """Take the queued commits (durable below: back-pressure and lag see
+        them at once); send them to the group coordinator at most once per
+        `commit_interval` (and at the end): a commit is one broker request,
+        and a restart starts from the global topic's watermarks anyway."""
         from confluent_kafka import KafkaException, TopicPartition
 
-        merged: dict[tuple[str, int], int] = {}
+        merged = self._to_commit
         while True:
             try:
-                topic, commits = self._commit_q.get_nowait()
+                topic, commits, t = self._commit_q.get_nowait()
             except queue.Empty:
                 break
+            if topic not in self._queued_at:
+                self._queued_at[topic] = t
             for p, off in commits.items():
-                merged[(topic, p)] = max(off, merged.get((topic, p), 0))
+                tp = (topic, p)
+                if off > merged.get(tp, 0):
+                    merged[tp] = off
+                if off > self._committed.get(tp, 0):
+                    self._committed[tp] = off
         if not merged:
             return
+        now = time.monotonic()
+        if not final and now - self._last_commit < self.commit_interval:
+            return
+        self._last_commit = now
         tps = [TopicPartition(t, p, off) for (t, p), off in sorted(merged.items())]
-        for (t, p), off in merged.items():
-            self._committed[(t, p)] = max(off, self._committed.get((t, p), 0))
+        merged.clear()
+        if self.on_commit is not None:
+            for topic, t in self._queued_at.items():
+                self.on_commit(topic, now - t)
+        self._queued_at.clear()
         try:
             c.commit(offsets=tps, asynchronous=not final)
+            self.commits += 1
         except KafkaException as e:
             # not fatal: a later commit covers it; on restart the watermarks skip what is durable
             log.warning("offset commit failed", **kv(error=str(e)))

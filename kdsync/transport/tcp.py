@@ -18,10 +18,13 @@ stays unacknowledged (partition, dead host), so we redial promptly after
 healing instead of waiting out TCP's retransmission backoff.
 
 Sending: batching and back-pressure.  Each peer has a bounded queue (bytes,
-`max_queue_bytes`) filled by `send()`.  One writer task per outgoing
-connection takes *everything* queued when it runs and writes it as one BATCH
-frame (`framing.py`), then awaits `drain()`; while the socket is busy, new
-messages accumulate and go out together in the next frame.  A batch is cut at
+`max_queue_bytes`) filled by `send()`.  Everything queued in one loop
+iteration goes out as one BATCH frame (`framing.py`) right after it: `send()`
+schedules one `_flush` per link with `call_soon`, which writes the frame
+straight to the socket (no task switch, no timer per frame).  When the
+socket's buffer is backed up (the kernel did not take the last frame), `_flush` leaves the queue
+to the link's writer task, which awaits `drain()`; meanwhile new messages
+accumulate and go out together in the next frame.  A batch is cut at
 `max_batch_bytes` (4 MiB; a bigger single message still goes alone, up to
 `max_frame_bytes`): frames of tens of MB cost more in allocation and copying
 than they save, and smaller ones let the receiver decode one batch while the
@@ -127,7 +130,7 @@ _field = handshake_field
 class _Link:
     """Outgoing side of one peer: its queue and the task that dials it."""
 
-    __slots__ = ("peer", "addr", "queue", "queued", "wakeup", "task", "writer", "last_error")
+    __slots__ = ("peer", "addr", "queue", "queued", "wakeup", "task", "writer", "last_error", "flush_due")
 
     def __init__(self, peer: str, addr: tuple[str, int]) -> None:
         self.peer = peer
@@ -138,6 +141,7 @@ class _Link:
         self.task: asyncio.Task | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.last_error: str | None = None
+        self.flush_due = False  # a _flush of this link is scheduled on the loop
 
 
 class _Accept(asyncio.Protocol):
@@ -310,6 +314,7 @@ class TcpTransport(Transport):
         self._server_ssl: ssl.SSLContext | None = None
         self._client_ssl: ssl.SSLContext | None = None
         self.bound: tuple[str, int] | None = None  # actual listen address after start()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ public API
 
@@ -317,7 +322,7 @@ class TcpTransport(Transport):
         if self.tls is not None:
             self._server_ssl, self._client_ssl = self._ssl_contexts(self.tls)
         host, port = self.listen
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
                 lambda: _Accept(self), host, port, reuse_address=True
@@ -353,8 +358,57 @@ class TcpTransport(Transport):
             return False
         link.queue.append(data)
         link.queued += size
-        link.wakeup.set()
+        if link.writer is None:
+            link.wakeup.set()  # the write loop sends the queue once connected
+        elif not link.flush_due:
+            # everything sent in this loop iteration leaves as one frame, right after it
+            link.flush_due = True
+            self._loop.call_soon(self._flush, link)
         return True
+
+    def _flush(self, link: _Link) -> None:
+        """Write the queue of a connected link straight to its socket (one
+        BATCH frame, or a few when large), without waking the write loop; when
+        the socket's buffer is backed up, leave it to the write loop, which
+        waits for it to drain."""
+        link.flush_due = False
+        w = link.writer
+        if not link.queue or self._closing:
+            return
+        if w is None or w.transport.is_closing():
+            link.wakeup.set()
+            return
+        st = self.stats[link.peer]
+        budget = min(self.max_frame_bytes, self.max_batch_bytes) - HEADER_SIZE
+        tr = w.transport
+        # the kernel took everything so far: at most one frame ever waits in asyncio's buffer
+        while link.queue and tr.get_write_buffer_size() == 0:
+            frame = encode_batch_frame(self._take(link, budget))
+            w.write(frame)
+            st.frames_out += 1
+            st.bytes_out += len(frame)
+        if link.queue:
+            link.wakeup.set()  # backed up: the write loop waits for drain()
+
+    @staticmethod
+    def _take(link: _Link, budget: int) -> list[bytes]:
+        """Messages from the head of the queue that fit one frame (at least one)."""
+        queue = link.queue
+        if link.queued + 4 * len(queue) <= budget:  # common case: take everything
+            msgs = list(queue)
+            queue.clear()
+            link.queued = 0
+            return msgs
+        msgs = []
+        size = 0
+        while queue:
+            n = len(queue[0]) + 4
+            if msgs and size + n > budget:
+                break
+            msgs.append(queue.popleft())
+            size += n
+        link.queued -= size - 4 * len(msgs)
+        return msgs
 
     def queued_bytes(self, peer: str) -> int:
         """Bytes waiting in the send queue of `peer`."""
@@ -746,21 +800,10 @@ class TcpTransport(Transport):
                     st.bytes_out += len(_PING_FRAME)
                     await writer.drain()
                 continue
-            if link.queued + 4 * len(queue) <= budget:  # common case: take everything
-                msgs = list(queue)
-                queue.clear()
-                link.queued = 0
-            else:
-                msgs = []
-                size = 0
-                while queue:
-                    n = len(queue[0]) + 4
-                    if msgs and size + n > budget:
-                        break
-                    msgs.append(queue.popleft())
-                    size += n
-                link.queued -= size - 4 * len(msgs)
-            frame = encode_batch_frame(msgs)
+            await writer.drain()  # _flush may have left a frame in the buffer: at most one waits there
+            if not queue:
+                continue
+            frame = encode_batch_frame(self._take(link, budget))
             writer.write(frame)
             st.frames_out += 1
             st.bytes_out += len(frame)

@@ -1,0 +1,106 @@
+"""Member section: what one `kdsync run` costs and adds, on real processes
+(bench.load: 3 embedded Tansu clusters, one member each, the default
+configuration, 2 source partitions, paced writers in every cluster).
+
+Per protocol (derecho, mirror) and total rate (300 / 1 000 / 3 000 events/s):
+p50/p99 of global record timestamp - source timestamp next to the plain
+producer -> consumer floor of the same run, member CPU per ordered event
+(split: event loop / librdkafka threads / other threads), the mean time per
+batch of each stage (kdsync_stage_seconds); at 1 000 events/s also the drain
+of a backlog and the idle CPU of a member."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import Headline, NotMeasured, Section, Table, ratio
+
+PROTOCOLS = ("derecho", "mirror")
+DRAIN_GOAL_EPS = 22_000  # issue 9: >= 2x the ~11 K events/s of 3 clusters measured before
+
+
+@dataclass(frozen=True)
+class MemberParams:
+    rates: tuple[float, ...] = (300.0, 1000.0, 3000.0)
+    duration_s: float = 4.0
+    backlog_per_cluster: int = 5000  # drained at 1 000 events/s
+    idle_s: float = 5.0
+
+
+def _row(r: dict) -> dict:
+    keys = ("protocol", "rate_eps", "events", "p50_ms", "p99_ms", "floor_p50_ms", "floor_p99_ms", "cpu_us_per_event",
+            "cpu_us_loop", "cpu_us_kafka", "cpu_us_threads", "frames_out_per_event", "member_cpu_pct",
+            "stage_fetch_ms", "stage_handoff_ms", "stage_sent_ms", "stage_delivered_ms", "stage_produced_ms",
+            "stage_report_ms", "drain_eps", "idle_cpu_pct", "agreement", "loadavg_1m")
+    return {k: r.get(k) for k in keys}
+
+
+def member_section(p: MemberParams, out: Path, progress=None) -> Section:
+    sec = Section("member", "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle")
+    try:
+        import psutil  # noqa: F401
+
+        from bench.load import run_load
+        from kdsync.kafka.embedded import EmbeddedCluster  # noqa: F401
+    except Exception as e:
+        raise NotMeasured(f"bench.load cannot run here ({type(e).__name__}: {e})") from None
+    rows, errors = [], []
+    for rate in p.rates:
+        for proto in PROTOCOLS:  # derecho and mirror back to back: their ratio sees the same load
+            kw = dict(backlog=p.backlog_per_cluster, idle_s=p.idle_s) if rate == 1000.0 else {}
+            with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-member-{proto}-") as d:
+                try:
+                    r = run_load(proto, rate, p.duration_s, workdir=Path(d), **kw)
+                    rows.append(_row(r))
+                except Exception as e:  # one point failing must not hide the others
+                    errors.append(f"{proto} at {rate:g}/s: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            if progress:
+                progress()
+    if not rows:
+        raise NotMeasured("no point could be measured: " + "; ".join(errors))
+    sec.intro.append(
+        f"`python -m bench.load` per point: 3 embedded Tansu clusters, one `kdsync run` each with the default "
+        f"configuration (only `[protocol] name`), a source topic of 2 partitions, one paced writer per cluster for "
+        f"{p.duration_s:g} s. Latency: global record timestamp - `kdsync.origin.ts` (ms resolution) over every "
+        f"global topic; floor: a plain producer (`linger.ms=1`) -> consumer (`fetch.wait.max.ms=5`) on cluster 1's "
+        f"broker during the same load. CPU: the member process's CPU time over the load / records it ordered "
+        f"(loop = main thread, kafka = librdkafka threads, threads = the source consumer and others). Stages: mean "
+        f"time per batch (kdsync_stage_seconds). At 1 000 events/s, before the load: {p.backlog_per_cluster} events "
+        f"per cluster written while the members were down (drain = all of them / first->last global record); "
+        f"after it: {p.idle_s:g} s without traffic (idle = % of one core).")
+    sec.tables.append(Table("member_load", "Member under paced load (derecho and mirror, 3 clusters)", rows))
+    by = {(r["protocol"], r["rate_eps"]): r for r in rows}
+
+    def val(proto, rate, key):
+        r = by.get((proto, rate))
+        v = r.get(key) if r else None
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    for proto in PROTOCOLS:
+        sec.headlines.append(Headline(f"member CPU per ordered event, {proto} at 1 000 events/s (µs)",
+                                      val(proto, 1000.0, "cpu_us_per_event"), "<= 50 (issue 9)", "member_load.csv"))
+    for rate, goal in ((300.0, "<= 3 (issue 9)"), (1000.0, "<= 6 (issue 9)"), (3000.0, "")):
+        rr = ratio(val("derecho", rate, "p99_ms"), val("derecho", rate, "floor_p99_ms"))
+        sec.headlines.append(Headline(f"derecho p99 / floor p99 at {rate:,.0f} events/s",
+                                      round(rr, 2) if rr else None, goal, "member_load.csv"))
+        d, m = val("derecho", rate, "p50_ms"), val("mirror", rate, "p50_ms")
+        sec.headlines.append(Headline(f"derecho p50 - mirror p50 at {rate:,.0f} events/s (ms)",
+                                      round(d - m, 1) if d is not None and m is not None else None,
+                                      "<= 2 (<= 5 acceptable; issue 9)" if rate == 1000.0 else "", "member_load.csv"))
+    dd, dm = val("derecho", 1000.0, "drain_eps"), val("mirror", 1000.0, "drain_eps")
+    dr = ratio(dd, dm)
+    sec.headlines.append(Headline("drain derecho / mirror (3 clusters)", round(dr, 2) if dr else None,
+                                  ">= 1.0 (issue 9)", "member_load.csv"))
+    sec.headlines.append(Headline("drain derecho, events/s (3 clusters)", dd, f">= {DRAIN_GOAL_EPS:,} (2x ~11 K; issue 9)",
+                                  "member_load.csv"))
+    sec.headlines.append(Headline("idle member CPU, derecho (% of a core)", val("derecho", 1000.0, "idle_cpu_pct"),
+                                  "<= 2 (issue 9)", "member_load.csv"))
+    if errors:
+        sec.notes.append("not measured: " + "; ".join(errors))
+    sec.notes.append(f"load average while measuring: {', '.join(str(r['loadavg_1m']) for r in rows)} "
+                     f"(2 cores; brokers, members and writers share them)")
+    return sec

@@ -1,0 +1,303 @@
+"""Simulator vs real: the four calibration points of issue 9.
+
+For 3 local clusters at 300 and 1 000 events/s in total, with 10 ms and 25 ms
+one-way delay between members (a `kdsync.testing.delay_proxy.DelayProxy` on
+every directed member link), the real run's p50/p99 (global record timestamp
+− `kdsync.origin.ts`, every paced event in every global topic, kdsync run's
+default configuration, 2 source partitions) next to the simulator's p50/p99
+(`latency_created_ms`: the same definition) for a scenario generated from the
+calibration profile (`kdsync-sim calibrate`).
+
+    python -m bench.simreal [--profile results/calibration.yaml] [--duration 8] [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import Headline, NotMeasured, Section, Table, percentile
+
+POINTS = ((300.0, 10.0), (300.0, 25.0), (1000.0, 10.0), (1000.0, 25.0))  # (total events/s, one-way delay ms)
+LOOPBACK_MS = 0.05  # one way, on top of the proxy's delay
+GOAL = "within ±20 % (0.8-1.2)"
+
+
+def paced_writers(g, clusters: int, per: int, rate_each: float, tag: str = "p") -> None:
+    """One idempotent producer per cluster (as `kdsync.demo.write_events`:
+    linger.ms 2), *warmed up* first — connected, producer id obtained, one
+    record acknowledged — then `per` records at `rate_each`/s.  (A fresh
+    idempotent producer holds its first records ~0.5 s while it starts: that
+    is the writer's start-up, not kdsync, and it would be the whole p99.)"""
+    import threading
+
+    from confluent_kafka import Producer
+
+    producers = []
+    for i in range(clusters):
+        p = Producer({"bootstrap.servers": g.bootstrap(i), "enable.idempotence": True, "linger.ms": 2,
+                      "log_level": 3})
+        p.produce(g.topic, key=f"w{i}".encode(), value=b"warm-up", partition=0)
+        producers.append(p)
+    for p in producers:
+        if p.flush(30):
+            raise RuntimeError("a writer did not start within 30 s")
+    start = threading.Barrier(clusters)
+    errors: list[str] = []
+
+    def one(i: int, p) -> None:
+        def cb(err, msg):
+            if err is not None:
+                errors.append(str(err))
+
+        start.wait()
+        t0 = time.monotonic()
+        for n in range(per):
+            p.produce(g.topic, key=f"{tag}{i}-{n}".encode(), value=f"{tag}{i} event {n}".encode(), on_delivery=cb)
+            p.poll(0)
+            ahead = (n + 1) / rate_each - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        if p.flush(60):
+            errors.append("unacknowledged records")
+
+    threads = [threading.Thread(target=one, args=(i, p), daemon=True) for i, p in enumerate(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"writing failed: {errors[0]}")
+
+
+def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: str = "derecho",
+               partitions: int = 2, timeout_s: float = 120.0) -> dict:
+    """One real run: 3 embedded Tansu clusters, one kdsync run each (default
+    configuration), every member link through a DelayProxy of `delay_ms`."""
+    import psutil
+
+    import subprocess
+
+    from bench.load import _stage_sums
+    from kdsync import demo
+    from kdsync.kafka.topic import ensure_topic
+
+    clusters = 3
+    proxies: dict[tuple[int, int], str] = {}
+    proxy_proc = None
+    out: dict = {"rate_eps": rate_eps, "delay_ms": delay_ms, "duration_s": duration_s, "protocol": protocol}
+    with tempfile.TemporaryDirectory(prefix="kdsync-simreal-") as d:
+        g = demo.LocalGroup(clusters, Path(d), protocol=protocol, metrics=True,
+                            peer_address=lambda i, j: proxies[(i, j)])
+        g.timing = {}  # kdsync run's defaults (the README's minimal configuration)
+        try:
+            with g:
+                # the proxies run in a process of their own: no GIL shared with the writers here
+                links = [(i, j) for i in range(clusters) for j in range(clusters) if i != j]
+                proxy_proc = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", str(delay_ms),
+                                               *[str(g.ports[j]) for _, j in links]],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                ports = json.loads(proxy_proc.stdout.readline())
+                proxies.update({link: f"127.0.0.1:{port}" for link, port in zip(links, ports)})
+                for c in g.clusters:
+                    c.start()
+                for i in range(clusters):
+                    ensure_topic(g.bootstrap(i), g.topic, partitions)
+                g.start_members()
+                g.wait_ready(timeout=90)
+                g.wait_for(0, 5)
+                procs = [psutil.Process(p.pid) for p in g.procs]
+                stages0 = [_stage_sums(g, i) for i in range(clusters)]
+                cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
+                load0 = os.getloadavg()[0]
+                t0 = time.monotonic()
+                per = max(1, int(round(rate_eps * duration_s / clusters)))
+                paced_writers(g, clusters, per, rate_eps / clusters)
+                total = per * clusters + clusters  # and one warm-up record per cluster
+                got = g.wait_for(total, timeout_s, poll=0.05)
+                t1 = time.monotonic()
+                cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
+                stages1 = [_stage_sums(g, i) for i in range(clusters)]
+                for stage in ("fetch", "handoff", "sent", "delivered", "produced"):  # mean ms per batch
+                    tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
+                    n = sum(b.get(stage, (0, 0))[1] - a.get(stage, (0, 0))[1] for a, b in zip(stages0, stages1))
+                    out[f"stage_{stage}_ms"] = round(1000 * tot / n, 3) if n else None
+                short = {n: len(v) for n, v in got.items() if len(v) < total}
+                if short:
+                    raise RuntimeError(f"{total} events not ordered in {timeout_s:.0f} s: {short}")
+                lat = [max(0, r.write_ts - r.origin_ts) for v in got.values() for r in v
+                       if (r.key or b"").startswith(b"p")]
+                out.update({"events": per * clusters, "latency_samples": len(lat),
+                            "p50_ms": percentile(lat, 50), "p90_ms": percentile(lat, 90),
+                            "p99_ms": percentile(lat, 99), "max_ms": max(lat),
+                            "cpu_us_per_event": round(sum(cpu) / clusters / total * 1e6, 1),
+                            "member_cpu_pct": round(100 * sum(cpu) / clusters / max(1e-3, t1 - t0), 1),
+                            "loadavg_1m": round(load0, 2)})
+                if protocol != "mirror":
+                    out["agreement"] = demo.check_agreement(got, expected=total)[0]
+        finally:
+            if proxy_proc is not None:
+                proxy_proc.stdin.close()
+                try:
+                    proxy_proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proxy_proc.kill()
+    return out
+
+
+def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float,
+                 protocol: str = "derecho", partitions: int = 2) -> dict:
+    """The simulator's half of a point: the calibration profile, 3 members,
+    the proxy's delay on every link, the same paced load; the broker's
+    latencies as calibrate measured them at this rate (interpolated)."""
+    from sim.calibrate import kafka_at
+
+    prof = yaml.safe_load(Path(profile_path).read_text())
+    kafka = kafka_at(prof, rate_eps)
+    return {
+        "name": f"simreal-{protocol}-{rate_eps:g}eps-{delay_ms:g}ms", "seed": 1, "protocol": protocol,
+        "profile": str(Path(profile_path).resolve()),
+        "duration_s": duration_s, "settle_s": 5,
+        "members": [{"id": "dc1"}, {"id": "dc2"}, {"id": "dc3"}],
+        "network": {"default": {"latency_ms": delay_ms + LOOPBACK_MS}},
+        "workload": [{"member": "all", "rate_eps": rate_eps / 3, "partitions": partitions, "payload_bytes": 40}],
+        **({"kafka": kafka} if kafka else {}),
+    }
+
+
+def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float, workdir: Path,
+              protocol: str = "derecho") -> dict:
+    from sim.runner import run_scenario
+    from sim.scenario import load_scenario
+
+    path = workdir / f"simreal-{rate_eps:g}-{delay_ms:g}.yaml"
+    path.write_text(yaml.safe_dump(scenario_for(profile_path, rate_eps, delay_ms, duration_s, protocol),
+                                   sort_keys=False))
+    r = run_scenario(load_scenario(path), stages=True)
+    lat = r.summary["latency_created_ms"]
+    st = r.summary["stages_ms"]
+    return {"p50_ms": lat["p50"], "p90_ms": lat["p90"], "p99_ms": lat["p99"], "max_ms": lat["max"],
+            "events": r.summary["events_submitted"], "violations": len(r.failing), "scenario": str(path),
+            "stage_fetch_ms": st["fetch"], "stage_ordering_ms": st["ordering"]}
+
+
+def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, points=POINTS) -> list[dict]:
+    rows = []
+    for rate, delay in points:
+        say(f"simreal: {rate:g} events/s, {delay:g} ms one way: real run")
+        try:
+            real = real_point(rate, delay, duration_s)
+        except Exception as e:  # one point failing must not hide the others
+            real = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+        sim = sim_point(profile_path, rate, delay, duration_s, workdir)
+        row = {"rate_eps": rate, "delay_ms": delay, "real_p50_ms": real.get("p50_ms"),
+               "sim_p50_ms": sim["p50_ms"], "real_p99_ms": real.get("p99_ms"), "sim_p99_ms": sim["p99_ms"],
+               "real_p90_ms": real.get("p90_ms"), "sim_p90_ms": sim["p90_ms"],
+               "real_cpu_us_per_event": real.get("cpu_us_per_event"), "real_member_cpu_pct": real.get("member_cpu_pct"),
+               "loadavg_1m": real.get("loadavg_1m"), "real_events": real.get("events"), "sim_events": sim["events"],
+               "sim_violations": sim["violations"],
+               "real_stage_fetch_ms": real.get("stage_fetch_ms"), "sim_stage_fetch_ms": sim["stage_fetch_ms"],
+               "real_stage_ordering_ms": _ordering(real), "sim_stage_ordering_ms": sim["stage_ordering_ms"],
+               "error": real.get("error", "")}
+        for q in ("p50", "p99"):
+            r, s = row[f"real_{q}_ms"], row[f"sim_{q}_ms"]
+            row[f"{q}_sim_over_real"] = round(s / r, 3) if r and s is not None else None
+            row[f"{q}_within_20pct"] = bool(row[f"{q}_sim_over_real"] and 0.8 <= row[f"{q}_sim_over_real"] <= 1.2)
+        say(f"simreal: real p50 {row['real_p50_ms']} p99 {row['real_p99_ms']} | sim p50 {row['sim_p50_ms']} "
+            f"p99 {row['sim_p99_ms']} | fetch real {row['real_stage_fetch_ms']} sim {row['sim_stage_fetch_ms']} | "
+            f"ordering real {row['real_stage_ordering_ms']} sim {row['sim_stage_ordering_ms']} | load {row['loadavg_1m']}")
+        rows.append(row)
+    return rows
+
+
+def _ordering(real: dict) -> float | None:
+    """The real member's handoff + sent + delivered + produced (the sim's `ordering`)."""
+    parts = [real.get(f"stage_{s}_ms") for s in ("handoff", "sent", "delivered", "produced")]
+    return round(sum(parts), 3) if all(p is not None for p in parts) else None
+
+
+def simreal_section(profile_path: Path, duration_s: float, workdir: Path, out: Path, say=print) -> Section:
+    sec = Section("simreal", "Simulator vs real: the four calibration points")
+    if not Path(profile_path).is_file():
+        raise NotMeasured(f"no calibration profile at {profile_path} (kdsync-sim calibrate writes it)")
+    prof = yaml.safe_load(Path(profile_path).read_text())
+    rows = compare(Path(profile_path), duration_s, workdir, say)
+    if not any(r["real_p50_ms"] is not None for r in rows):
+        raise NotMeasured("no real point could be measured: " + "; ".join(r["error"] for r in rows))
+    c, k = prof["member_cost"], prof["kafka"]
+    sec.intro.append(
+        f"3 local clusters (embedded Tansu), one `kdsync run` each with the default configuration, 2 source "
+        f"partitions, {duration_s:g} s of paced load; every member link through a delaying TCP proxy "
+        f"(`kdsync.testing.delay_proxy`, the one-way delay in both directions). Real: global record timestamp − "
+        f"`kdsync.origin.ts` over every paced event in every global topic. Sim: the same definition "
+        f"(`latency_created_ms`) for a scenario generated from the calibration profile ({profile_path}: "
+        f"{c['message_us']} µs/message, {c['event_us']} µs/event, {c['tick_us']} µs/tick; produce "
+        f"{k['produce_ms']} ms; fetch wait {k['fetch_wait_ms']} ms, overhead {k['fetch_overhead_ms']} ms, check "
+        f"{k['fetch_check_ms']} ms; member linger {k['sink_linger_ms']} ms). Goal: sim / real within ±20 %. "
+        f"The real runs share a 2-core box with other work: the load average is in each row.")
+    sec.tables.append(Table("simreal", "Real vs simulated latency at the calibration points", rows))
+    for r in rows:
+        for q in ("p50", "p99"):
+            sec.headlines.append(Headline(
+                f"sim / real {q} derecho, {r['rate_eps']:g} events/s, {r['delay_ms']:g} ms one way "
+                f"(real {r[f'real_{q}_ms']} ms, sim {r[f'sim_{q}_ms']} ms)",
+                r[f"{q}_sim_over_real"], GOAL + " (issue 9)", "simreal.csv"))
+    try:
+        sec.plots += _plot(rows, out)
+    except Exception as e:  # a plot is a nicety
+        sec.notes.append(f"no plot ({type(e).__name__}: {e})")
+    return sec
+
+
+def _plot(rows: list[dict], out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    labels = [f"{r['rate_eps']:g}/s\n{r['delay_ms']:g} ms" for r in rows]
+    x = range(len(rows))
+    for ax, q in zip(axes, ("p50", "p99")):
+        ax.bar([i - 0.2 for i in x], [r[f"real_{q}_ms"] or 0 for r in rows], 0.4, label="real")
+        ax.bar([i + 0.2 for i in x], [r[f"sim_{q}_ms"] or 0 for r in rows], 0.4, label="sim")
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel(f"{q} latency (ms)")
+        ax.set_title(f"{q}: real vs sim")
+        ax.legend()
+    fig.tight_layout()
+    name = "simreal.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return [(name, "Real vs simulated p50 / p99 at the four calibration points (derecho, 3 local clusters)")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.simreal", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="results/calibration.yaml")
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--points", default=None, help="RATE:DELAY,... (default the four calibration points)")
+    p.add_argument("--sim-only", action="store_true", help="only the simulator's figures (no real run)")
+    a = p.parse_args(argv)
+    points = POINTS if not a.points else tuple(tuple(float(x) for x in pt.split(":")) for pt in a.points.split(","))
+    with tempfile.TemporaryDirectory() as d:
+        if a.sim_only:
+            for rate, delay in points:
+                print(json.dumps({"rate_eps": rate, "delay_ms": delay,
+                                  **sim_point(Path(a.profile), rate, delay, a.duration, Path(d))}))
+            return 0
+        rows = compare(Path(a.profile), a.duration, Path(d), points=points)
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""A TCP proxy that delays every byte by a fixed one-way delay (a WAN link on loopback).
+
+    with DelayProxy(("127.0.0.1", member_port), delay_ms=10) as p:
+        peer_address = p.address          # "127.0.0.1:PORT": give it to the member that dials out
+
+Theory of operation
+-------------------
+The proxy runs its own asyncio loop in a daemon thread.  For each accepted
+connection it dials the target and pumps both directions; a pump reads what
+has arrived, stamps it with the loop's clock, and a writer task sends each
+chunk when `delay` has passed since it arrived — in arrival order, so the
+stream stays a stream (FIFO, like one TCP link) and a chunk is never sent
+early.  Bandwidth is not limited.  Both directions are delayed, so the round
+trip over the proxy is 2 × delay (plus loopback).  Closing the proxy closes
+every connection it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+
+__all__ = ["DelayProxy"]
+
+
+class DelayProxy:
+    """Listen on 127.0.0.1:`port` (0: any free port) and forward to `target`
+    with `delay_ms` added to each direction."""
+
+    def __init__(self, target: tuple[str, int], delay_ms: float, port: int = 0, host: str = "127.0.0.1"):
+        if delay_ms < 0:
+            raise ValueError("delay_ms must be >= 0")
+        self.target = target
+        self.delay = delay_ms / 1000.0
+        self.host = host
+        self.port = port
+        self.bytes = 0  # forwarded, both directions
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "DelayProxy":
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self._server = loop.run_until_complete(asyncio.start_server(self._accept, self.host, self.port))
+                self.port = self._server.sockets[0].getsockname()[1]
+            except BaseException as e:  # noqa: BLE001 - handed to start()
+                failure.append(e)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"delay-proxy-{self.target[1]}", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._conns.update((writer, up_w))
+        for r, w in ((reader, up_w), (up_r, writer)):
+            t = asyncio.ensure_future(self._pump(r, w))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        chunks: deque[tuple[float, bytes]] = deque()
+        more = asyncio.Event()
+        done = False
+
+        async def send() -> None:
+            while True:
+                while not chunks:
+                    if done:
+                        return
+                    more.clear()
+                    await more.wait()
+                due, data = chunks[0]
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                chunks.popleft()
+                writer.write(data)
+                self.bytes += len(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                chunks.append((loop.time() + self.delay, data))
+                more.set()
+            done = True
+            more.set()
+            await sender  # what arrived before the end still goes out, late as it should
+        except (OSError, asyncio.CancelledError):
+            sender.cancel()
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop is None or self._thread is None:
+            return
+
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+            for w in list(self._conns):
+                with contextlib.suppress(Exception):
+                    w.close()
+            for t in list(self._tasks):
+                t.cancel()
+
+        with contextlib.suppress(RuntimeError):
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(5)
+            loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(5)
+        self._thread = None
+
+    def __enter__(self) -> "DelayProxy":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kdsync.testing.delay_proxy DELAY_MS PORT...`: one proxy per
+    target port on 127.0.0.1, in a process of its own (no GIL shared with the
+    caller); prints the listening ports as one JSON list, runs until stdin closes."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    delay, ports = float(args[0]), [int(p) for p in args[1:]]
+    proxies = [DelayProxy(("127.0.0.1", p), delay).start() for p in ports]
+    print(json.dumps([p.port for p in proxies]), flush=True)
+    sys.stdin.read()
+    for p in proxies:
+        p.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

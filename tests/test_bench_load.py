@@ -1,0 +1,40 @@
+"""bench/load.py on real processes: its figures come from the records in the
+global topics and the member processes' CPU counters, not from the clock of
+the harness."""
+
+import pytest
+
+from bench.common import percentile
+from bench.load import run_load
+from kdsync.demo import read_global
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_small_paced_run_measures_the_records(tmp_path):
+    seen = {}
+
+    def check(g, out):
+        # read every global topic on our own and recompute what run_load reported
+        recs = {g.names[i]: read_global(g.bootstrap(i), g.global_topic) for i in range(g.n)}
+        lat = [max(0, r.write_ts - r.origin_ts) for v in recs.values() for r in v if r.key.startswith(b"p")]
+        seen["lat"] = lat
+        seen["counts"] = {n: len(v) for n, v in recs.items()}
+        seen["origins"] = {r.origin for v in recs.values() for r in v}
+        seen["partitions"] = {r.origin_partition for v in recs.values() for r in v}
+
+    r = run_load("derecho", 150, 1.0, workdir=tmp_path, backlog=50, idle_s=0.5, on_done=check)
+    assert r["events"] == 150  # 50 per cluster
+    assert seen["counts"] == {"dc1": 303, "dc2": 303, "dc3": 303}  # backlog + 3 warm-up + paced, in every cluster
+    assert seen["origins"] == {"dc1", "dc2", "dc3"}
+    assert seen["partitions"] == {0, 1}  # keys spread over the 2 source partitions
+    assert r["latency_samples"] == len(seen["lat"]) == 450
+    assert r["p50_ms"] == percentile(seen["lat"], 50)
+    assert r["p99_ms"] == percentile(seen["lat"], 99)
+    assert r["agreement"], r["agreement_detail"]
+    assert r["floor_samples"] == 50 and r["floor_p50_ms"] <= r["floor_p99_ms"]
+    assert r["drain_eps"] > 0
+    # CPU per ordered event: each member ordered 150 events in the paced phase
+    assert all(c > 0 for c in r["cpu_us_per_event_by_member"])
+    assert 0 <= r["idle_cpu_pct"] < 100
+    assert r["frames_out_per_event"] > 0

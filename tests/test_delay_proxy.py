@@ -1,0 +1,94 @@
+"""The delaying TCP proxy of the sim-vs-real bench (kdsync.testing.delay_proxy)."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+
+from kdsync.testing.delay_proxy import DelayProxy
+
+
+@pytest.fixture
+def echo():
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            def pump(c=c):
+                with c:
+                    while data := c.recv(65536):
+                        c.sendall(data)
+            threading.Thread(target=pump, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield srv.getsockname()[1]
+    stop.set()
+    srv.close()
+
+
+def _rtts(port: int, n: int = 15) -> list[float]:
+    out = []
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(n):
+            t0 = time.perf_counter()
+            s.sendall(b"x")
+            assert s.recv(1) == b"x"
+            out.append((time.perf_counter() - t0) * 1000.0)
+    return out
+
+
+@pytest.mark.parametrize("delay_ms", [10.0, 25.0])
+def test_proxy_adds_its_one_way_delay_each_way(echo, delay_ms):
+    direct = statistics.median(_rtts(echo))
+    with DelayProxy(("127.0.0.1", echo), delay_ms) as p:
+        rtts = _rtts(p.port)
+    assert min(rtts) >= 2 * delay_ms, rtts  # never early
+    added = statistics.median(rtts) - direct
+    assert 2 * delay_ms <= added + 0.5 and added < 2 * delay_ms + 8.0, (added, rtts)
+
+
+def test_proxy_keeps_the_stream_intact_and_in_order(echo):
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    with DelayProxy(("127.0.0.1", echo), 5.0) as p, socket.create_connection(("127.0.0.1", p.port)) as s:
+        got = bytearray()
+
+        def read():
+            while len(got) < len(blob):
+                d = s.recv(65536)
+                if not d:
+                    break
+                got.extend(d)
+
+        t = threading.Thread(target=read)
+        t.start()
+        s.sendall(blob)
+        t.join(20)
+    assert bytes(got) == blob
+    assert p.bytes == 2 * len(blob)
+
+
+def test_proxy_process_serves_each_target_until_stdin_closes(echo):
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", "10", str(echo), str(echo)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ports = json.loads(p.stdout.readline())
+        assert len(ports) == 2 and len(set(ports)) == 2
+        for port in ports:
+            assert min(_rtts(port, 3)) >= 20.0
+    finally:
+        p.stdin.close()
+        assert p.wait(10) == 0
