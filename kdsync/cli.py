@@ -117,10 +117,10 @@ def _run(
 
     for msg, fields in notes:
         logging.getLogger("kdsync.config").info(msg, **kv(**fields))
-    from kdsync.member import Member, run_loop
+    from kdsync.member import Member
 
     try:
-        return run_loop(Member(cfg, trace_latency=trace_latency).run())
+        return asyncio.run(Member(cfg, trace_latency=trace_latency).run())
     except FatalError as e:
         print(f"kdsync run: {e}", file=sys.stderr)
         return 1

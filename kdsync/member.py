@@ -80,13 +80,6 @@ EARLY_MESSAGES = 10_000  # peer messages kept per topic while its pipeline start
 REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
 
 
-def run_loop(main):
-    """Run coroutine `main` on a new asyncio event loop; return its result.
-    (uvloop was tried: its transports refuse the protocol switch of
-    kdsync.transport.tcp's accept path, so asyncio's loop it is.)"""
-    return asyncio.run(main)
-
-
 # ---------------------------------------------------------------- per topic
 @dataclass
 class TopicPipeline:
