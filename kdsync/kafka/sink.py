@@ -45,13 +45,14 @@ def make_producer(conf: dict):
 
 
 def ensure_global(conf: dict, global_topic: str, partitions: int, replication_factor: int | None = None,
-                  config: dict[str, str] | None = None) -> int:
+                  config: dict[str, str] | None = None, shards: int = 1) -> int:
     """Create the global topic with `partitions` partitions (and the [topics]
     replication factor and topic configs) unless it exists; return its
     partition count.  Raises FatalError when an existing topic has another
     count (positions would land elsewhere than in the other clusters) or the
     cluster refuses the settings, KafkaException/TimeoutError when the brokers
-    do not answer."""
+    do not answer.  `shards` > 1: created with one partition per shard, and
+    refused only when an existing topic has fewer (docs/shards.md)."""
     from kdsync.kafka.topic import TopicSettingsError, ensure_topic
 
     try:
@@ -59,6 +60,11 @@ def ensure_global(conf: dict, global_topic: str, partitions: int, replication_fa
                             config=config)
     except TopicSettingsError as e:  # the cluster refuses [topics] settings: no retry can fix that
         raise FatalError(f"topics: {e}") from None
+    if shards > 1:
+        if have < shards:
+            raise FatalError(f"topics.shards = {shards} but {global_topic} already has {have} partitions "
+                             f"(shard s writes partition s): add partitions to it or use another global_suffix")
+        return have
     if have != partitions:
         raise FatalError(f"topics.global_partitions = {partitions} but {global_topic} already has {have} partitions")
     return have
@@ -74,14 +80,17 @@ class GlobalWriter:
     `commits` (source partition -> next offset) of this member's own events
     may be committed; called once per batch of delivery reports, through
     `schedule` (e.g. `loop.call_soon`).  `on_written(event, catchup)` — one
-    record confirmed.  `on_fatal(message)` — a write failed.
+    record confirmed.  `on_fatal(message)` — a write failed.  `shard`: the
+    writer of that shard, which writes partition `shard` alone (then
+    `partitions` is 1).
     """
 
     def __init__(self, producer, global_topic: str, partitions: int, start_seq: int, *, origin: str,
                  present: set[int] | None = None, on_durable: Callable[[int, dict[int, int]], None],
                  on_written: Callable[[Event, bool], None], on_fatal: Callable[[str], None],
-                 schedule: Callable[[Callable[[], None]], object]):
+                 schedule: Callable[[Callable[[], None]], object], shard: int | None = None):
         self.producer = producer
+        self.shard = shard  # a shard's writer: every record to partition `shard` (docs/shards.md)
         self.global_topic = global_topic
         self.partitions = partitions
         self.origin = origin
@@ -122,7 +131,8 @@ class GlobalWriter:
             while True:
                 try:
                     p.produce(self.global_topic, value=value, key=key, headers=headers,
-                              partition=global_partition(key, seq, self.partitions), on_delivery=cb)
+                              partition=global_partition(key, seq, self.partitions) if self.shard is None
+                              else self.shard, on_delivery=cb)
                     break
                 except BufferError:  # local queue full: serve reports, then retry
                     p.poll(0.05)
