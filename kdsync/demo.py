@@ -214,15 +214,45 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
     return acked[0]
 
 
+def child_pids(pid: int) -> list[int]:
+    """Pids of the live children of process `pid` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(d))
+    return sorted(out)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+_TAKEN: set[int] = set()  # ports handed out by free_port_block in this process
+
+
 def free_port_block(k: int) -> int:
-    """A free port P with P .. P + k - 1 all free (shard s listens on P + s)."""
+    """A port P with P .. P + k - 1 all free (shard s listens on P + s), below
+    the kernel's ephemeral range (so that no client connection takes P + 1
+    meanwhile) and not handed out before by this process."""
+    import random
     import socket
 
-    for _ in range(200):
-        p = free_port()
-        if k == 1:
-            return p
-        if p + k - 1 > 65535:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(500):
+        p = random.randrange(10_000, max(10_001, low - k))
+        if any(q in _TAKEN for q in range(p, p + k)):
             continue
         socks = []
         try:
@@ -230,6 +260,7 @@ def free_port_block(k: int) -> int:
                 sk = socket.socket()
                 socks.append(sk)
                 sk.bind(("127.0.0.1", q))
+            _TAKEN.update(range(p, p + k))
             return p
         except OSError:
             continue
@@ -407,12 +438,10 @@ class LocalGroup:
 
     def worker_pids(self, i: int) -> list[int]:
         """Pids of member i's worker processes (children of its `kdsync run --workers`)."""
-        import psutil
-
         p = self.procs[i]
         if p is None:
             return []
-        return [c.pid for c in psutil.Process(p.pid).children() if "kdsync.workers" in " ".join(c.cmdline())]
+        return [pid for pid in child_pids(p.pid) if b"kdsync.workers" in _cmdline(pid)]
 
     def wait_ready(self, timeout: float = 30.0, members: list[int] | None = None) -> None:
         """Wait until every (listed) member reports status "active" for the topic.
