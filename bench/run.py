@@ -10,6 +10,7 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   audit     the sim traces through the PySpark `kdsync audit` vs summary.json
   real      three embedded Tansu clusters + `kdsync run` members, end to end
   simreal   the same small paced workload in the simulator and on real brokers
+  shards    real drain with [topics] shards = 2: kdsync run --workers 1 vs --workers 2
   rdma      RDMA/TCP ratios from a soft-RoCE VM run (boots it with --rdma)
 
 Writes DIR/report.md (tables, plots embedded), DIR/*.png, DIR/*.csv.
@@ -35,14 +36,16 @@ from typing import Callable, Iterator
 from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "audit", "real", "simreal", "rdma")
+SECTIONS = ("core", "scale", "sim", "audit", "real", "simreal", "shards", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
-               "simreal": "skipped by --quick (needs the real section)"}
+               "simreal": "skipped by --quick (needs the real section)",
+               "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
-          "simreal": "Simulator vs real brokers: the same small workload", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "rdma_", "simreal_", "summary")
+          "simreal": "Simulator vs real brokers: the same small workload",
+          "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "rdma_", "simreal_", "shards_", "summary")
 
 
 class UsageError(Exception):
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = sweep_jobs(params, work) if "sim" in wanted or "audit" in wanted else []
         ljobs = loopback_jobs(real_params.rate_eps, real_params.paced_total, work) if "simreal" in wanted else []
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
-        total = len(wanted) + len(jobs) + len(ljobs) + len(yjobs) + (3 if "real" in wanted else 0)
+        total = len(wanted) + len(jobs) + len(ljobs) + len(yjobs) + (3 if "real" in wanted else 0) + (2 if "shards" in wanted else 0)
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
@@ -340,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("simreal", "Simulator vs real brokers: the same small workload",
                                        lambda: simreal_section(lrows, real, plot, out), prog))
                 prog.step("simreal")
+            if "shards" in wanted:
+                from bench.shards import shards_section
+
+                sections.append(_guard("shards", TITLES["shards"],
+                                       lambda: shards_section(out, args.quick, progress=lambda: prog.step("shards")),
+                                       prog))
             if "rdma" in wanted:
                 sections.append(_guard("rdma", "RDMA (soft-RoCE in a VM) vs TCP",
                                        lambda: rdma_section(args.rdma), prog))
