@@ -542,19 +542,23 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: float, rate: float | None,
-             out=print) -> int:
-    """Returns 0 when every cluster's global topic is identical, 1 otherwise."""
+             out=print, shards: int = 1, workers: int | None = None) -> int:
+    """Returns 0 when every cluster's global topic is identical (with shards:
+    partition by partition, `check_sharded`), 1 otherwise."""
     from rich.console import Console
 
     console = Console(stderr=True)
     per = [events // clusters + (1 if i < events % clusters else 0) for i in range(clusters)]
-    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True) as g:
+    sharded = shards > 1
+    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True, shards=shards, workers=workers,
+                    source_partitions=2 * shards if sharded else 1) as g:
         with console.status(f"starting {clusters} embedded brokers"):
             g.start_brokers()
         console.log(f"brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
-        with console.status(f"starting {clusters} kdsync members ({protocol})"):
+        how = f"{protocol}" + (f", {shards} shards" if sharded else "") + (f", {workers} workers" if workers else "")
+        with console.status(f"starting {clusters} kdsync members ({how})"):
             g.start_members()
-            g.wait_ready(timeout=60)
+            g.wait_ready(timeout=120 if sharded or workers else 60)
         console.log(f"members: {', '.join(f'{n} pid {p.pid}' for n, p in zip(g.names, g.procs))}")
         t0 = time.time()
         errors: list[str] = []
@@ -575,9 +579,13 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
             out(f"demo: writing failed: {errors[0]}")
             return 1
         with console.status("waiting until every global topic holds every event"):
-            got = g.wait_for(events, timeout)
+            if sharded:
+                parts = g.wait_for_partitions(events, timeout)
+                got = {n: [r for p in v for r in p] for n, v in parts.items()}
+            else:
+                got = g.wait_for(events, timeout)
         elapsed = time.time() - t0
-        ok, detail = check_agreement(got, expected=events)
+        ok, detail = check_sharded(parts, expected=events) if sharded else check_agreement(got, expected=events)
         recs = [r for rs in got.values() for r in rs]
         lat = [max(0, r.write_ts - r.origin_ts) for r in recs]
         last = max((r.write_ts for r in recs), default=0) / 1000.0
@@ -654,6 +662,10 @@ def _demo(
     events: int = typer.Option(3000, help="events written in total"),
     protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
     rate: float = typer.Option(1000.0, help="total write rate in events/s (0 = as fast as possible, a burst)"),
+    shards: int = typer.Option(1, help="[topics] shards: K ordering groups per topic (source topic of 2K "
+                                       "partitions; agreement checked partition by partition)"),
+    workers: int | None = typer.Option(None, metavar="W", show_default="none: in the member process",
+                                       help="kdsync run --workers W in every cluster"),
     timeout: float = typer.Option(120.0, help="seconds to wait for agreement"),
     keep: str | None = typer.Option(None, metavar="DIR", show_default="a temporary directory, removed",
                                     help="keep configs and logs in DIR"),
@@ -664,13 +676,19 @@ def _demo(
         raise UsageError("--rate must be >= 0")
     if events < 1:
         raise UsageError("--events must be at least 1")
+    if not 1 <= shards <= 64:
+        raise UsageError("--shards must be between 1 and 64")
+    if workers is not None and workers < 1:
+        raise UsageError("--workers must be at least 1")
     # Ctrl-C: turn SIGINT/SIGTERM into KeyboardInterrupt so the context managers clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if keep:
-            return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None)
+            return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None, shards=shards,
+                            workers=workers)
         with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
-            return run_demo(clusters, events, protocol, Path(d), timeout, rate or None)
+            return run_demo(clusters, events, protocol, Path(d), timeout, rate or None, shards=shards,
+                            workers=workers)
     except KeyboardInterrupt:
         print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
