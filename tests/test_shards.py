@@ -196,3 +196,48 @@ def test_two_shards_two_workers_kill9_a_worker(tmp_path):
         g.wait_ready(timeout=60)  # the restarted worker's shards are active again
         for i in range(n):
             assert g.stop_member(i, timeout=60) == 0, g.log_text(i)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
+    """3 clusters, 2 shards run in the `kdsync run` process itself (no
+    --workers): the global topics agree partition by partition; `kdsync
+    audit --shards 2` audits each partition as its own run and finds every
+    invariant holding;
+    `kdsync offsets translate --shards 2` finds events in partition P mod 2."""
+    import json
+
+    from kdsync.demo import LocalGroup, check_sharded, write_events
+    from kdsync.kafka.offsets import parse_cluster, translate
+
+    per, n = 150, 3
+    with LocalGroup(n, tmp_path, shards=2, source_partitions=4, metrics=True) as g:
+        g.start_brokers()
+        g.start_members()
+        g.wait_ready(timeout=120)
+        for i in range(n):
+            write_events(g.bootstrap(i), g.topic, per, f"c{i}")
+        got = g.wait_for_partitions(per * n, 120)
+        ok, detail = check_sharded(got, expected=per * n)
+        assert ok, detail
+        # translate: with --shards, and without (the key's partition first, then the others)
+        c2 = parse_cluster(f"dc2={g.bootstrap(1)}")
+        for s in (0, 1):
+            for r in got["dc2"][s][-1:]:
+                for shards in (2, 1):
+                    loc = translate(c2, g.topic, r.origin_partition, r.origin_offset, r.origin, shards=shards)
+                    assert loc.found and (loc.record.partition, loc.record.offset) == (s, r.offset), (shards, r)
+        from kdsync.spark.audit import main
+
+        argv = [a for i in range(n) for a in ("--cluster", f"{g.names[i]}={g.bootstrap(i)}")]
+        argv += ["--topic", g.topic, "--master", "local[2]"]
+        capsys.readouterr()
+        code = main(argv + ["--shards", "2"])
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0 and report["ok"] is True, report
+        runs = {r["run_id"]: r for r in report["runs"]}
+        assert set(runs) == {f"{g.topic}/0", f"{g.topic}/1"}
+        assert sum(r["events_submitted"] for r in runs.values()) == per * n
+        for i in range(n):
+            assert g.stop_member(i, timeout=60) == 0, g.log_text(i)[-3000:]
