@@ -241,3 +241,21 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
         assert sum(r["events_submitted"] for r in runs.values()) == per * n
         for i in range(n):
             assert g.stop_member(i, timeout=60) == 0, g.log_text(i)[-3000:]
+
+
+def test_existing_global_topic_with_fewer_partitions_is_refused(tmp_path):
+    """shards = 2 against a global topic created with one partition: one line
+    naming the key; with enough partitions it is taken as is."""
+    from kdsync.errors import FatalError
+    from kdsync.kafka.embedded import EmbeddedCluster
+    from kdsync.kafka.sink import ensure_global
+    from kdsync.kafka.topic import ensure_topic
+
+    with EmbeddedCluster("shards", log_dir=tmp_path) as c:
+        conf = {"bootstrap.servers": c.bootstrap}
+        ensure_topic(c.bootstrap, "old-global", 1)
+        with pytest.raises(FatalError) as e:
+            ensure_global(conf, "old-global", 2, shards=2)
+        assert str(e.value).startswith("topics.shards = 2 but old-global already has 1 partitions")
+        assert ensure_global(conf, "new-global", 2, shards=2) == 2  # created with one partition per shard
+        assert ensure_global(conf, "new-global", 2, shards=2) == 2
