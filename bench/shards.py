@@ -59,8 +59,10 @@ def measure_drain(workdir: Path, workers: int, p: ShardParams) -> dict:
     on a member or broker failure."""
     from kdsync import demo
 
+    # the protocol's default tick and a suspicion that outlasts a busy box's stalls (LocalGroup's test
+    # timings tick every 5 ms, which costs idle CPU in every process)
     with demo.LocalGroup(p.clusters, workdir, shards=p.shards, workers=workers,
-                         source_partitions=p.source_partitions, metrics=True) as g:
+                         source_partitions=p.source_partitions, metrics=True, tick_ms=10, suspect_ms=1000) as g:
         g.start_brokers()
         errors: list[str] = []
 
