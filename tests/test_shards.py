@@ -83,11 +83,11 @@ def test_checkpoint_of_a_shard_has_its_key_and_field():
 
 
 # ---------------------------------------------------------------- the supervisor
-def _witness_config(tmp_path, port: int) -> str:
+def _witness_config(tmp_path, port: int, shards: int = 2) -> str:
     p = tmp_path / "w.toml"
     p.write_text(f'state_dir = "{tmp_path / "state"}"\n[member]\nid = "w"\nlisten = "127.0.0.1:{port}"\n'
                  f'role = "witness"\n[peers]\nw = "127.0.0.1:{port}"\nx = "127.0.0.1:{port + 10}"\n'
-                 f'[topics]\nsource = "t"\nshards = 2\n[protocol]\ntick_ms = 10\n')
+                 f'[topics]\nsource = "t"\nshards = {shards}\n[protocol]\ntick_ms = 10\n')
     return str(p)
 
 
@@ -114,32 +114,34 @@ def test_supervisor_gives_up_on_a_worker_that_keeps_dying(tmp_path, monkeypatch)
     assert time.monotonic() - t0 > 0.5 + 1 + 2 + 4  # the backoff between restarts
 
 
-def test_supervisor_stops_workers_on_sigterm(tmp_path):
-    """Two witness shards in two workers: SIGTERM to `kdsync run --workers 2`
-    stops both cleanly, exit 0."""
+@pytest.mark.parametrize("shards", [2, 1])
+def test_supervisor_stops_workers_on_sigterm(tmp_path, shards):
+    """Two witness shards in two workers (or, with shards = 1, the one member
+    in one worker): SIGTERM to `kdsync run --workers 2` stops every worker
+    cleanly, exit 0."""
     from kdsync.demo import free_port_block
 
     port = free_port_block(2)
     log = tmp_path / "log"
     with open(log, "wb") as f:
-        p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", _witness_config(tmp_path, port),
-                              "--workers", "2"], stdout=f, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config",
+                              _witness_config(tmp_path, port, shards), "--workers", "2"], stdout=f,
+                             stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 30
-        while log.read_text().count("member started") < 2:  # both shards' members are up
+        while log.read_text().count("member started") < shards:  # every shard's member is up
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             assert p.poll() is None, log.read_text()[-2000:]
             time.sleep(0.05)
         text = log.read_text()
-        assert "shard=0" in text and "shard=1" in text
+        assert ("shard=0" in text and "shard=1" in text) == (shards == 2)
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0, log.read_text()[-2000:]
     finally:
         if p.poll() is None:
             p.kill()
     text = log.read_text()
-    assert text.count("msg=\"member stopped\" clean=True") == 2
+    assert text.count("msg=\"member stopped\" clean=True") == shards
     assert "msg=\"supervisor stopped\" clean=True signal=SIGTERM" in text
 
 
@@ -259,3 +261,52 @@ def test_existing_global_topic_with_fewer_partitions_is_refused(tmp_path):
         assert str(e.value).startswith("topics.shards = 2 but old-global already has 1 partitions")
         assert ensure_global(conf, "new-global", 2, shards=2) == 2  # created with one partition per shard
         assert ensure_global(conf, "new-global", 2, shards=2) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serve_shards_spread_over_two_hosts(tmp_path):
+    """Each cluster runs shard 0 in one `kdsync run` ("host a", its own
+    ports) and shard 1 in another ("host b", other ports, state and metrics),
+    chosen by [topics] serve_shards: together they order every partition,
+    identical in every cluster."""
+    from kdsync.demo import LocalGroup, check_sharded, free_port_block, write_events
+
+    per, n = 200, 3
+    with LocalGroup(n, tmp_path, shards=2, source_partitions=4, metrics=True,
+                    extra={"topics": {"serve_shards": [0]}}) as g:
+        g.start_brokers()
+        g.start_members()  # host a of every cluster: shard 0
+        b_ports = [free_port_block(2) for _ in range(n)]
+        b_metrics = [free_port_block(1) for _ in range(n)]
+        b_procs = []
+        try:
+            for i in range(n):  # host b: the same config with its own ports, state and metrics; shard 1
+                text = g.config_text(i, topics={"serve_shards": [1]})
+                for j in range(n):
+                    text = text.replace(f"127.0.0.1:{g.ports[j]}\"", f"127.0.0.1:{b_ports[j]}\"")
+                text = text.replace(f"127.0.0.1:{g.metrics_ports[i]}\"", f"127.0.0.1:{b_metrics[i]}\"")
+                text = text.replace(str(tmp_path / f"state-{g.names[i]}"), str(tmp_path / f"state-b-{g.names[i]}"))
+                path = tmp_path / f"b-{g.names[i]}.toml"
+                path.write_text(text)
+                with open(tmp_path / f"b-{g.names[i]}.log", "wb") as log:
+                    b_procs.append(subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path)],
+                                                    stdout=log, stderr=subprocess.STDOUT,
+                                                    env=dict(os.environ, PYTHONUNBUFFERED="1")))
+            for i in range(n):
+                write_events(g.bootstrap(i), g.topic, per, f"c{i}")
+            got = g.wait_for_partitions(per * n, 180)
+            ok, detail = check_sharded(got, expected=per * n)
+            assert ok, detail
+            assert all(len(p) > 0 for v in got.values() for p in v)
+            a_log = g.log_text(0)
+            assert "shard=0" in a_log and "shard=1" not in a_log
+        finally:
+            for p in b_procs:
+                p.terminate()
+            for p in b_procs:
+                try:
+                    assert p.wait(60) == 0
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    raise
