@@ -146,13 +146,18 @@ def shards_section(out: Path, quick: bool = False, progress=None, p: ShardParams
     return sec
 
 
-if __name__ == "__main__":  # python -m bench.shards [BACKLOG]: one comparison, printed
+if __name__ == "__main__":  # python -m bench.shards [BACKLOG]: one comparison, printed and in results/
     import json
     import sys
 
+    from bench.common import write_csv
+
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
     s = shards_section(Path("."), p=ShardParams(backlog_per_cluster=n))
+    results = Path(__file__).resolve().parent.parent / "results"
+    results.mkdir(exist_ok=True)
     for t in s.tables:
+        print(f"wrote {write_csv(t, results)}")
         for r in t.rows:
             print(json.dumps(r))
     for h in s.headlines:
