@@ -310,3 +310,24 @@ def test_serve_shards_spread_over_two_hosts(tmp_path):
                 except subprocess.TimeoutExpired:
                     p.kill()
                     raise
+
+
+def test_shard_metrics_label_every_sample_with_its_shard():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdsync.metrics import MemberMetrics
+    from kdsync.workers import ShardMetrics
+
+    ms = {s: SimpleNamespace(metrics=MemberMetrics()) for s in (0, 3)}
+    ms[0].metrics.set_status("t", "active")
+    ms[3].metrics.set_status("t", "wedged")
+    ms[3].metrics.consumed.labels("t").inc(5)
+    reg = CollectorRegistry()
+    reg.register(ShardMetrics({**ms, 1: SimpleNamespace(metrics=None)}))  # shard 1 not started yet
+    text = generate_latest(reg).decode()
+    assert 'kdsync_status{shard="0",status="active",topic="t"} 1.0' in text
+    assert 'kdsync_status{shard="3",status="wedged",topic="t"} 1.0' in text
+    assert 'kdsync_events_consumed_total{shard="3",topic="t"} 5.0' in text
+    assert text.count("# TYPE kdsync_status gauge") == 1  # one family, samples of every shard
