@@ -176,13 +176,15 @@ def test_two_shards_two_workers_kill9_a_worker(tmp_path):
         pids = g.worker_pids(1)
         assert len(pids) == 2
         victim = pids[0]
+        argv = open(f"/proc/{victim}/cmdline", "rb").read().split(b"\0")
+        index = argv[argv.index(b"--worker") + 1].decode()
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while True:  # the supervisor restarts it (a new pid) and counts it
             now = g.worker_pids(1)
             m = g.metrics(1)
             if (len(now) == 2 and victim not in now
-                    and m.get(("kdsync_worker_restarts_total", (("worker", "0"),))) == 1.0):
+                    and m.get(("kdsync_worker_restarts_total", (("worker", index),))) == 1.0):
                 break
             assert time.monotonic() < deadline, g.log_text(1)[-3000:]
             time.sleep(0.1)
