@@ -11,6 +11,7 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   real      three embedded Tansu clusters + `kdsync run` members, end to end
   member    one member under paced load (bench.load): CPU per event, latency vs the Kafka floor, drain, idle
   simreal   kdsync-sim calibrate, then real vs simulated p50/p99 at 300 and 1 000 events/s x 10 and 25 ms between members
+  shards    real drain with [topics] shards = 2: kdsync run --workers 1 vs --workers 2
   rdma      RDMA/TCP ratios from a soft-RoCE VM run (boots it with --rdma)
 
 Writes DIR/report.md (tables, plots embedded), DIR/*.png, DIR/*.csv.
@@ -36,16 +37,18 @@ from typing import Callable, Iterator
 from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "rdma")
+SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "shards", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
                "member": "skipped by --quick (six paced loads on real brokers take minutes)",
-               "simreal": "skipped by --quick (calibration and four real runs take minutes)"}
+               "simreal": "skipped by --quick (calibration and four real runs take minutes)",
+               "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
           "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
-          "simreal": "Simulator vs real: the four calibration points", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "summary")
+          "simreal": "Simulator vs real: the four calibration points",
+          "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "summary")
 
 
 class UsageError(Exception):
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
         member_params = MemberParams()
         total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
-                 + (2 * len(member_params.rates) if "member" in wanted else 0))
+                 + (2 * len(member_params.rates) if "member" in wanted else 0) + (2 if "shards" in wanted else 0))
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
@@ -329,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("simreal", "Simulator vs real: the four calibration points",
                                        lambda: simreal_section(out, work, prog), prog))
                 prog.step("simreal")
+            if "shards" in wanted:
+                from bench.shards import shards_section
+
+                sections.append(_guard("shards", TITLES["shards"],
+                                       lambda: shards_section(out, args.quick, progress=lambda: prog.step("shards")),
+                                       prog))
             if "rdma" in wanted:
                 sections.append(_guard("rdma", "RDMA (soft-RoCE in a VM) vs TCP",
                                        lambda: rdma_section(args.rdma), prog))

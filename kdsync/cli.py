@@ -82,6 +82,9 @@ def _run(
     trace_latency: str | None = typer.Option(None, "--trace-latency", metavar="FILE", show_default="none",
                                              help="append one JSON line per batch of records once durable: the time "
                                                   "it reached each stage (docs/outputs.md)"),
+    workers: int | None = typer.Option(None, "--workers", "-w", metavar="W", show_default="none: in this process",
+                                       help="run the shards ([topics] shards) in W worker processes, restarted "
+                                            "when they die (docs/shards.md)"),
     n: str | None = typer.Argument(None, metavar="N", show_default="2",
                                    help="original form: number of members; peers come from $DERECHO_CONF_FILE, "
                                         "./derecho.cfg or /etc/derecho/derecho.cfg"),
@@ -98,6 +101,8 @@ def _run(
 
     if log_level is not None and log_level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level must be debug, info, warning or error, not {log_level!r}")
+    if workers is not None and (workers < 1 or not config):
+        raise UsageError("--workers must be at least 1" if workers < 1 else "--workers needs --config FILE")
     notes: list[tuple[str, dict]] = []  # what the original form's mapping has to say, logged below
     try:
         if config:
@@ -117,6 +122,21 @@ def _run(
 
     for msg, fields in notes:
         logging.getLogger("kdsync.config").info(msg, **kv(**fields))
+    if workers is not None or cfg.shards() > 1:
+        if trace_latency:
+            raise UsageError("--trace-latency works with one ordering group per process: not with [topics] shards > 1 "
+                             "or --workers yet")
+        from kdsync.config import parse_address
+        from kdsync.workers import Supervisor, run_shards
+
+        try:
+            if workers is not None:
+                return Supervisor(cfg, config, workers, log_level).run()
+            return run_shards(cfg, cfg.served_shards(),
+                              parse_address(cfg.metrics.listen) if cfg.metrics.listen else None)
+        except FatalError as e:
+            print(f"kdsync run: {e}", file=sys.stderr)
+            return 1
     from kdsync.member import Member
 
     try:

@@ -27,6 +27,9 @@ The TOML file (reference: docs/config.md) with every optional section::
     global_partitions = 1               # >1: partitioned by key hash, same in every cluster
     replication_factor = 3              # of the global topics; absent: the broker's default
     min_insync_replicas = 2             # absent: the broker's default
+    shards = 1                          # K > 1: K ordering groups, source partition p -> shard p mod K,
+                                        # shard s writes partition s of the global topic (docs/shards.md)
+    serve_shards = [0, 1]               # the shards this host runs (absent: all of them)
     [topics.config]                     # any topic config of the global topics, as is
     "retention.ms" = 604800000
 
@@ -158,6 +161,8 @@ class TopicsSection(_Model):
     replication_factor: Annotated[int, Field(ge=1, le=32_767)] | None = None  # None: the broker's default
     min_insync_replicas: Annotated[int, Field(ge=1, le=32_767)] | None = None
     config: dict[str, KafkaValue] = Field(default_factory=dict)  # topic configs of the global topics, as is
+    shards: Annotated[int, Field(ge=1, le=1024)] = 1  # K ordering groups (docs/shards.md); 1: one total order
+    serve_shards: list[int] | None = None  # the shards this host runs; None: all of them
 
     @field_validator("config", mode="before")
     @classmethod
@@ -180,7 +185,27 @@ class TopicsSection(_Model):
                 and self.min_insync_replicas > self.replication_factor):
             raise ValueError(f"{_KEY}min_insync_replicas{_KEY}{self.min_insync_replicas} is more than "
                              f"replication_factor = {self.replication_factor}: no write could ever succeed")
+        if self.shards > 1 and self.global_partitions not in (1, self.shards):
+            raise ValueError(f"{_KEY}global_partitions{_KEY}with shards = {self.shards} the global topic has one "
+                             f"partition per shard; leave global_partitions out")
+        if self.serve_shards is not None:
+            if not self.serve_shards:
+                raise ValueError(f"{_KEY}serve_shards{_KEY}empty list: name at least one shard (or leave it out)")
+            for s in self.serve_shards:
+                if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.shards:
+                    raise ValueError(f"{_KEY}serve_shards{_KEY}{s!r} is not a shard in 0..{self.shards - 1} "
+                                     f"(shards = {self.shards})")
+            if len(set(self.serve_shards)) != len(self.serve_shards):
+                raise ValueError(f"{_KEY}serve_shards{_KEY}names a shard twice")
         return self
+
+    def served_shards(self) -> list[int]:
+        """The shards this host runs, in order (all of 0..shards-1 unless serve_shards names some)."""
+        return sorted(self.serve_shards) if self.serve_shards is not None else list(range(self.shards))
+
+    def partition_count(self) -> int:
+        """Partitions of each global topic: one per shard, or global_partitions with one shard."""
+        return self.shards if self.shards > 1 else self.global_partitions
 
     def global_topic_config(self) -> dict[str, str]:
         """Topic configs the global topics are created with (strings, as Kafka takes them)."""
@@ -365,9 +390,39 @@ class Config(_Model):
                     raise ValueError(f"{_KEY}transport.tls.{f}{_KEY}no such file {p!r}")
         if self.transport.secret_file is not None and not self._path(self.transport.secret_file).is_file():
             raise ValueError(f"{_KEY}transport.secret_file{_KEY}no such file {self.transport.secret_file!r}")
+        k = self.shards()
+        if k > 1:  # shard s listens on listen's port + s, and reaches every peer on its port + s
+            for key, addr in [("member.listen", self.member.listen),
+                              *((f"peers.{pid}", e.address) for pid, e in self.peers.items()),
+                              *([("metrics.listen", self.metrics.listen)] if self.metrics.listen else [])]:
+                if parse_address(addr)[1] + k - 1 > 65535:
+                    raise ValueError(f"{_KEY}{key}{_KEY}port + shards - 1 is beyond 65535 (shard s uses port + s)")
         return self
 
     # ------------------------------------------------------------ derived
+    def shards(self) -> int:
+        """K, the number of ordering groups of each topic ([topics] shards; 1 without [topics])."""
+        return self.topics.shards if self.topics is not None else 1
+
+    def served_shards(self) -> list[int]:
+        """The shards this host runs ([topics] serve_shards, default all)."""
+        return self.topics.served_shards() if self.topics is not None else [0]
+
+    def for_shard(self, s: int) -> Config:
+        """The config of shard s's member (K > 1): its listen port and every
+        peer's port + s, its hard state in state_dir/shard-s, no metrics
+        endpoint of its own (its worker serves one for all its shards)."""
+        def shifted(addr: str) -> str:
+            host, port = parse_address(addr)
+            return f"{host}:{port + s}" if ":" not in host else f"[{host}]:{port + s}"
+
+        return self.model_copy(update={
+            "member": self.member.model_copy(update={"listen": shifted(self.member.listen), "state_dir": None}),
+            "peers": {pid: e.model_copy(update={"address": shifted(e.address)}) for pid, e in self.peers.items()},
+            "state_dir": str(self.state_path() / f"shard-{s}"),
+            "metrics": MetricsSection(),
+        })
+
     def _path(self, p: str) -> Path:
         q = Path(p).expanduser()
         return q if q.is_absolute() else Path(self.base_dir) / q

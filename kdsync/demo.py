@@ -12,6 +12,10 @@ The pieces are reusable (the member tests and the benchmark use them):
 * `read_global(bootstrap, topic)` — a global topic read to partition EOF,
   as `GlobalRecord`s.
 * `check_agreement({member: records})` — (ok, one-line detail).
+* sharded groups (`LocalGroup(..., shards=K, workers=W, source_partitions=P)`):
+  `read_partitions()`, `wait_for_partitions(n)` and `check_sharded(...)`
+  (every partition identical in every cluster, every event once, each
+  source partition's order kept).
 """
 
 from __future__ import annotations
@@ -64,17 +68,17 @@ def _global_record(m) -> GlobalRecord:
                         m.value(), m.timestamp()[1])
 
 
-def read_global(bootstrap: str, topic: str, timeout: float = 30.0) -> list[GlobalRecord]:
-    """Every record of partition 0 of a global topic, read to partition EOF."""
-    return [_global_record(m) for m in iter_partition(bootstrap, topic, 0, timeout=timeout)]
+def read_global(bootstrap: str, topic: str, timeout: float = 30.0, partition: int = 0) -> list[GlobalRecord]:
+    """Every record of one partition (default 0) of a global topic, read to partition EOF."""
+    return [_global_record(m) for m in iter_partition(bootstrap, topic, partition, timeout=timeout)]
 
 
 class GlobalTail:
-    """Follows partition 0 of one global topic with one long-lived consumer:
+    """Follows one partition (default 0) of one global topic with one long-lived consumer:
     `read()` returns every record so far, fetching only what is new."""
 
-    def __init__(self, bootstrap: str, topic: str):
-        self.bootstrap, self.topic = bootstrap, topic
+    def __init__(self, bootstrap: str, topic: str, partition: int = 0):
+        self.bootstrap, self.topic, self.partition = bootstrap, topic, partition
         self.records: list[GlobalRecord] = []
         self._c = None
 
@@ -83,7 +87,7 @@ class GlobalTail:
             self._c = consumer({"bootstrap.servers": self.bootstrap, "group.id": "kdsync-demo-tail",
                                 "topic.metadata.refresh.interval.ms": 500})
         try:
-            for m in read_to_eof(self._c, self.topic, 0, len(self.records), timeout=timeout, poll=0.1):
+            for m in read_to_eof(self._c, self.topic, self.partition, len(self.records), timeout=timeout, poll=0.1):
                 if m.offset() == len(self.records):
                     self.records.append(_global_record(m))
         except TimeoutError:
@@ -140,6 +144,40 @@ def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None 
     return True, f"{len(topics[names[0]]) if names else 0} records identical in {len(names)} clusters"
 
 
+def check_sharded(parts: dict[str, list[list[GlobalRecord]]], expected: int | None = None) -> tuple[bool, str]:
+    """A sharded global topic ({cluster: records of each partition}): each
+    partition holds the same events at the same offsets in every cluster
+    (`check_agreement` per partition), every source event is in exactly one
+    partition once (and `expected` of them, if given), in the partition of its
+    shard (source partition mod K), and each source partition's events are in
+    source-offset order.  Returns (ok, one line)."""
+    names = sorted(parts)
+    k = len(parts[names[0]]) if names else 0
+    for s in range(k):
+        ok, detail = check_agreement({n: parts[n][s] for n in names})
+        if not ok:
+            return False, f"partition {s}: {detail}"
+    for n in names:
+        seen: set = set()
+        for s, recs in enumerate(parts[n]):
+            last: dict[tuple[str, int], int] = {}
+            for r in recs:
+                if r.event_id in seen:
+                    return False, f"{n}: event {r.event_id} twice"
+                seen.add(r.event_id)
+                if r.origin_partition % k != s:
+                    return False, f"{n}: event {r.event_id} in partition {s}, not {r.origin_partition % k}"
+                src = (r.origin, r.origin_partition)
+                if r.origin_offset <= last.get(src, -1):
+                    return False, f"{n}: partition {s}: {src} offset {r.origin_offset} after {last[src]}"
+                last[src] = r.origin_offset
+        if expected is not None and len(seen) != expected:
+            return False, f"{n}: {len(seen)} events, expected {expected}"
+    sizes = "/".join(str(len(parts[names[0]][s])) for s in range(k)) if names else "-"
+    return True, (f"{len(names)} clusters agree partition by partition ({k} partitions: {sizes} records), "
+                  f"every event once, source-partition order kept")
+
+
 def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | None = None,
                  timeout: float = 60.0) -> int:
     """Produce n records key=f"{tag}-{i}" (optionally paced at `rate`/s);
@@ -176,6 +214,62 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
     return acked[0]
 
 
+def child_pids(pid: int) -> list[int]:
+    """Pids of the live children of process `pid` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(d))
+    return sorted(out)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+_TAKEN: set[int] = set()  # ports handed out by free_port_block in this process
+
+
+def free_port_block(k: int) -> int:
+    """A port P with P .. P + k - 1 all free (shard s listens on P + s), below
+    the kernel's ephemeral range (so that no client connection takes P + 1
+    meanwhile) and not handed out before by this process."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(500):
+        p = random.randrange(10_000, max(10_001, low - k))
+        if any(q in _TAKEN for q in range(p, p + k)):
+            continue
+        socks = []
+        try:
+            for q in range(p, p + k):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", q))
+            _TAKEN.update(range(p, p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError(f"no block of {k} free ports")
+
+
 def _toml_str(v) -> str:
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{k} = {_toml_str(x)}" for k, x in v.items()) + " }"
@@ -199,8 +293,12 @@ class LocalGroup:
                  secret: str | None = "demo-secret", tick_ms: float = 5, heartbeat_ms: float = 20,
                  suspect_ms: float = 300, retransmit_ms: float = 30, names: list[str] | None = None,
                  peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
-                 metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset()):
+                 metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
+                 workers: int | None = None, source_partitions: int = 1):
         self.n = n
+        self.shards = shards  # [topics] shards; shard s of member i listens on ports[i] + s
+        self.workers = workers  # kdsync run --workers W (None: without)
+        self.source_partitions = source_partitions
         self.witnesses = set(witnesses)  # indices of members with role "witness" (no cluster)
         self.data = [i for i in range(n) if i not in self.witnesses]
         self.dir = Path(workdir)
@@ -209,8 +307,9 @@ class LocalGroup:
         self.global_topic = topic + "-global"
         self.names = names or [f"dc{i + 1}" for i in range(n)]
         self.clusters = [EmbeddedCluster(name, log_dir=self.dir) for name in self.names]
-        self.ports = [free_port() for _ in range(n)]
-        self.metrics_ports = [free_port() for _ in range(n)] if metrics else None
+        self.ports = [free_port_block(shards) for _ in range(n)]
+        # with workers: the supervisor's port, then one per worker (kdsync.workers)
+        self.metrics_ports = [free_port_block(1 + (workers or 0)) for _ in range(n)] if metrics else None
         self.protocol = protocol
         self.secret = secret
         self.timing = dict(tick_ms=tick_ms, heartbeat_ms=heartbeat_ms, suspect_ms=suspect_ms, retransmit_ms=retransmit_ms)
@@ -225,7 +324,7 @@ class LocalGroup:
     def start_brokers(self) -> None:
         for i in self.data:
             self.clusters[i].start()
-            ensure_topic(self.clusters[i].bootstrap, self.topic)
+            ensure_topic(self.clusters[i].bootstrap, self.topic, self.source_partitions)
 
     def bootstrap(self, i: int) -> str:
         return self.clusters[i].bootstrap
@@ -245,7 +344,8 @@ class LocalGroup:
                 lines.append(f"{other} = {_toml_str(addr)}")
         sections = {
             "kafka": {"bootstrap.servers": self.clusters[i].bootstrap if i not in self.witnesses else "127.0.0.1:1"},
-            "topics": {"source": self.topic, "global_suffix": "-global"},
+            "topics": {"source": self.topic, "global_suffix": "-global",
+                       **({"shards": self.shards} if self.shards > 1 else {})},
             "transport": {"kind": "tcp", **({"secret": self.secret} if self.secret else {})},
             "protocol": {"name": self.protocol, **self.timing},
         }
@@ -267,7 +367,8 @@ class LocalGroup:
         path.write_text(self.config_text(i, **overrides))
         log = open(self.logs[i], "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path),
+        workers = ["--workers", str(self.workers)] if self.workers else []
+        self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path), *workers,
                                           *self.member_args.get(i, ())],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          preexec_fn=_die_with_parent, start_new_session=True)
@@ -304,9 +405,10 @@ class LocalGroup:
         self.procs[i] = None
         return p.returncode
 
-    def metrics(self, i: int) -> dict[tuple[str, tuple], float]:
+    def metrics(self, i: int, port_offset: int = 0) -> dict[tuple[str, tuple], float]:
         """Member i's Prometheus samples {(name, sorted label items): value};
-        empty when the endpoint does not answer (yet)."""
+        empty when the endpoint does not answer (yet).  `port_offset`: with
+        workers, 1 + w reads worker w's endpoint (0: the supervisor's)."""
         from urllib.request import urlopen
 
         from prometheus_client.parser import text_string_to_metric_families
@@ -314,16 +416,34 @@ class LocalGroup:
         if not self.metrics_ports:
             raise RuntimeError("LocalGroup(metrics=True) is needed to read metrics")
         try:
-            with urlopen(f"http://127.0.0.1:{self.metrics_ports[i]}/metrics", timeout=2) as r:
+            with urlopen(f"http://127.0.0.1:{self.metrics_ports[i] + port_offset}/metrics", timeout=2) as r:
                 text = r.read().decode()
         except OSError:
             return {}
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
+    def shard_metrics(self, i: int) -> dict[tuple[str, tuple], float]:
+        """Member i's samples of every shard (label `shard`), from each worker's endpoint."""
+        out: dict = {}
+        for w in range(min(self.workers, self.shards) if self.workers else 0):
+            out.update(self.metrics(i, 1 + w))
+        return out if self.workers else self.metrics(i)
+
     def is_active(self, i: int) -> bool:
+        if self.shards > 1:
+            m = self.shard_metrics(i)
+            return all(m.get(("kdsync_status", (("shard", str(s)), ("status", "active"), ("topic", self.topic))))
+                       == 1.0 for s in range(self.shards))
         m = self.metrics(i)
         return m.get(("kdsync_status", (("status", "active"), ("topic", self.topic)))) == 1.0
+
+    def worker_pids(self, i: int) -> list[int]:
+        """Pids of member i's worker processes (children of its `kdsync run --workers`)."""
+        p = self.procs[i]
+        if p is None:
+            return []
+        return [pid for pid in child_pids(p.pid) if b"kdsync.workers" in _cmdline(pid)]
 
     def wait_ready(self, timeout: float = 30.0, members: list[int] | None = None) -> None:
         """Wait until every (listed) member reports status "active" for the topic.
@@ -370,10 +490,28 @@ class LocalGroup:
                     return got
             time.sleep(poll)
 
-    def _tail(self, i: int) -> GlobalTail:
-        if i not in self._tails:
-            self._tails[i] = GlobalTail(self.clusters[i].bootstrap, self.global_topic)
-        return self._tails[i]
+    def _tail(self, i: int, partition: int = 0) -> GlobalTail:
+        key = i if partition == 0 else (i, partition)
+        if key not in self._tails:
+            self._tails[key] = GlobalTail(self.clusters[i].bootstrap, self.global_topic, partition)
+        return self._tails[key]
+
+    def read_partitions(self, timeout: float = 30.0) -> dict[str, list[list[GlobalRecord]]]:
+        """Every partition (one per shard) of each cluster's global topic."""
+        return {self.names[i]: [read_global(self.clusters[i].bootstrap, self.global_topic, timeout, s)
+                                for s in range(self.shards)] for i in self.data}
+
+    def wait_for_partitions(self, expected: int, timeout: float, poll: float = 0.1) -> dict[str, list[list[GlobalRecord]]]:
+        """Poll until every cluster's global topic holds `expected` records over
+        its partitions (one per shard) or the deadline passes; returns the last
+        reading either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = min(5.0, max(1.0, deadline - time.monotonic()))
+            got = {self.names[i]: [self._tail(i, s).read(left) for s in range(self.shards)] for i in self.data}
+            if all(sum(map(len, v)) >= expected for v in got.values()) or time.monotonic() > deadline:
+                return got
+            time.sleep(poll)
 
     # -------------------------------------------------------------- cleanup
     def close(self) -> None:
@@ -406,19 +544,23 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: float, rate: float | None,
-             out=print) -> int:
-    """Returns 0 when every cluster's global topic is identical, 1 otherwise."""
+             out=print, shards: int = 1, workers: int | None = None) -> int:
+    """Returns 0 when every cluster's global topic is identical (with shards:
+    partition by partition, `check_sharded`), 1 otherwise."""
     from rich.console import Console
 
     console = Console(stderr=True)
     per = [events // clusters + (1 if i < events % clusters else 0) for i in range(clusters)]
-    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True) as g:
+    sharded = shards > 1
+    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True, shards=shards, workers=workers,
+                    source_partitions=2 * shards if sharded else 1) as g:
         with console.status(f"starting {clusters} embedded brokers"):
             g.start_brokers()
         console.log(f"brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
-        with console.status(f"starting {clusters} kdsync members ({protocol})"):
+        how = f"{protocol}" + (f", {shards} shards" if sharded else "") + (f", {workers} workers" if workers else "")
+        with console.status(f"starting {clusters} kdsync members ({how})"):
             g.start_members()
-            g.wait_ready(timeout=60)
+            g.wait_ready(timeout=120 if sharded or workers else 60)
         console.log(f"members: {', '.join(f'{n} pid {p.pid}' for n, p in zip(g.names, g.procs))}")
         t0 = time.time()
         errors: list[str] = []
@@ -439,9 +581,13 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
             out(f"demo: writing failed: {errors[0]}")
             return 1
         with console.status("waiting until every global topic holds every event"):
-            got = g.wait_for(events, timeout)
+            if sharded:
+                parts = g.wait_for_partitions(events, timeout)
+                got = {n: [r for p in v for r in p] for n, v in parts.items()}
+            else:
+                got = g.wait_for(events, timeout)
         elapsed = time.time() - t0
-        ok, detail = check_agreement(got, expected=events)
+        ok, detail = check_sharded(parts, expected=events) if sharded else check_agreement(got, expected=events)
         recs = [r for rs in got.values() for r in rs]
         lat = [max(0, r.write_ts - r.origin_ts) for r in recs]
         last = max((r.write_ts for r in recs), default=0) / 1000.0
@@ -518,6 +664,10 @@ def _demo(
     events: int = typer.Option(3000, help="events written in total"),
     protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
     rate: float = typer.Option(1000.0, help="total write rate in events/s (0 = as fast as possible, a burst)"),
+    shards: int = typer.Option(1, help="[topics] shards: K ordering groups per topic (source topic of 2K "
+                                       "partitions; agreement checked partition by partition)"),
+    workers: int | None = typer.Option(None, metavar="W", show_default="none: in the member process",
+                                       help="kdsync run --workers W in every cluster"),
     timeout: float = typer.Option(120.0, help="seconds to wait for agreement"),
     keep: str | None = typer.Option(None, metavar="DIR", show_default="a temporary directory, removed",
                                     help="keep configs and logs in DIR"),
@@ -528,13 +678,19 @@ def _demo(
         raise UsageError("--rate must be >= 0")
     if events < 1:
         raise UsageError("--events must be at least 1")
+    if not 1 <= shards <= 64:
+        raise UsageError("--shards must be between 1 and 64")
+    if workers is not None and workers < 1:
+        raise UsageError("--workers must be at least 1")
     # Ctrl-C: turn SIGINT/SIGTERM into KeyboardInterrupt so the context managers clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if keep:
-            return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None)
+            return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None, shards=shards,
+                            workers=workers)
         with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
-            return run_demo(clusters, events, protocol, Path(d), timeout, rate or None)
+            return run_demo(clusters, events, protocol, Path(d), timeout, rate or None, shards=shards,
+                            workers=workers)
     except KeyboardInterrupt:
         print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

@@ -39,6 +39,11 @@ deliveries are durable at once.
 
 SIGINT/SIGTERM: stop consuming, wait for outstanding delivery reports, commit,
 close, exit 0.
+
+Shards (`[topics] shards = K > 1`): a Member is the member of one shard s
+(kdsync.workers runs them): its config is `Config.for_shard(s)`, it consumes
+the source partitions p with p mod K = s and writes, reads and checkpoints
+partition s of each global topic alone (docs/shards.md).
 """
 
 from __future__ import annotations
@@ -107,10 +112,14 @@ class Member:
     """One kdsync member: drives a TopicPipeline per source topic from one
     asyncio loop (see the module docstring).  `run()` returns the exit code."""
 
-    def __init__(self, cfg: Config, *, consume_batch: int = 1000, trace_latency: str | None = None):
+    def __init__(self, cfg: Config, *, consume_batch: int = 1000, trace_latency: str | None = None,
+                 shard: int | None = None, signals: bool = True):
         self.cfg = cfg
         self.trace_path = trace_latency
         self.trace: LatencyTrace | None = None
+        self.shard = shard  # None: the one ordering group of each topic; s: shard s of K (module doc)
+        self.shards = cfg.shards()
+        self.signals = signals  # False: the caller stops it (stop()), e.g. a worker running several shards
         self.me = cfg.member.id
         self.witness = cfg.member.role == "witness"
         self.pcfg = cfg.protocol
@@ -160,8 +169,9 @@ class Member:
 
     async def _run(self) -> int:
         self.loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.loop.add_signal_handler(sig, self._on_signal, sig)
         from kdsync.metrics import MemberMetrics
         from kdsync.transport import TLSSettings, TransportError, make_transport
 
@@ -187,7 +197,8 @@ class Member:
             await self.transport.start()
         except TransportError as e:
             raise FatalError(str(e)) from None
-        log.info("member started", **kv(role=self.cfg.member.role, protocol=self.pcfg.name,
+        log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
+                                         role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
         try:
             if not self.witness:
@@ -213,6 +224,10 @@ class Member:
 
     def _on_signal(self, sig) -> None:
         log.info("stopping", **kv(signal=signal.Signals(sig).name))
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Stop cleanly (as SIGTERM does); call on the member's loop."""
         self._stop.set()
 
     def fatal(self, msg: str) -> None:
@@ -261,7 +276,8 @@ class Member:
             {**self.kafka_conf, "error_cb": self._on_kafka_error}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
-            on_commit=lambda t, delay: self.metrics.stage.labels(t, "committed").observe(delay))
+            on_commit=lambda t, delay: self.metrics.stage.labels(t, "committed").observe(delay),
+            shard=None if self.shard is None else (self.shard, self.shards))
         topics = await self._retry("listing source topics", self._discover_topics)
         if not topics:
             log.warning("no source topic matches yet; waiting for one", **kv(source=str(self.cfg.topics.source)))
@@ -289,11 +305,14 @@ class Member:
             start_seq, watermarks, parts, present, start = 0, {}, 1, set(), None
             if not self.witness:
                 tc = self.cfg.topics
-                parts = await self._retry(f"creating {gt}", ensure_global, self.kafka_conf, gt, tc.global_partitions,
-                                          tc.replication_factor, tc.global_topic_config())
+                parts = await self._retry(f"creating {gt}", ensure_global, self.kafka_conf, gt, tc.partition_count(),
+                                          tc.replication_factor, tc.global_topic_config(), tc.shards)
+                if self.shard is not None:
+                    parts = 1  # this shard's partition of gt alone
                 await self._retry(f"creating {checkpoint_topic(gt)}", ensure_checkpoint_topic, self.kafka_conf, gt,
                                   tc.replication_factor, tc.min_insync_replicas)
-                start = await self._retry(f"reading {gt} from its checkpoint", load_start, self.kafka_conf, gt, parts)
+                start = await self._retry(f"reading {gt} from its checkpoint", load_start, self.kafka_conf, gt, parts,
+                                          60.0, self.shard)
                 start_seq, watermarks, present = start.end, start.watermarks, start.present
                 if start.lost is not None:
                     log.warning("positions were deleted from the global topic (retention) before a checkpoint "
@@ -314,8 +333,9 @@ class Member:
                 p.writer = GlobalWriter(
                     self.producer, gt, parts, start_seq, origin=self.me, present=present,
                     on_durable=lambda end, commits: self._on_durable(p, end, commits),
-                    on_done=p.stages.written, on_fatal=self.fatal, schedule=self.loop.call_soon)
-                p.reader = GlobalReader(self.kafka_conf, f"kdsync-{self.me}-reader", gt, parts, start.seq_base)
+                    on_done=p.stages.written, on_fatal=self.fatal, schedule=self.loop.call_soon, shard=self.shard)
+                p.reader = GlobalReader(self.kafka_conf, f"kdsync-{self.me}-reader", gt, parts, start.seq_base,
+                                        shard=self.shard)
                 self._start_checkpoints(p, start, parts)
             if present:
                 log.warning("global topic has positions beyond a gap; they will not be written twice",
@@ -345,14 +365,15 @@ class Member:
         checkpoint of the start state unless the topic already holds positions
         beyond a gap."""
         cc = self.cfg.checkpoint
-        p.end_offsets = EndOffsets(self.kafka_conf, p.global_topic, parts)
+        p.end_offsets = EndOffsets(self.kafka_conf, p.global_topic, parts, shard=self.shard)
         p.checkpoint = CheckpointWriter(
             self.producer, p.global_topic, parts, self.me, start_seq=start.end, watermarks=start.watermarks,
             min_seq=max(start.present) + 1 if start.present else start.end, last=start.checkpoint,
-            measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions)
+            measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions, shard=self.shard)
         cp = start.checkpoint
         if not start.present and (cp is None or cp.seq != start.end or cp.offsets != start.ends):
-            p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, self.me))
+            p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, self.me,
+                                              shard=self.shard))
         p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
 
     # ------------------------------------------------------------ driving the node

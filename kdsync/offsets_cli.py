@@ -97,13 +97,15 @@ def translate_cmd(
                                                                "(kdsync.origin)  [default: NAME of --cluster]")] = None,
     global_suffix: _Suffix = "-global",
     timeout: _Timeout = 30.0,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="[topics] shards of the members: with K > 1 the event "
+                                                               "is in partition P mod K of T-global")] = 1,
 ) -> None:
     """Print where a source event sits in T-global, as one JSON line: partition, offset and kdsync.seq.
 
     Exit 0 found, 1 not (yet) there, 2 bad input.
     """
     try:
-        loc = translate(cluster, topic, source_partition, source_offset, origin, global_suffix, timeout)
+        loc = translate(cluster, topic, source_partition, source_offset, origin, global_suffix, timeout, shards)
     except BadInput as e:
         _fail(e, 2)
     except OffsetsError as e:

@@ -31,6 +31,12 @@ anything changed) and as soon as `positions` more positions are durable, one
 right at start-up and one at a clean stop (exact: nothing is in flight).  A
 member that restarted with positions beyond a gap (several partitions, see
 GlobalWriter) takes none until it has passed them.
+
+Shards (`[topics] shards = K > 1`, docs/shards.md): shard s is an ordering
+group of its own writing partition s of the global topic only; its
+checkpoints live in the same checkpoint topic under key ``T-global/s``
+(a topic name never holds ``/``), with ``"shard": s`` and `offsets` holding
+the one end offset of partition s.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Callable
 
 from kdsync.core import Delivery
 
-__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointWriter", "EndOffsets", "checkpoint_topic",
+__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointWriter", "EndOffsets", "checkpoint_key", "checkpoint_topic",
            "ensure_checkpoint_topic", "read_checkpoint"]
 
 log = logging.getLogger("kdsync.checkpoint")
@@ -59,6 +65,11 @@ def checkpoint_topic(global_topic: str) -> str:
     return global_topic + CHECKPOINT_SUFFIX
 
 
+def checkpoint_key(global_topic: str, shard: int | None = None) -> bytes:
+    """Key of the checkpoints of `global_topic` (of one shard of it) in its checkpoint topic."""
+    return (global_topic if shard is None else f"{global_topic}/{shard}").encode()
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """Restart state of one global topic as of position `seq` (see module doc)."""
@@ -69,11 +80,13 @@ class Checkpoint:
     watermarks: dict[tuple[str, int], int] = field(default_factory=dict)
     member: str = ""
     written_ms: int = 0
+    shard: int | None = None  # a shard's checkpoint: offsets = (end offset of partition `shard`,)
 
     def encode(self) -> bytes:
         """The record value (JSON, UTF-8)."""
         return json.dumps({
-            "version": VERSION, "topic": self.topic, "member": self.member, "seq": self.seq,
+            "version": VERSION, "topic": self.topic, **({} if self.shard is None else {"shard": self.shard}),
+            "member": self.member, "seq": self.seq,
             "offsets": list(self.offsets),
             "watermarks": [[o, p, off] for (o, p), off in sorted(self.watermarks.items())],
             "written_ms": self.written_ms or int(time.time() * 1000)}, separators=(",", ":")).encode()
@@ -99,7 +112,9 @@ class Checkpoint:
                 if not isinstance(o, str):
                     raise TypeError
                 wm[(o, _nonneg(p))] = _nonneg(off)
-            return cls(str(d["topic"]), seq, offsets, wm, str(d.get("member", "")), int(d.get("written_ms", 0)))
+            shard = d.get("shard")
+            return cls(str(d["topic"]), seq, offsets, wm, str(d.get("member", "")), int(d.get("written_ms", 0)),
+                       None if shard is None else _nonneg(shard))
         except (KeyError, TypeError, ValueError):
             raise ValueError("missing or malformed field (topic, seq, offsets, watermarks)") from None
 
@@ -131,16 +146,18 @@ def ensure_checkpoint_topic(conf: dict, global_topic: str, replication_factor: i
     return name
 
 
-def read_checkpoint(c, global_topic: str, timeout: float = 30.0) -> Checkpoint | None:
+def read_checkpoint(c, global_topic: str, timeout: float = 30.0, shard: int | None = None) -> Checkpoint | None:
     """The latest valid checkpoint of `global_topic`, read with consumer `c`
     (from `kdsync.kafka.topic.consumer`) off the end of its checkpoint topic;
     None when there is none.  A malformed record is skipped with a WARNING.
+    `shard`: the latest of that shard (module doc).
     Raises TimeoutError / KafkaException when the brokers do not answer."""
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
     from kdsync.kafka.topic import read_to_eof
 
     name = checkpoint_topic(global_topic)
+    key = checkpoint_key(global_topic, shard)
     try:
         low, high = c.get_watermark_offsets(TopicPartition(name, 0), timeout=timeout, cached=False)
     except KafkaException as e:
@@ -152,7 +169,7 @@ def read_checkpoint(c, global_topic: str, timeout: float = 30.0) -> Checkpoint |
     for start in (first, low) if first > low else (first,):
         latest = None
         for m in read_to_eof(c, name, 0, start, timeout=timeout, idle=True, poll=0.02):
-            if m.key() != global_topic.encode():
+            if m.key() != key:
                 continue
             try:
                 cp = Checkpoint.decode(m.value())
@@ -160,7 +177,7 @@ def read_checkpoint(c, global_topic: str, timeout: float = 30.0) -> Checkpoint |
                 log.warning("ignoring a malformed checkpoint", extra={"kv": {"topic": name, "offset": m.offset(),
                                                                             "error": str(e)}})
                 continue
-            if cp.topic == global_topic:
+            if cp.topic == global_topic and cp.shard == shard:
                 latest = cp
         if latest is not None:
             return latest
@@ -170,10 +187,12 @@ def read_checkpoint(c, global_topic: str, timeout: float = 30.0) -> Checkpoint |
 class EndOffsets:
     """Each partition of `topic`'s end offset as the cluster reports it
     (ListOffsets: never above the true end, possibly below on some brokers),
-    with one consumer of its own; call it from one thread at a time."""
+    with one consumer of its own; call it from one thread at a time.
+    `shard`: only partition `shard` (then `partitions` is 1)."""
 
-    def __init__(self, conf: dict, topic: str, partitions: int, timeout: float = 10.0):
+    def __init__(self, conf: dict, topic: str, partitions: int, timeout: float = 10.0, shard: int | None = None):
         self.conf, self.topic, self.partitions, self.timeout = conf, topic, partitions, timeout
+        self.ids = [shard] if shard is not None else list(range(partitions))  # the partitions measured
         self._c = None
 
     def __call__(self, exact: bool = False) -> tuple[int, ...]:
@@ -188,16 +207,17 @@ class EndOffsets:
             self._c = consumer(self.conf)
         self._c.poll(0)  # serves the client's log lines
         ends = [self._c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout, cached=False)[1]
-                for p in range(self.partitions)]
+                for p in self.ids]
         if exact:
-            for p, high in enumerate(ends):
+            for i, high in enumerate(ends):
+                p = self.ids[i]
                 gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
                 last = None
                 try:
                     while True:
                         last = next(gen).offset()
                 except StopIteration as stop:
-                    ends[p] = stop.value if stop.value is not None else (last + 1 if last is not None else high)
+                    ends[i] = stop.value if stop.value is not None else (last + 1 if last is not None else high)
         return tuple(ends)
 
     def close(self) -> None:
@@ -223,8 +243,11 @@ class CheckpointWriter:
 
     def __init__(self, producer, global_topic: str, partitions: int, member: str, *, start_seq: int,
                  watermarks: dict[tuple[str, int], int], min_seq: int, last: Checkpoint | None,
-                 measure: Callable[[bool], tuple[int, ...]], interval_s: float, positions: int):
+                 measure: Callable[[bool], tuple[int, ...]], interval_s: float, positions: int,
+                 shard: int | None = None):
         self.producer = producer
+        self.shard = shard  # a shard's writer (module doc)
+        self.key = checkpoint_key(global_topic, shard)
         self.global_topic = global_topic
         self.topic = checkpoint_topic(global_topic)
         self.partitions = partitions
@@ -295,7 +318,7 @@ class CheckpointWriter:
             last = self._pending or self._taken
             if last is not None and last.seq == q and tuple(last.offsets) == tuple(offsets):
                 return  # nothing new
-            cp = Checkpoint(self.global_topic, q, tuple(offsets), dict(self.wm), self.member)
+            cp = Checkpoint(self.global_topic, q, tuple(offsets), dict(self.wm), self.member, shard=self.shard)
             if self.durable_end >= q:
                 self._write(cp)
             else:
@@ -320,7 +343,7 @@ class CheckpointWriter:
     # ------------------------------------------------------------ to the cluster
     def _write(self, cp: Checkpoint) -> None:
         self._pending = None
-        cp = Checkpoint(cp.topic, cp.seq, cp.offsets, cp.watermarks, cp.member, int(time.time() * 1000))
+        cp = Checkpoint(cp.topic, cp.seq, cp.offsets, cp.watermarks, cp.member, int(time.time() * 1000), cp.shard)
 
         def done(err, _msg, cp=cp):
             if err is not None:
@@ -336,7 +359,7 @@ class CheckpointWriter:
                                                           "offsets": ",".join(map(str, cp.offsets))}})
 
         try:
-            self.producer.produce(self.topic, key=self.global_topic.encode(), value=cp.encode(), partition=0,
+            self.producer.produce(self.topic, key=self.key, value=cp.encode(), partition=0,
                                   on_delivery=done)
             self._taken = cp
         except BufferError:

@@ -367,12 +367,16 @@ class _Search:
 
 
 def translate(cluster: ClusterRef, topic: str, source_partition: int, source_offset: int, origin: str | None = None,
-              global_suffix: str = "-global", timeout: float = 30.0) -> Location:
+              global_suffix: str = "-global", timeout: float = 30.0, shards: int = 1) -> Location:
     """Where the event at `source_offset` of partition `source_partition` of
     source topic `topic` in cluster `origin` (default: this cluster's name)
     sits in `cluster`'s global topic.  Returns a Location (found or not, with
-    the reason).  Raises BadInput for a missing topic or partition,
-    OffsetsError when a broker fails."""
+    the reason).  `shards` ([topics] shards of the members) > 1: the event
+    is in partition source_partition mod shards alone (docs/shards.md).
+    Without it, a search of the partition the key maps to that finds
+    nothing goes on in every other partition (a sharded topic does not map
+    by key).  Raises BadInput for a missing topic or partition (or fewer
+    partitions than shards), OffsetsError when a broker fails."""
     origin = origin or cluster.name
     gt = topic + global_suffix
     if source_partition < 0 or source_offset < 0:
@@ -381,10 +385,16 @@ def translate(cluster: ClusterRef, topic: str, source_partition: int, source_off
     if parts == 0:
         raise BadInput(f"{cluster.name} has no topic {gt} (check --topic, and that kdsync runs there)")
     candidates = list(range(parts))
+    if shards > 1:
+        if parts < shards:
+            raise BadInput(f"{gt} has {parts} partitions in {cluster.name}, fewer than --shards {shards}")
+        candidates = [source_partition % shards]
     reader = _Reader(cluster.bootstrap, timeout)
     probes = 0
+    by_key = False
+    first_beyond = None
     try:
-        if origin == cluster.name and parts > 1:
+        if origin == cluster.name and parts > 1 and shards == 1:
             # the source record is here: its key says which global partition holds it
             src_parts = partition_count(cluster, topic, timeout)
             if source_partition >= max(src_parts, 1):
@@ -393,7 +403,10 @@ def translate(cluster: ClusterRef, topic: str, source_partition: int, source_off
             probes += 1
             if m is not None and m.offset() == source_offset and m.key() is not None:
                 candidates = [global_partition(m.key(), 0, parts)]
+                by_key = True
         beyond = None
+        if by_key:  # then the others: a sharded topic (searched without --shards) maps by source partition
+            candidates += [p for p in range(parts) if p != candidates[0]]
         for p in candidates:
             s = _Search(reader, gt, p, origin, source_partition)
             rec = s.find(source_offset)
@@ -402,9 +415,13 @@ def translate(cluster: ClusterRef, topic: str, source_partition: int, source_off
                 return Location(True, rec, "", probes)
             if rec is not None:
                 beyond = rec if beyond is None or rec.origin_offset < beyond.origin_offset else beyond
+            if p == candidates[0]:
+                first_beyond = rec
     finally:
         reader.close()
-    if beyond is not None and len(candidates) == 1:
+    if by_key and first_beyond is not None:  # the key's partition, as before the fallback
+        beyond = first_beyond
+    if beyond is not None and (len(candidates) == 1 or shards > 1 or (by_key and first_beyond is not None)):
         # origin order: had the event been ordered, it would come before this later one
         return Location(False, None, f"absent: {gt} continues {origin}[{source_partition}] at origin offset "
                                      f"{beyond.origin_offset} (offset {source_offset} is not a record, or is older "

@@ -139,15 +139,16 @@ def _exists(c, topic: str, p: int, offset: int, timeout: float = 2.0) -> bool:
 
 
 def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint | None, keys: _Keys,
-                    timeout: float) -> PartitionRead:
+                    timeout: float, index: int | None = None) -> PartitionRead:
     """Read partition p from where the checkpoint says (module doc of
     kdsync.kafka.checkpoint), checking the record just before; from its
     first record when there is no checkpoint or it does not fit.  `low`,
     `high`: the partition's offsets as ListOffsets reports them (`high` may
     be too low; a read never starts beyond it, as some brokers then never
-    report the end)."""
+    report the end).  `index`: p's place in the checkpoint's offsets (a
+    shard's checkpoint has one; default p)."""
     seq = cp.seq if cp is not None else 0
-    h = cp.offsets[p] if cp is not None else None
+    h = cp.offsets[p if index is None else index] if cp is not None else None
     if h is not None and h >= 1 and h - 1 >= low:
         first = h - 1 if h - 1 < high or _exists(c, topic, p, h - 1) else max(low, high - 1)
         r = _read(c, topic, p, first, low, keys, timeout)
@@ -177,27 +178,31 @@ def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint |
     return r
 
 
-def load_start(conf: dict, global_topic: str, partitions: int, timeout: float = 60.0) -> GlobalStart:
+def load_start(conf: dict, global_topic: str, partitions: int, timeout: float = 60.0,
+               shard: int | None = None) -> GlobalStart:
     """Read the latest checkpoint of `global_topic` and the topic from there
     to its end; return where to resume (see `decide_start`).  `timeout`
     counts from the last record received, so a long read that progresses
-    never times out.  Raises StartError (positions cannot be proven),
+    never times out.  `shard`: the start of that shard, which owns partition
+    `shard` alone (its checkpoints, kdsync.kafka.checkpoint; `partitions` is
+    then 1).  Raises StartError (positions cannot be proven),
     ForeignRecordError (a record kdsync did not write), TimeoutError or
     KafkaException (the brokers do not answer)."""
     from confluent_kafka import TopicPartition
 
     keys = _Keys()
     with closing(consumer(conf)) as c:
-        cp = read_checkpoint(c, global_topic, timeout)
-        if cp is not None and len(cp.offsets) != partitions:
+        cp = read_checkpoint(c, global_topic, timeout, shard=shard)
+        ids = [shard] if shard is not None else list(range(partitions))
+        if cp is not None and len(cp.offsets) != len(ids):
             log.warning("checkpoint is for another partition count; ignoring its offsets",
                         extra={"kv": {"topic": global_topic, "partitions": partitions, "checkpoint": len(cp.offsets)}})
-            cp = Checkpoint(cp.topic, cp.seq, (), cp.watermarks, cp.member, cp.written_ms)
+            cp = Checkpoint(cp.topic, cp.seq, (), cp.watermarks, cp.member, cp.written_ms, cp.shard)
         marks = [c.get_watermark_offsets(TopicPartition(global_topic, p), timeout=timeout, cached=False)
-                 for p in range(partitions)]
+                 for p in ids]
         offsets_cp = cp if cp is not None and cp.offsets else None
-        reads = [_read_partition(c, global_topic, p, max(low, 0), max(high, 0), offsets_cp, keys, timeout)
-                 for p, (low, high) in enumerate(marks)]
+        reads = [_read_partition(c, global_topic, p, max(low, 0), max(high, 0), offsets_cp, keys, timeout, i)
+                 for i, (p, (low, high)) in enumerate(zip(ids, marks))]
     return decide_start(global_topic, reads, cp, keys.list)
 
 
@@ -306,12 +311,16 @@ def decide_start(global_topic: str, reads: list[PartitionRead], cp: Checkpoint |
 class GlobalReader:
     """Answers reads of positions [start, stop) of one global topic, with one
     long-lived consumer (`conf` as for the source consumer, in consumer group
-    `group_id`, which commits nothing).  Not thread-safe: one read at a time."""
+    `group_id`, which commits nothing).  Not thread-safe: one read at a time.
+    `shard`: the positions of that shard, in partition `shard` alone (then
+    `partitions` is 1)."""
 
-    def __init__(self, conf: dict, group_id: str, global_topic: str, partitions: int, seq_base: int = 0):
+    def __init__(self, conf: dict, group_id: str, global_topic: str, partitions: int, seq_base: int = 0,
+                 shard: int | None = None):
         self.conf = {**conf, "group.id": group_id, "fetch.wait.max.ms": 10}
         self.global_topic = global_topic
         self.partitions = partitions
+        self.ids = [shard] if shard is not None else list(range(partitions))
         self.seq_base = seq_base  # one partition: position - offset (a topic restored from past position 0)
         self._c = None
 
@@ -322,8 +331,8 @@ class GlobalReader:
         if self._c is None:
             self._c = consumer(self.conf)
         found: dict[int, Event] = {}
-        for p in range(self.partitions):
-            one = self.partitions == 1
+        for p in self.ids:
+            one = len(self.ids) == 1
             first = max(0, start - self.seq_base) if one else 0
             with closing(read_to_eof(self._c, self.global_topic, p, first, timeout=timeout)) as recs:
                 for m in recs:

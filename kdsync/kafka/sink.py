@@ -47,13 +47,14 @@ def make_producer(conf: dict):
 
 
 def ensure_global(conf: dict, global_topic: str, partitions: int, replication_factor: int | None = None,
-                  config: dict[str, str] | None = None) -> int:
+                  config: dict[str, str] | None = None, shards: int = 1) -> int:
     """Create the global topic with `partitions` partitions (and the [topics]
     replication factor and topic configs) unless it exists; return its
     partition count.  Raises FatalError when an existing topic has another
     count (positions would land elsewhere than in the other clusters) or the
     cluster refuses the settings, KafkaException/TimeoutError when the brokers
-    do not answer."""
+    do not answer.  `shards` > 1: created with one partition per shard, and
+    refused only when an existing topic has fewer (docs/shards.md)."""
     from kdsync.kafka.topic import TopicSettingsError, ensure_topic
 
     try:
@@ -61,6 +62,11 @@ def ensure_global(conf: dict, global_topic: str, partitions: int, replication_fa
                             config=config)
     except TopicSettingsError as e:  # the cluster refuses [topics] settings: no retry can fix that
         raise FatalError(f"topics: {e}") from None
+    if shards > 1:
+        if have < shards:
+            raise FatalError(f"topics.shards = {shards} but {global_topic} already has {have} partitions "
+                             f"(shard s writes partition s): add partitions to it or use another global_suffix")
+        return have
     if have != partitions:
         raise FatalError(f"topics.global_partitions = {partitions} but {global_topic} already has {have} partitions")
     return have
@@ -83,13 +89,17 @@ class GlobalWriter:
     The hot path is per record only where Kafka is: one `produce` and one
     delivery report each; everything else (commits, metrics, the durable
     report) is per batch or per Delivery.
+    `shard`: the writer of that shard, which writes partition `shard` alone
+    (then `partitions` is 1; docs/shards.md).
     """
 
     def __init__(self, producer, global_topic: str, partitions: int, start_seq: int, *, origin: str,
                  present: set[int] | None = None, on_durable: Callable[[int, dict[int, int]], None],
                  on_fatal: Callable[[str], None], schedule: Callable[[Callable[[], None]], object],
-                 on_done: Callable[[list["WrittenDelivery"]], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_done: Callable[[list["WrittenDelivery"]], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 shard: int | None = None):
         self.producer = producer
+        self.shard = shard  # a shard's writer: every record to partition `shard` (docs/shards.md)
         self.global_topic = global_topic
         self.partitions = partitions
         self.origin = origin
@@ -121,7 +131,7 @@ class GlobalWriter:
             return
         t0 = self.clock()
         produce, topic, parts, report = self.producer.produce, self.global_topic, self.partitions, self._on_delivery
-        present = self.present
+        present, shard = self.present, self.shard
         first_ts = 0
         for b in d.batches:
             ob = self._origin_b.get(b.origin)
@@ -141,7 +151,7 @@ class GlobalWriter:
                     present.discard(seq)
                     report(seq, None, None)
                 else:
-                    part = 0 if parts == 1 else global_partition(key, seq, parts)
+                    part = shard if shard is not None else (0 if parts == 1 else global_partition(key, seq, parts))
                     while True:
                         try:
                             produce(topic, value=value, key=key, partition=part, on_delivery=partial(report, seq),

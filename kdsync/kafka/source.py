@@ -70,13 +70,15 @@ class SourceConsumer:
     `on_runs(runs)` and `on_fatal(message)` are called in the event loop's
     thread (through `loop.call_soon_threadsafe`), `on_lag(topic, partition,
     lag)` in the consumer thread.  `conf` comes from `consumer_conf` (plus an
-    `error_cb`).
+    `error_cb`).  `shard` = (s, K): the consumer of shard s, which reads the
+    source partitions p with p mod K = s only.
     """
 
     def __init__(self, conf: dict, origin: str, loop: asyncio.AbstractEventLoop, *,
                  on_runs: Callable[[list[SourceRun]], None], on_fatal: Callable[[str], None],
                  on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT,
-                 commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None):
+                 commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None,
+                 shard: tuple[int, int] | None = None):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -84,6 +86,7 @@ class SourceConsumer:
         self.on_runs, self.on_fatal, self.on_lag = on_runs, on_fatal, on_lag
         self.batch = batch
         self.max_inflight = max_inflight
+        self.shard = shard  # (s, K): consume only source partitions p with p % K == s (docs/shards.md)
         self._topics: dict[str, dict[int, int]] = {}  # topic -> partition -> lowest offset to consume
         self._commit_q: queue.Queue = queue.Queue()
         self._committed: dict[tuple[str, int], int] = {}  # source offsets durably ordered below (committed soon)
@@ -222,7 +225,7 @@ class SourceConsumer:
             if tm is None or tm.error is not None:
                 continue
             for p in tm.partitions:
-                if (t, p) not in assigned:
+                if (t, p) not in assigned and (self.shard is None or p % self.shard[1] == self.shard[0]):
                     new.append(TopicPartition(t, p))
         if not new:
             return

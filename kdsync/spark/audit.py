@@ -1,7 +1,7 @@
 """`kdsync audit`: prove that clusters agree (or that a simulated run did).
 
     kdsync audit --cluster dc1=HOST:9092 --cluster dc2=HOST:9092 --topic T
-                 [--master URL] [--out DIR] [--global-suffix -global]
+                 [--master URL] [--out DIR] [--global-suffix -global] [--shards K]
     kdsync audit --trace RUN_DIR_OR_TRACE.parquet ... [--out DIR]
 
 Real clusters: every cluster's T (source) and T-global are read in parallel
@@ -9,7 +9,10 @@ with the kdsync-kafka data source and turned into trace rows (member = the
 cluster name, seq = kdsync.seq, submit_ts = kdsync.origin.ts/1000,
 deliver_ts = the global record's timestamp/1000, event_id =
 "origin/partition/offset"); source records of cluster NAME are events
-"NAME/partition/offset".  Sim traces are read as they are (next to each a
+"NAME/partition/offset".  With --shards K (the members' [topics] shards),
+partition s of T-global is its own ordering group: it is audited as run
+"T/s" (positions, agreement, loss and order judged per partition), whose
+events are the source records of partitions p with p mod K = s.  Sim traces are read as they are (next to each a
 summary.json, when present, names scenario / protocol / seed).  Both go
 through `kdsync.spark.analysis.analyse`.
 
@@ -78,13 +81,15 @@ def check_brokers(clusters: dict[str, str], props: dict[str, str], timeout: floa
 # ---------------------------------------------------------------- real clusters
 
 def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suffix: str = "-global",
-                 props: dict | None = None):
+                 props: dict | None = None, shards: int = 1):
     """(trace, sources, malformed) DataFrames for real clusters.
 
     trace: the trace rows (docs/outputs.md) of every cluster's global topic, plus
     `global_partition`/`position` (where the record sits); sources: (run_id,
     event_id) of every source record; malformed: global records without the
-    kdsync headers (run_id, member, global_partition, position)."""
+    kdsync headers (run_id, member, global_partition, position).  `shards`
+    > 1: run_id "T/s" per global partition s, sources of partition p in run
+    "T/(p mod shards)" (module doc)."""
     from pyspark.sql import functions as F
 
     from kdsync.spark.kafka_source import read_topic
@@ -105,6 +110,9 @@ def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suff
         hs(H_OOFF).cast("long").alias("origin_offset"),
         hs(H_SEQ).cast("long").alias("seq"),
         hs(H_OTS).cast("long").alias("origin_ts")).persist()
+    if shards > 1:  # one run per shard: global partition s, source partitions p mod K = s
+        slim = slim.withColumn("run_id", F.concat_ws("/", "run_id", F.when(
+            F.col("is_global"), F.col("partition")).otherwise(F.col("partition") % F.lit(shards))))
     g = slim.where(F.col("is_global"))
     trace = g.select(
         "run_id", "member", "origin", "origin_partition", "origin_offset", "seq",
@@ -315,6 +323,7 @@ class AuditArgs:
     window_s: float = 1.0
     approx: bool = False
     kafka_property: list[str] = field(default_factory=list)  # KEY=VALUE
+    shards: int = 1  # [topics] shards of the members: one run per global partition
 
 
 def run(args: AuditArgs) -> tuple[int, dict]:
@@ -341,7 +350,7 @@ def run(args: AuditArgs) -> tuple[int, dict]:
         props = _kafka_props(args.kafka_property)
         check_brokers(clusters, props)
         spark = spark_session(args.master, "kdsync-audit")
-        trace, sources, malformed = kafka_tables(spark, clusters, args.topic, args.global_suffix, props)
+        trace, sources, malformed = kafka_tables(spark, clusters, args.topic, args.global_suffix, props, args.shards)
         mode = "kafka"
     else:
         _trace_files(args.trace)  # bad paths fail before Spark starts
@@ -391,8 +400,10 @@ def _audit(
                                 help="approximate latency percentiles (huge inputs)"),
     kafka_property: list[str] = typer.Option([], metavar="KEY=VALUE", show_default="none",
                                              help="extra librdkafka property for every cluster (repeat)"),
+    shards: int = typer.Option(1, metavar="K", min=1, help="[topics] shards of the members: each partition of "
+                                                           "T-global is audited as its own run T/s"),
 ) -> int:
-    args = AuditArgs(cluster, topic, global_suffix, trace, master, out, window_s, approx, kafka_property)
+    args = AuditArgs(cluster, topic, global_suffix, trace, master, out, window_s, approx, kafka_property, shards)
     try:
         code, report = run(args)
     except UsageError:
