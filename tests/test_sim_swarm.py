@@ -39,6 +39,9 @@ REGRESSION_SCENARIOS = {
     "swarm-7052.yaml": "a member that learned of its view by HINT ignored that view's INSTALL: joining forever",
     "swarm-8935.yaml": "after a total outage the start was durable only at an excluded member: positions reused "
                        "(agreement violation)",
+    "swarm-2719.yaml": "a restarted leader waited for a member of its view that restarted from an older view and "
+                       "joined from outside, never reporting: wedged, and the minority's positions never reached the rest",
+    "swarm-8295.yaml": "the same: a member of the view, told nothing by the view's leader, joined forever",
 }
 
 

@@ -407,8 +407,12 @@ class ViewChangePart:
         if s in v.members:
             self.rejoined[s] = inc
             self.last_heard[s] = self.now
-        if self._is_member() and self._leader() != self.me:
-            self._stale_reply(s, -1)  # tell it which view it is asking to join
+        if self._is_member() and (self._leader() != self.me or s in v.members):
+            # tell it which view it is asking to join; the leader too when the view
+            # names it: it does not know it is a member (it restarted from an older
+            # view) and would never report, while the view cannot change without it
+            # (swarm seeds 2719, 8295: a restarted leader waited for it forever)
+            self._stale_reply(s, -1)
 
     def _stale_reply(self, peer: str, view_id: int) -> None:
         """`peer` speaks of an older view (or asks to join): help it forward."""
