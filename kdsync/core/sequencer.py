@@ -38,7 +38,7 @@ class SequencerNode(DerechoNode):
     protocol = "sequencer"
     MESSAGES = SEQUENCER_MESSAGES
     _FWD_CHUNK = 64  # batches per retransmitted FORWARD
-    _FWD_RESEND_BYTES = 8 << 20  # payload resent per retransmission round, at most
+    _FWD_RESEND_BYTES = 256 << 10  # payload resent per retransmission round beyond its first chunk
 
     def __init__(self, config, **kw) -> None:
         self.outbox: list[Batch] = []  # own batches not yet delivered here, in submission order
@@ -149,18 +149,20 @@ class SequencerNode(DerechoNode):
             self._resend()
 
     def _resend(self) -> None:
-        """Go back N: everything forwarded and not yet delivered, in FORWARDs of
-        `_FWD_CHUNK` batches, at most `_FWD_RESEND_BYTES` of payload per round.
+        """Go back N: what was forwarded and not yet delivered, from the oldest,
+        in FORWARDs of `_FWD_CHUNK` batches: at least one chunk, and more while
+        the round has resent less than `_FWD_RESEND_BYTES` of payload.
 
         The sequencer takes forwards in order only, so after one lost FORWARD
         (or one that reached it before it entered the view) it ignores every
-        later one: resending only the first chunk moved a long outbox by one
-        chunk per round (swarm seeds 4759, 6201, 6429 of the sequencer ran out
-        of settle time that way)."""
-        out, upto, budget = self.outbox, self.out_sent, self._FWD_RESEND_BYTES
+        later one: resending only the first chunk moved a backlog of small
+        batches by one chunk per round (swarm seeds 4759, 6201, 6429 of the
+        sequencer ran out of settle time that way).  The byte bound keeps a
+        round small when the sequencer is only slow, not missing anything."""
+        out, upto, sent = self.outbox, self.out_sent, 0
         i = 0
-        while i < upto and budget > 0:
+        while i < upto and (i == 0 or sent < self._FWD_RESEND_BYTES):
             chunk = out[i : min(i + self._FWD_CHUNK, upto)]
-            budget -= sum(len(b.data) for b in chunk)
+            sent += sum(len(b.data) for b in chunk)
             self._forward(self.out_head + i, chunk)
             i += len(chunk)

@@ -368,3 +368,27 @@ def test_the_same_bytes_decode_once_and_every_check_still_holds():
     assert Codec(SEQUENCER_MESSAGES, "abc").decode(fwd).batches[0].payloads() == [b"x"]
     with pytest.raises(RemoteProtocolError, match="unknown message type"):
         a.decode(fwd)  # the derecho codec never takes a sequencer-only message from the cache
+
+
+def test_a_lost_forward_backlog_is_resent_in_one_round_not_one_chunk_per_round():
+    """Swarm seeds 4759, 6201 and 6429 of the fail-over sequencer: the sequencer
+    takes forwards in order only, so once a FORWARD is lost every later one is
+    ignored, and a forwarder that resent only its first 64 batches per round
+    moved a backlog of small batches one chunk per round — too slow to order
+    before the run ended (lost writes).  Here 640 one-record batches are all
+    lost on the way to the sequencer: the first retransmission round must carry
+    them all (small payloads), and nothing is lost or delivered twice."""
+    net = InMemoryNetwork(["a", "b", "c"], protocol="sequencer", seed=7, **FAST)
+    net.run_until(lambda: all(net.node(i).status == "active" for i in "abc"), 100)
+    assert net.node("b").view.senders == ("a",)
+    net.cut_one_way("b", "a")  # no tick passes while cut: nobody is suspected
+    sub = set()
+    for _ in range(640):
+        sub |= keys(net.submit("b", 1))
+    net.stabilize()
+    assert net.node("b").out_sent == 640 and net.topic_len("a") == 0  # forwarded, and lost
+    net.recover()
+    # a round: 2 x retransmit_ticks without progress, then the resend and its slot's acks
+    used = net.run_until(lambda: all(net.topic_len(i) == 640 for i in "abc"), 60)
+    assert used <= 2 * FAST["retransmit_ticks"] + 4, f"{used} ticks: resent one chunk per round"
+    assert not check_invariants(net, submitted=sub)
