@@ -369,7 +369,8 @@ class Member:
         p.checkpoint = CheckpointWriter(
             self.producer, p.global_topic, parts, self.me, start_seq=start.end, watermarks=start.watermarks,
             min_seq=max(start.present) + 1 if start.present else start.end, last=start.checkpoint,
-            measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions, shard=self.shard)
+            measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions, shard=self.shard,
+            on_written=lambda cp, topic=p.topic: self.metrics.checkpoint_written(topic, cp.seq, cp.written_ms))
         cp = start.checkpoint
         if not start.present and (cp is None or cp.seq != start.end or cp.offsets != start.ends):
             p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, self.me,

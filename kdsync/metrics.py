@@ -89,6 +89,12 @@ class MemberMetrics:
         self.stage = Histogram("kdsync_stage_seconds", "one stage of a batch's trip through the member (per batch)",
                                ["topic", "stage"], buckets=STAGE_BUCKETS, registry=reg)
         self.bad_messages = Counter("kdsync_bad_peer_messages", "malformed peer messages dropped", ["peer"], registry=reg)
+        self.checkpoint_position = Gauge("kdsync_checkpoint_position",
+                                         "position of the latest checkpoint the cluster confirmed (a restart reads "
+                                         "the global topic from there)", ["topic"], registry=reg)
+        self.checkpoint_time = Gauge("kdsync_checkpoint_timestamp_seconds",
+                                     "when the latest confirmed checkpoint was written (Unix time)", ["topic"],
+                                     registry=reg)
         reg.register(_Live(peers, cores))
         self._status: dict[str, str] = {}
         self.server = None
@@ -101,6 +107,11 @@ class MemberMetrics:
             self.status.labels(topic, old).set(0)
         self.status.labels(topic, status).set(1)
         self._status[topic] = status
+
+    def checkpoint_written(self, topic: str, seq: int, written_ms: int) -> None:
+        """The cluster confirmed (or start-up read) a checkpoint of `topic`'s global topic."""
+        self.checkpoint_position.labels(topic).set(seq)
+        self.checkpoint_time.labels(topic).set(written_ms / 1000.0)
 
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (a daemon thread). Raises OSError if the port is taken."""

@@ -105,6 +105,11 @@ def test_restart_reads_only_what_follows_the_checkpoint(tmp_path):
             assert cp.topic == "events-global" and cp.member == "dc1"
             assert cp.watermarks == watermarks_of(got["dc1"], cp.seq)
             assert cp.offsets[0] <= cp.seq and all(r.seq < cp.seq for r in got["dc1"][:cp.offsets[0]])
+        # the metrics follow the confirmed checkpoint: its position, and when it was written
+        _wait(lambda: g.metrics(0).get(("kdsync_checkpoint_position", (("topic", "events"),))) == 600, 20,
+              "kdsync_checkpoint_position 600")
+        written = g.metrics(0)[("kdsync_checkpoint_timestamp_seconds", (("topic", "events"),))]
+        assert written == checkpoints(g.bootstrap(0))[-1].written_ms / 1000.0
         # a clean stop leaves an exact checkpoint: the next start reads the one record before its offset
         g.signal_member(0, signal.SIGTERM)
         assert g.wait_member(0) == 0, _logs(g)
@@ -114,6 +119,8 @@ def test_restart_reads_only_what_follows_the_checkpoint(tmp_path):
         g.wait_ready(members=[0])
         ready = ready_lines(g, 0)[-1]
         assert (ready["start_seq"], ready["checkpoint"], ready["records_read"]) == ("600", "600", "1"), ready
+        # a restarted member reports the checkpoint it started from at once
+        assert g.metrics(0)[("kdsync_checkpoint_position", (("topic", "events"),))] == 600
         # kill -9 mid-stream: the restart reads from the last checkpoint, not from position 0
         writers = threading.Thread(target=_write_all, args=(g, 300, "k", 100.0))
         writers.start()

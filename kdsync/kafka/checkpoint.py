@@ -236,7 +236,8 @@ class CheckpointWriter:
     advances, `run()` as a task (the interval), `final()` at a clean stop.
     `measure(exact)` (blocking, run in a thread; an EndOffsets) returns the
     global partitions' end offsets; `producer` is the member's producer (its
-    delivery reports are served on the loop).  A failed write is logged and
+    delivery reports are served on the loop); `on_written(cp)` hears of every
+    checkpoint the cluster confirms, and of the one read at start (metrics).  A failed write is logged and
     taken again later: restarts then start from an older checkpoint, which is
     only slower.
     """
@@ -244,7 +245,7 @@ class CheckpointWriter:
     def __init__(self, producer, global_topic: str, partitions: int, member: str, *, start_seq: int,
                  watermarks: dict[tuple[str, int], int], min_seq: int, last: Checkpoint | None,
                  measure: Callable[[bool], tuple[int, ...]], interval_s: float, positions: int,
-                 shard: int | None = None):
+                 shard: int | None = None, on_written: Callable[[Checkpoint], None] | None = None):
         self.producer = producer
         self.shard = shard  # a shard's writer (module doc)
         self.key = checkpoint_key(global_topic, shard)
@@ -265,6 +266,9 @@ class CheckpointWriter:
         self._pending: Checkpoint | None = None
         self._busy = False
         self._task: asyncio.Future | None = None
+        self.on_written = on_written  # called with each checkpoint the cluster confirms (and the one read at start)
+        if last is not None and on_written is not None:
+            on_written(last)
 
     # ------------------------------------------------------------ from the member
     def delivered(self, d: Delivery) -> None:
@@ -354,6 +358,8 @@ class CheckpointWriter:
                 return
             if self.last is None or cp.seq >= self.last.seq:
                 self.last = cp
+                if self.on_written is not None:
+                    self.on_written(cp)
             self.written += 1
             log.debug("checkpoint written", extra={"kv": {"topic": self.topic, "seq": cp.seq,
                                                           "offsets": ",".join(map(str, cp.offsets))}})
