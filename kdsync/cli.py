@@ -81,7 +81,8 @@ def _run(
                                          help="debug, info, warning or error; overrides [log] level"),
     trace_latency: str | None = typer.Option(None, "--trace-latency", metavar="FILE", show_default="none",
                                              help="append one JSON line per batch of records once durable: the time "
-                                                  "it reached each stage (docs/outputs.md)"),
+                                                  "it reached each stage (docs/outputs.md); with shards, shard S "
+                                                  "appends to FILE.shard-S"),
     workers: int | None = typer.Option(None, "--workers", "-w", metavar="W", show_default="none: in this process",
                                        help="run the shards ([topics] shards) in W worker processes, restarted "
                                             "when they die (docs/shards.md)"),
@@ -123,17 +124,14 @@ def _run(
     for msg, fields in notes:
         logging.getLogger("kdsync.config").info(msg, **kv(**fields))
     if workers is not None or cfg.shards() > 1:
-        if trace_latency:
-            raise UsageError("--trace-latency works with one ordering group per process: not with [topics] shards > 1 "
-                             "or --workers yet")
         from kdsync.config import parse_address
         from kdsync.workers import Supervisor, run_shards
 
         try:
             if workers is not None:
-                return Supervisor(cfg, config, workers, log_level).run()
+                return Supervisor(cfg, config, workers, log_level, trace_latency).run()
             return run_shards(cfg, cfg.served_shards(),
-                              parse_address(cfg.metrics.listen) if cfg.metrics.listen else None)
+                              parse_address(cfg.metrics.listen) if cfg.metrics.listen else None, trace_latency)
         except FatalError as e:
             print(f"kdsync run: {e}", file=sys.stderr)
             return 1

@@ -75,7 +75,7 @@ from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, produc
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.logs import KafkaClientLog, kv
 from kdsync.profiling import profiler
-from kdsync.stages import LatencyTrace, StageClock
+from kdsync.stages import LatencyTrace, StageClock, shard_trace_path
 from kdsync.state import HardStateFile
 from kdsync.transport.channels import frame_channel, split_channel
 
@@ -178,9 +178,10 @@ class Member:
         self.metrics = MemberMetrics(self._peer_stats, self._stats_for_metrics)
         if self.trace_path:
             try:
-                self.trace = LatencyTrace(self.trace_path)
+                self.trace = LatencyTrace(shard_trace_path(self.trace_path, self.shard), self.shard)
             except OSError as e:
-                raise FatalError(f"--trace-latency: cannot write {self.trace_path}: {e.strerror}") from None
+                raise FatalError(f"--trace-latency: cannot write {shard_trace_path(self.trace_path, self.shard)}: "
+                                 f"{e.strerror}") from None
         if self.cfg.metrics.listen:
             host, port = parse_address(self.cfg.metrics.listen)
             try:

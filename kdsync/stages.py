@@ -27,7 +27,8 @@ The trace is one JSON line per batch once it is durable: `topic`, `origin`,
 `partition`, `first_offset`, `count`, `seq` (position of its first record),
 `source_ts` (ms), and the wall-clock time (s) it reached each stage:
 `fetched`, `submitted`, `sent`, `delivered`, `produced`, `durable` (null
-where the stage does not apply: other members' batches).
+where the stage does not apply: other members' batches).  With shards
+(K > 1) shard S appends to `FILE.shard-S` and every line has `shard`.
 """
 
 from __future__ import annotations
@@ -39,23 +40,34 @@ from collections import deque
 
 from kdsync.metrics import observe_many
 
-__all__ = ["STAGES", "LatencyTrace", "StageClock"]
+__all__ = ["STAGES", "LatencyTrace", "StageClock", "shard_trace_path"]
 
 STAGES = ("fetch", "handoff", "sent", "delivered", "produced", "report", "committed")
 _MAX_TRACKED = 100_000  # own batches awaiting delivery; a view change can drop some: never grow without bound
 
 
-class LatencyTrace:
-    """JSON lines appended to `path` (buffered; flushed at most once a second and at close)."""
+def shard_trace_path(path: str, shard: int | None) -> str:
+    """Where shard `shard`'s trace goes: `path` itself for the one ordering
+    group (shards = 1), `path.shard-S` for shard S (each shard, in whichever
+    worker process it runs, appends to a file of its own)."""
+    return path if shard is None else f"{path}.shard-{shard}"
 
-    def __init__(self, path: str):
+
+class LatencyTrace:
+    """JSON lines appended to `path` (buffered; flushed at most once a second
+    and at close).  `shard`: every line also says which shard it is of."""
+
+    def __init__(self, path: str, shard: int | None = None):
         self.f = open(path, "a", encoding="utf-8", buffering=1 << 16)
         self.rows = 0
         self._flushed = time.monotonic()
+        self.shard = shard
 
     def write(self, rows: list[dict]) -> None:
         w = self.f.write
         for r in rows:
+            if self.shard is not None:
+                r["shard"] = self.shard
             w(json.dumps(r, separators=(",", ":")) + "\n")
         self.rows += len(rows)
         now = time.monotonic()

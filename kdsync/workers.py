@@ -103,12 +103,13 @@ def _serve_metrics(listen: tuple[str, int], collector) -> object:
 
 
 # ---------------------------------------------------------------- one worker
-async def _run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str, int] | None) -> int:
+async def _run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str, int] | None,
+                      trace_latency: str | None = None) -> int:
     from kdsync.errors import FatalError
     from kdsync.member import Member
 
     loop = asyncio.get_running_loop()
-    members = {s: Member(cfg.for_shard(s), shard=s, signals=False) for s in shards}
+    members = {s: Member(cfg.for_shard(s), shard=s, signals=False, trace_latency=trace_latency) for s in shards}
     stopping = asyncio.Event()
 
     def stop_all(sig=None) -> None:
@@ -148,12 +149,14 @@ async def _run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str,
     return max(codes, default=0)
 
 
-def run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str, int] | None = None) -> int:
+def run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str, int] | None = None,
+               trace_latency: str | None = None) -> int:
     """Run the members of `shards` (K > 1) in this process until SIGINT/SIGTERM
     or a fatal error of one of them; return the exit code (0 clean, 1 fatal).
-    `metrics_listen`: serve their metrics (label `shard`) there."""
+    `metrics_listen`: serve their metrics (label `shard`) there;
+    `trace_latency`: shard S appends its latency trace to FILE.shard-S."""
     try:
-        return asyncio.run(_run_shards(cfg, shards, metrics_listen))
+        return asyncio.run(_run_shards(cfg, shards, metrics_listen, trace_latency))
     except KeyboardInterrupt:
         return 0
 
@@ -181,10 +184,12 @@ class Supervisor:
     """Runs the served shards of `cfg` in `workers` processes (module doc).
     `run()` returns the exit code."""
 
-    def __init__(self, cfg: Config, config_path: str, workers: int, log_level: str | None = None):
+    def __init__(self, cfg: Config, config_path: str, workers: int, log_level: str | None = None,
+                 trace_latency: str | None = None):
         self.cfg = cfg
         self.config_path = os.path.abspath(config_path)
         self.log_level = log_level
+        self.trace_latency = os.path.abspath(trace_latency) if trace_latency else None
         groups = assign_shards(cfg.served_shards(), workers) if cfg.shards() > 1 else [[]]
         self.workers = [_Worker(i, g) for i, g in enumerate(groups)]
         self._stop = threading.Event()
@@ -202,6 +207,8 @@ class Supervisor:
             argv += ["--shards", ",".join(map(str, w.shards))]
         if self.log_level:
             argv += ["--log-level", self.log_level]
+        if self.trace_latency:
+            argv += ["--trace-latency", self.trace_latency]
         if self.metrics_listen is not None:
             argv += ["--metrics", f"{self.metrics_listen[0]}:{self.metrics_listen[1] + 1 + w.index}"]
         return argv
@@ -328,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", default="")
     ap.add_argument("--log-level")
     ap.add_argument("--metrics")
+    ap.add_argument("--trace-latency")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config)
@@ -343,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             if metrics is not None:
                 cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
                     update={"listen": f"{metrics[0]}:{metrics[1]}"})})
-            return asyncio.run(Member(cfg).run())
-        return run_shards(cfg, [int(x) for x in a.shards.split(",")], metrics)
+            return asyncio.run(Member(cfg, trace_latency=a.trace_latency).run())
+        return run_shards(cfg, [int(x) for x in a.shards.split(",")], metrics, a.trace_latency)
     except FatalError as e:
         print(f"kdsync run: {e}", file=sys.stderr)
         return 1

@@ -155,7 +155,9 @@ def test_two_shards_two_workers_kill9_a_worker(tmp_path):
     from kdsync.demo import LocalGroup, check_sharded, write_events
 
     per, n = 1500, 3
+    trace = tmp_path / "trace.jsonl"
     with LocalGroup(n, tmp_path, shards=2, workers=2, source_partitions=4, metrics=True) as g:
+        g.member_args[0] = ["--trace-latency", str(trace)]  # dc1's workers trace (dc2's is the one killed)
         g.start_brokers()
         g.start_members()
         g.wait_ready(timeout=120)
@@ -200,6 +202,7 @@ def test_two_shards_two_workers_kill9_a_worker(tmp_path):
         g.wait_ready(timeout=60)  # the restarted worker's shards are active again
         for i in range(n):
             assert g.stop_member(i, timeout=60) == 0, g.log_text(i)[-3000:]
+    _assert_shard_traces(trace, got["dc1"])
 
 
 @pytest.mark.slow
@@ -216,7 +219,9 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
     from kdsync.kafka.offsets import parse_cluster, translate
 
     per, n = 150, 3
+    trace = tmp_path / "trace.jsonl"
     with LocalGroup(n, tmp_path, shards=2, source_partitions=4, metrics=True) as g:
+        g.member_args[1] = ["--trace-latency", str(trace)]
         g.start_brokers()
         g.start_members()
         g.wait_ready(timeout=120)
@@ -245,6 +250,25 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
         assert sum(r["events_submitted"] for r in runs.values()) == per * n
         for i in range(n):
             assert g.stop_member(i, timeout=60) == 0, g.log_text(i)[-3000:]
+    _assert_shard_traces(trace, got["dc2"])
+
+
+def _assert_shard_traces(trace, parts) -> None:
+    """--trace-latency with shards: shard S's rows in FILE.shard-S, each with
+    `shard` = S, covering partition S of the global topic record for record."""
+    import json
+
+    assert not trace.exists()  # no file without a shard suffix
+    for s, records in enumerate(parts):
+        rows = [json.loads(line) for line in open(f"{trace}.shard-{s}")]
+        assert {r["shard"] for r in rows} == {s}
+        assert sum(r["count"] for r in rows) == len(records)
+        at = {r.offset: r for r in records}
+        for r in rows:
+            first = at[r["seq"]]
+            assert (first.origin, first.origin_partition, first.origin_offset) == (
+                r["origin"], r["partition"], r["first_offset"])
+            assert r["partition"] % 2 == s  # source partition p is ordered by shard p mod K
 
 
 def test_existing_global_topic_with_fewer_partitions_is_refused(tmp_path):
