@@ -45,7 +45,6 @@ def write_outputs(result, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n", encoding="utf-8")
-    t = result.trace
     schema = pa.schema(
         [
             ("run_id", pa.string()),
@@ -59,8 +58,15 @@ def write_outputs(result, out: Path) -> None:
             ("deliver_ts", pa.float64()),
         ]
     )
-    table = pa.table({name: t[name] for name in schema.names}, schema=schema)
-    pq.write_table(table, out / "trace.parquet")
+    # one row group per (shard, member): memory holds one member's rows, not the run's
+    with pq.ParquetWriter(out / "trace.parquet", schema) as w:
+        wrote = False
+        for t in result.trace_chunks():
+            if t["seq"]:
+                w.write_table(pa.table({name: t[name] for name in schema.names}, schema=schema))
+                wrote = True
+        if not wrote:
+            w.write_table(schema.empty_table())
 
 
 def _report(result, repro: str) -> None:
