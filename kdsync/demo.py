@@ -39,6 +39,7 @@ from kdsync.clikit import run as run_cli
 from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, read_global_headers
 from kdsync.kafka.topic import consumer, ensure_topic, iter_partition, read_to_eof
+from kdsync.logs import client_log
 
 __all__ = ["GlobalRecord", "LocalGroup", "check_agreement", "main", "read_global", "write_events"]
 
@@ -184,7 +185,8 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
     return how many were acknowledged.  Raises RuntimeError on a delivery error."""
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, "log_level": 3})
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, "log_level": 3,
+                  "logger": client_log()})
     errors: list = []
     acked = [0]
 

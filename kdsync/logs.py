@@ -11,6 +11,11 @@ come out in the same format instead of raw ``%3|...`` lines:
     ts=1712.345 level=error member=dc1 logger=kdsync.kafka.client msg="Connect to ipv4#127.0.0.1:9092 failed: \
       Connection refused (after 0ms in state CONNECT)" facility=FAIL client=rdkafka#producer-1 \
       thread=127.0.0.1:9092/bootstrap suppressed=12
+
+The tools (`kdsync offsets`, `audit`, `archive`, `restore`, `demo` and the
+readers they share) give their clients `client_log()`: the same rate-limited
+lines, as ``kdsync: kafka: <what happened>`` on stderr when nothing else
+configured logging (`kdsync run` did: then they take its format).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["KVFormatter", "KafkaClientLog", "kv", "setup_logging"]
+__all__ = ["KVFormatter", "KafkaClientLog", "client_log", "kv", "setup_logging"]
 
 
 class KVFormatter(logging.Formatter):
@@ -102,3 +107,26 @@ class KafkaClientLog:
         if suppressed:
             fields["suppressed"] = suppressed
         self.logger.log(level, text, extra={"kv": fields})
+
+
+_TOOL_LOG: KafkaClientLog | None = None
+_TOOL_LOCK = threading.Lock()
+
+
+def client_log() -> KafkaClientLog:
+    """The `logger` for Kafka clients outside the member (module doc): one per
+    process, rate-limited like the member's.  Without logging configured (a
+    tool, not `kdsync run`), its lines go to stderr as ``kdsync: kafka: ...``
+    at warning and above, never as raw ``%3|...`` lines."""
+    global _TOOL_LOG
+    with _TOOL_LOCK:
+        if _TOOL_LOG is None:
+            lg = logging.getLogger("kdsync.kafka.client")
+            if not logging.getLogger().handlers and not lg.handlers:
+                h = logging.StreamHandler(sys.stderr)
+                h.setFormatter(logging.Formatter("kdsync: kafka: %(message)s"))
+                h.setLevel(logging.WARNING)
+                h.addFilter(lambda r: not logging.getLogger().handlers)  # kdsync run's setup_logging takes over
+                lg.addHandler(h)
+            _TOOL_LOG = KafkaClientLog(5.0, lg)
+        return _TOOL_LOG

@@ -271,6 +271,33 @@ def test_kafka_client_log_rate_limits_per_kind_and_counts_the_suppressed(caplog)
     assert lines[-1][2]["facility"] == "REQTMOUT" and "suppressed" not in lines[-1][2]
 
 
+def test_tools_readers_never_print_raw_librdkafka_lines():
+    """A reader of the tools (kdsync offsets, audit, demo, archive) against a
+    broker that is down: librdkafka's lines come as ``kdsync: kafka: ...``,
+    rate-limited, never as raw ``%3|...`` lines (a real client, a real
+    refused connection, in a fresh process with no logging configured)."""
+    import re
+    import subprocess
+    import sys
+
+    code = ("import socket, time\n"
+            "from confluent_kafka import TopicPartition\n"
+            "from kdsync.kafka.topic import consumer\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+            "c = consumer(f'127.0.0.1:{port}')\n"
+            "c.assign([TopicPartition('t', 0, 0)])\n"
+            "t0 = time.monotonic()\n"
+            "while time.monotonic() - t0 < 3:\n"
+            "    c.poll(0.1)\n"
+            "c.close()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0, r.stderr
+    assert not [x for x in lines if re.match(r"%\d+\|", x)], r.stderr
+    fails = [x for x in lines if x.startswith("kdsync: kafka: Connect to ipv4#127.0.0.1:")]
+    assert len(fails) == 1, r.stderr  # the connection is retried many times in 3 s: one line per kind per 5 s
+
+
 # ---------------------------------------------------------------- reading a partition whose oldest records are gone
 class Msg:
     def __init__(self, topic, part, offset, seq=None, eof=False):

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
+from kdsync.logs import client_log
+
 __all__ = ["PartitionEndError", "TopicSettingsError", "admin_conf", "consumer", "ensure_topic", "iter_partition",
            "partition_count", "read_partition", "read_to_eof", "topic_settings", "weaker_settings"]
 
@@ -38,6 +40,7 @@ def consumer(bootstrap_or_conf: str | dict) -> Consumer:
         "enable.partition.eof": True,
         "auto.offset.reset": "earliest",
         "log_level": conf.get("log_level", 3),
+        "logger": conf.get("logger") or client_log(),  # never raw %3|... lines (kdsync.logs)
         "fetch.wait.max.ms": conf.get("fetch.wait.max.ms", 10),  # EOF comes after an empty fetch
     })
     return Consumer(conf)

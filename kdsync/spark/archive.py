@@ -319,6 +319,8 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
     from confluent_kafka import Consumer, TopicPartition
     from pyspark.sql import functions as F
 
+    from kdsync.logs import client_log
+
     from kdsync.kafka.topic import ensure_topic
 
     df = read_archive(spark, prefix, archived, topic)
@@ -330,7 +332,7 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
     have = ensure_topic(brokers, topic, nparts)
     if have < nparts:
         raise UsageError(f"target topic {topic} has {have} partitions, the archive needs {nparts}")
-    c = Consumer({"bootstrap.servers": brokers, "group.id": "kdsync-restore", "log_level": 3})
+    c = Consumer({"bootstrap.servers": brokers, "group.id": "kdsync-restore", "log_level": 3, "logger": client_log()})
     try:
         for p in range(nparts):
             _, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
@@ -343,8 +345,10 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
     def produce(rows):
         from confluent_kafka import Producer
 
+        from kdsync.logs import client_log
+
         prod = Producer({**conf, "acks": "all", "max.in.flight.requests.per.connection": 1, "linger.ms": 5,
-                         "log_level": 3})
+                         "log_level": 3, "logger": client_log()})
         errors = []
 
         def on_delivery(err, _msg):
