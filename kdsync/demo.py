@@ -43,6 +43,8 @@ from kdsync.logs import client_log
 
 __all__ = ["GlobalRecord", "LocalGroup", "check_agreement", "main", "read_global", "write_events"]
 
+WARM_TOPIC = "kdsync-demo-warmup"  # the writers' warm-up records go here, never into an ordered topic
+
 
 @dataclass(frozen=True)
 class GlobalRecord:
@@ -180,9 +182,16 @@ def check_sharded(parts: dict[str, list[list[GlobalRecord]]], expected: int | No
 
 
 def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | None = None,
-                 timeout: float = 60.0) -> int:
+                 timeout: float = 60.0, warm_topic: str | None = None,
+                 on_ready: Callable[[], object] | None = None) -> int:
     """Produce n records key=f"{tag}-{i}" (optionally paced at `rate`/s);
-    return how many were acknowledged.  Raises RuntimeError on a delivery error."""
+    return how many were acknowledged.  Raises RuntimeError on a delivery error.
+
+    `warm_topic`: first write one record there and wait for it, so the
+    idempotent producer has its id and connection before the first counted
+    record (a cold one holds its first records ~0.5 s, which would show as
+    the ordering's latency); `on_ready()` is called once warm, before the
+    first record (e.g. a barrier, so the caller's clock starts then)."""
     from confluent_kafka import Producer
 
     p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, "log_level": 3,
@@ -196,6 +205,13 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
         else:
             acked[0] += 1
 
+    if warm_topic is not None:
+        ensure_topic(bootstrap, warm_topic, 1)
+        p.produce(warm_topic, key=tag.encode(), value=b"warm-up")
+        if p.flush(timeout):
+            raise RuntimeError(f"writing to {warm_topic} at {bootstrap}: warm-up record not acknowledged")
+    if on_ready is not None:
+        on_ready()
     t0 = time.monotonic()
     for i in range(n):
         while True:
@@ -564,19 +580,26 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
             g.start_members()
             g.wait_ready(timeout=120 if sharded or workers else 60)
         console.log(f"members: {', '.join(f'{n} pid {p.pid}' for n, p in zip(g.names, g.procs))}")
-        t0 = time.time()
         errors: list[str] = []
+        warm = threading.Barrier(clusters + 1)  # every writer connected before the clock starts
 
         def writer(i: int) -> None:
             try:
-                write_events(g.bootstrap(i), g.topic, per[i], g.names[i], rate=rate / clusters if rate else None)
+                write_events(g.bootstrap(i), g.topic, per[i], g.names[i], rate=rate / clusters if rate else None,
+                             warm_topic=WARM_TOPIC, on_ready=warm.wait)
             except Exception as e:
+                warm.abort()
                 errors.append(str(e))
 
         with console.status(f"writing {events} events concurrently into {clusters} clusters"):
             threads = [threading.Thread(target=writer, args=(i,)) for i in range(clusters)]
             for t in threads:
                 t.start()
+            try:
+                warm.wait(timeout)
+            except threading.BrokenBarrierError:
+                pass  # a writer failed: reported below
+            t0 = time.time()
             for t in threads:
                 t.join()
         if errors:
@@ -641,7 +664,8 @@ def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000
         out["throughput_ok"] = ok
         per = paced // clusters
         threads = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, per, f"p{i}"),
-                                    kwargs={"rate": rate / clusters}) for i in range(clusters)]
+                                    kwargs={"rate": rate / clusters, "warm_topic": WARM_TOPIC})
+                   for i in range(clusters)]
         for t in threads:
             t.start()
         for t in threads:
