@@ -41,7 +41,9 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
 
         def one(i: int) -> None:
             try:
-                demo.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate)
+                # paced writers warm up first (a cold idempotent producer holds its first records ~0.5 s)
+                warm = {"warm_topic": demo.WARM_TOPIC} if rate and hasattr(demo, "WARM_TOPIC") else {}
+                demo.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate, **warm)
             except Exception as e:
                 errors.append(str(e))
 
