@@ -42,8 +42,8 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
         def one(i: int) -> None:
             try:
                 # paced writers warm up first (a cold idempotent producer holds its first records ~0.5 s)
-                warm = {"warm_topic": demo.WARM_TOPIC} if rate and hasattr(demo, "WARM_TOPIC") else {}
-                demo.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate, **warm)
+                demo.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate,
+                                  warm_topic=demo.WARM_TOPIC if rate else None)
             except Exception as e:
                 errors.append(str(e))
 
@@ -94,7 +94,7 @@ def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
         from kdsync import demo
     except Exception as e:
         raise NotMeasured(f"kdsync.demo is not importable ({type(e).__name__}: {e})") from None
-    missing = [n for n in ("LocalGroup", "write_events", "check_agreement") if not hasattr(demo, n)]
+    missing = [n for n in ("LocalGroup", "write_events", "check_agreement", "WARM_TOPIC") if not hasattr(demo, n)]
     if missing:
         raise NotMeasured(f"kdsync.demo lacks {', '.join(missing)} (the member's local-cluster helpers)")
     try:

@@ -177,11 +177,11 @@ class Member:
 
         self.metrics = MemberMetrics(self._peer_stats, self._stats_for_metrics)
         if self.trace_path:
+            path = shard_trace_path(self.trace_path, self.shard)
             try:
-                self.trace = LatencyTrace(shard_trace_path(self.trace_path, self.shard), self.shard)
+                self.trace = LatencyTrace(path, self.shard)
             except OSError as e:
-                raise FatalError(f"--trace-latency: cannot write {shard_trace_path(self.trace_path, self.shard)}: "
-                                 f"{e.strerror}") from None
+                raise FatalError(f"--trace-latency: cannot write {path}: {e.strerror}") from None
         if self.cfg.metrics.listen:
             host, port = parse_address(self.cfg.metrics.listen)
             try:

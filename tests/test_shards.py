@@ -215,7 +215,7 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
     `kdsync offsets translate --shards 2` finds events in partition P mod 2."""
     import json
 
-    from kdsync.demo import LocalGroup, check_sharded, write_events
+    from kdsync.demo import LocalGroup
     from kdsync.kafka.offsets import parse_cluster, translate
 
     per, n = 150, 3
@@ -225,11 +225,7 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
         g.start_brokers()
         g.start_members()
         g.wait_ready(timeout=120)
-        for i in range(n):
-            write_events(g.bootstrap(i), g.topic, per, f"c{i}")
-        got = g.wait_for_partitions(per * n, 120)
-        ok, detail = check_sharded(got, expected=per * n)
-        assert ok, detail
+        got = _write_each_and_agree(g, per, "c", per * n)
         # translate: with --shards, and without (the key's partition first, then the others)
         c2 = parse_cluster(f"dc2={g.bootstrap(1)}")
         for s in (0, 1):
@@ -251,6 +247,20 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
         for i in range(n):
             assert g.stop_member(i, timeout=60) == 0, g.log_text(i)[-3000:]
     _assert_shard_traces(trace, got["dc2"])
+
+
+def _write_each_and_agree(g, per: int, tag: str, total: int, timeout: float = 120) -> dict:
+    """`per` events into every cluster's source topic (keys tag<i>-...), then
+    wait until the global topics hold `total` and check them partition by
+    partition (check_sharded); returns what they hold."""
+    from kdsync.demo import check_sharded, write_events
+
+    for i in range(g.n):
+        write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}")
+    got = g.wait_for_partitions(total, timeout)
+    ok, detail = check_sharded(got, expected=total)
+    assert ok, detail + "\n" + g.log_text(0)[-3000:]
+    return got
 
 
 def _assert_shard_traces(trace, parts) -> None:
@@ -296,7 +306,7 @@ def test_serve_shards_spread_over_two_hosts(tmp_path):
     ports) and shard 1 in another ("host b", other ports, state and metrics),
     chosen by [topics] serve_shards: together they order every partition,
     identical in every cluster."""
-    from kdsync.demo import LocalGroup, check_sharded, free_port_block, write_events
+    from kdsync.demo import LocalGroup, free_port_block
 
     per, n = 200, 3
     with LocalGroup(n, tmp_path, shards=2, source_partitions=4, metrics=True,
@@ -319,11 +329,7 @@ def test_serve_shards_spread_over_two_hosts(tmp_path):
                     b_procs.append(subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path)],
                                                     stdout=log, stderr=subprocess.STDOUT,
                                                     env=dict(os.environ, PYTHONUNBUFFERED="1")))
-            for i in range(n):
-                write_events(g.bootstrap(i), g.topic, per, f"c{i}")
-            got = g.wait_for_partitions(per * n, 180)
-            ok, detail = check_sharded(got, expected=per * n)
-            assert ok, detail
+            got = _write_each_and_agree(g, per, "c", per * n, timeout=180)
             assert all(len(p) > 0 for v in got.values() for p in v)
             a_log = g.log_text(0)
             assert "shard=0" in a_log and "shard=1" not in a_log
@@ -375,7 +381,7 @@ def test_sharded_global_topic_archived_restored_and_resumed(tmp_path, capsys):
 
     from confluent_kafka.admin import AdminClient
 
-    from kdsync.demo import LocalGroup, check_sharded, write_events
+    from kdsync.demo import LocalGroup
     from kdsync.kafka.checkpoint import checkpoint_topic
     from kdsync.kafka.topic import partition_count
     from kdsync.spark.archive import main_archive, main_restore
@@ -386,11 +392,7 @@ def test_sharded_global_topic_archived_restored_and_resumed(tmp_path, capsys):
         g.start_brokers()
         g.start_members()
         g.wait_ready(timeout=120)
-        for i in range(n):
-            write_events(g.bootstrap(i), g.topic, per, f"a{i}")
-        got = g.wait_for_partitions(per * n, 120)
-        ok, detail = check_sharded(got, expected=per * n)
-        assert ok, detail
+        got = _write_each_and_agree(g, per, "a", per * n)
         assert g.stop_member(0, timeout=60) == 0, g.log_text(0)[-3000:]
         before = got["dc1"]
 
@@ -415,11 +417,7 @@ def test_sharded_global_topic_archived_restored_and_resumed(tmp_path, capsys):
 
         g.start_member(0)
         g.wait_ready(timeout=120)
-        for i in range(n):
-            write_events(g.bootstrap(i), g.topic, per, f"b{i}")
-        got = g.wait_for_partitions(2 * per * n, 120)
-        ok, detail = check_sharded(got, expected=2 * per * n)
-        assert ok, detail + "\n" + g.log_text(0)[-3000:]
+        got = _write_each_and_agree(g, per, "b", 2 * per * n)
         for s in (0, 1):  # the restored prefix is what dc1 held before, record for record
             assert got["dc1"][s][:len(before[s])] == before[s]
         assert "no checkpoint" in g.log_text(0) or "checkpoint=none" in g.log_text(0)

@@ -237,9 +237,9 @@ class CheckpointWriter:
     `measure(exact)` (blocking, run in a thread; an EndOffsets) returns the
     global partitions' end offsets; `producer` is the member's producer (its
     delivery reports are served on the loop); `on_written(cp)` hears of every
-    checkpoint the cluster confirms, and of the one read at start (metrics).  A failed write is logged and
-    taken again later: restarts then start from an older checkpoint, which is
-    only slower.
+    checkpoint the cluster confirms, and of the one read at start (metrics).
+    A failed write is logged and taken again later: restarts then start from
+    an older checkpoint, which is only slower.
     """
 
     def __init__(self, producer, global_topic: str, partitions: int, member: str, *, start_seq: int,

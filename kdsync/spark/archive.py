@@ -319,9 +319,8 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
     from confluent_kafka import Consumer, TopicPartition
     from pyspark.sql import functions as F
 
-    from kdsync.logs import client_log
-
     from kdsync.kafka.topic import ensure_topic
+    from kdsync.logs import client_log
 
     df = read_archive(spark, prefix, archived, topic)
     if df is None:
@@ -344,8 +343,6 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
 
     def produce(rows):
         from confluent_kafka import Producer
-
-        from kdsync.logs import client_log
 
         prod = Producer({**conf, "acks": "all", "max.in.flight.requests.per.connection": 1, "linger.ms": 5,
                          "log_level": 3, "logger": client_log()})
