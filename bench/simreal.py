@@ -5,8 +5,10 @@ one-way delay between members (a `kdsync.testing.delay_proxy.DelayProxy` on
 every directed member link), the real run's p50/p99 (global record timestamp
 − `kdsync.origin.ts`, every paced event in every global topic, kdsync run's
 default configuration, 2 source partitions) next to the simulator's p50/p99
-(`latency_created_ms`: the same definition) for a scenario generated from the
-calibration profile (`kdsync-sim calibrate`).
+(`latency_created_after_ready_ms`: the same definition, records created once
+every member is in its first view, as the real writers start after
+`wait_ready`; the median over SIM_SEEDS seeds) for a scenario generated from
+the calibration profile (`kdsync-sim calibrate`).
 
     python -m bench.simreal [--profile results/calibration.yaml] [--duration 8] [--out results]
 """
@@ -85,7 +87,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
 
     import subprocess
 
-    from bench.load import _stage_sums
+    from bench.load import _frames_out, _stage_sums
     from kdsync import demo
     from kdsync.kafka.topic import ensure_topic
 
@@ -115,6 +117,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 g.wait_for(0, 5)
                 procs = [psutil.Process(p.pid) for p in g.procs]
                 stages0 = [_stage_sums(g, i) for i in range(clusters)]
+                frames0 = [_frames_out(g, i) for i in range(clusters)]
                 cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
                 load0 = os.getloadavg()[0]
                 t0 = time.monotonic()
@@ -125,6 +128,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 t1 = time.monotonic()
                 cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
                 stages1 = [_stage_sums(g, i) for i in range(clusters)]
+                frames = sum(_frames_out(g, i) for i in range(clusters)) - sum(frames0)
                 for stage in ("fetch", "handoff", "sent", "delivered", "produced"):  # mean ms per batch
                     tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
                     n = sum(b.get(stage, (0, 0))[1] - a.get(stage, (0, 0))[1] for a, b in zip(stages0, stages1))
@@ -137,6 +141,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 out.update({"events": per * clusters, "latency_samples": len(lat),
                             "p50_ms": percentile(lat, 50), "p90_ms": percentile(lat, 90),
                             "p99_ms": percentile(lat, 99), "max_ms": max(lat),
+                            "messages_per_event": round(frames / clusters / total, 3),
                             "cpu_us_per_event": round(sum(cpu) / clusters / total * 1e6, 1),
                             "member_cpu_pct": round(100 * sum(cpu) / clusters / max(1e-3, t1 - t0), 1),
                             "loadavg_1m": round(load0, 2)})
@@ -172,20 +177,41 @@ def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_
     }
 
 
+SIM_SEEDS = 5  # the simulator's figure at a point: the median over this many seeds
+
+
 def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float, workdir: Path,
-              protocol: str = "derecho") -> dict:
+              protocol: str = "derecho", seeds: int = SIM_SEEDS) -> dict:
+    """The simulator's figures at one point: the median over `seeds` runs (the
+    Poisson workload and the member's wake-up delays are random; one seed is
+    one sample, like the one real run).  Latency counts records created once
+    every member is in its first view (`latency_created_after_ready_ms`): the
+    real run's writers start only after `wait_ready`, so neither side counts
+    the group's formation."""
+    import statistics
+
     from sim.runner import run_scenario
     from sim.scenario import load_scenario
 
     path = workdir / f"simreal-{rate_eps:g}-{delay_ms:g}.yaml"
     path.write_text(yaml.safe_dump(scenario_for(profile_path, rate_eps, delay_ms, duration_s, protocol),
                                    sort_keys=False))
-    r = run_scenario(load_scenario(path), stages=True)
-    lat = r.summary["latency_created_ms"]
-    st = r.summary["stages_ms"]
-    return {"p50_ms": lat["p50"], "p90_ms": lat["p90"], "p99_ms": lat["p99"], "max_ms": lat["max"],
-            "events": r.summary["events_submitted"], "violations": len(r.failing), "scenario": str(path),
-            "stage_fetch_ms": st["fetch"], "stage_ordering_ms": st["ordering"]}
+    sc = load_scenario(path)
+    runs = []
+    for seed in range(1, seeds + 1):
+        r = run_scenario(sc, seed=seed, stages=True)
+        sm = r.summary
+        lat, st = sm["latency_created_after_ready_ms"], sm["stages_ms"]
+        runs.append({"p50_ms": lat["p50"], "p90_ms": lat["p90"], "p99_ms": lat["p99"], "max_ms": lat["max"],
+                     "events": sm["events_submitted"], "violations": len(r.failing),
+                     "messages_per_event": round(sm["network"]["messages"] / 3 / max(1, sm["events_submitted"]), 3),
+                     "stage_fetch_ms": st["fetch"], "stage_ordering_ms": st["ordering"]})
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["violations"] = sum(r["violations"] for r in runs)
+    out.update({"seeds": seeds, "scenario": str(path),
+                "p50_range_ms": f"{min(r['p50_ms'] for r in runs):g}-{max(r['p50_ms'] for r in runs):g}",
+                "p99_range_ms": f"{min(r['p99_ms'] for r in runs):g}-{max(r['p99_ms'] for r in runs):g}"})
+    return out
 
 
 def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, points=POINTS) -> list[dict]:
@@ -202,7 +228,10 @@ def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, poi
                "real_p90_ms": real.get("p90_ms"), "sim_p90_ms": sim["p90_ms"],
                "real_cpu_us_per_event": real.get("cpu_us_per_event"), "real_member_cpu_pct": real.get("member_cpu_pct"),
                "loadavg_1m": real.get("loadavg_1m"), "real_events": real.get("events"), "sim_events": sim["events"],
-               "sim_violations": sim["violations"],
+               "sim_violations": sim["violations"], "sim_seeds": sim["seeds"],
+               "sim_p50_range_ms": sim["p50_range_ms"], "sim_p99_range_ms": sim["p99_range_ms"],
+               "real_messages_per_event": real.get("messages_per_event"),
+               "sim_messages_per_event": sim["messages_per_event"],
                "real_stage_fetch_ms": real.get("stage_fetch_ms"), "sim_stage_fetch_ms": sim["stage_fetch_ms"],
                "real_stage_ordering_ms": _ordering(real), "sim_stage_ordering_ms": sim["stage_ordering_ms"],
                "error": real.get("error", "")}
@@ -236,12 +265,16 @@ def simreal_section(profile_path: Path, duration_s: float, workdir: Path, out: P
         f"3 local clusters (embedded Tansu), one `kdsync run` each with the default configuration, 2 source "
         f"partitions, {duration_s:g} s of paced load; every member link through a delaying TCP proxy "
         f"(`kdsync.testing.delay_proxy`, the one-way delay in both directions). Real: global record timestamp − "
-        f"`kdsync.origin.ts` over every paced event in every global topic. Sim: the same definition "
-        f"(`latency_created_ms`) for a scenario generated from the calibration profile ({profile_path}: "
+        f"`kdsync.origin.ts` over every paced event in every global topic; the writers start once every member "
+        f"is ready. Sim: the same definition over the records created once every member is in its first view "
+        f"(`latency_created_after_ready_ms`), the median of {SIM_SEEDS} seeds (ranges in the csv), for "
+        f"a scenario generated from the calibration profile ({profile_path}: "
         f"{c['message_us']} µs/message, {c['event_us']} µs/event, {c['tick_us']} µs/tick; produce "
         f"{k['produce_ms']} ms; fetch wait {k['fetch_wait_ms']} ms, overhead {k['fetch_overhead_ms']} ms, check "
         f"{k['fetch_check_ms']} ms; member linger {k['sink_linger_ms']} ms). Goal: sim / real within ±20 %. "
-        f"The real runs share a 2-core box with other work: the load average is in each row.")
+        f"The real runs share a 2-core box with other work: the load average is in each row. "
+        f"Messages per event (peer frames out per member / events) are side by side: the simulator should "
+        f"choose the same rounds and acknowledgements as the real member.")
     sec.tables.append(Table("simreal", "Real vs simulated latency at the calibration points", rows))
     for r in rows:
         for q in ("p50", "p99"):

@@ -231,6 +231,7 @@ class Simulation:
         self.node_factory = node_factory or make_node
         self.shards = k = scenario.shards
         self.checkers = [Checker(scenario.member_ids, s, k) for s in range(k)]  # one per shard (ordering group)
+        self.first_view_s: dict[tuple[str, int], float] = {}  # (member, shard) -> when it first entered a view
         self._witness_disk: dict[tuple[str, int], HardState] = {}
         self.sites = scenario.member_ids  # rank order
         self.clusters = {m.id: Cluster(m.id, k) for m in scenario.members if m.role == "member"}
@@ -312,7 +313,17 @@ class Simulation:
         self.checkers[node.shard].gap(node.id, expected, got)
 
     def observe_views(self, node: SimMember, views) -> None:
+        self.first_view_s.setdefault((node.id, node.shard), self.env.now)
         self.checkers[node.shard].on_views(node.id, views)
+
+    def group_ready_s(self) -> float | None:
+        """When every member (every shard) had entered its first view: the
+        instant a real run's writers may start (bench/simreal.py waits for
+        it); None if some member never did."""
+        want = [(m, sh) for m in self.site_nodes for sh in range(self.shards)]
+        if any(w not in self.first_view_s for w in want):
+            return None
+        return max(self.first_view_s[w] for w in want)
 
     def cpu_acquire(self, node: SimMember) -> None:
         self.cpu[node.id].acquire(node)
@@ -554,14 +565,15 @@ class Simulation:
             t = self.env.now  # the settle watcher may have stopped the run early
 
     # ------------------------------------------------------------- results
-    def created_latencies(self) -> list[float]:
+    def created_latencies(self, since_s: float | None = None) -> list[float]:
         """Per record, every cluster: whole ms from its CreateTime in the source
         topic to the CreateTime of its copy in a global topic (the instant the
         member handed it to its producer) — what the real bench measures
         (global record timestamp - kdsync.origin.ts).  The records of a producer
         batch were created evenly over the kafka.linger_ms before it was sent
         (writer_linger_ms: the first opened it writer_linger_ms before, the
-        others came evenly after it)."""
+        others came evenly after it).  `since_s`: only records created at or
+        after that simulated time."""
         import numpy as np
 
         linger = self.scenario.kafka.linger_ms / 1000.0
@@ -582,7 +594,10 @@ class Simulation:
             created = np.repeat(np.asarray(sent), k) - first_opens * (1.0 - idx / np.repeat(k, k))
         else:
             created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
-        return (np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0)).tolist()
+        lat = np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0)
+        if since_s is not None:
+            lat = lat[created >= since_s]
+        return lat.tolist()
 
     def latencies(self) -> list[tuple[float, int]]:
         """(latency ms, records) per delivered batch, every cluster."""
@@ -676,6 +691,7 @@ def run_scenario(
                 )
             )
     tolerated = MIRROR_TOLERATED if s.protocol == "mirror" else frozenset()
+    ready = sim.group_ready_s()
     failing = [v for v in violations if v.kind not in tolerated]
     for m in sim.order:
         if m.up:
@@ -700,6 +716,8 @@ def run_scenario(
         "exit_code": 1 if failing else 0,
         "tick_ms": sim.tick_s * 1000,
         "latency_created_ms": _created_summary(sim),
+        "group_ready_s": None if ready is None else round(ready, 6),
+        "latency_created_after_ready_ms": _created_summary(sim, ready if ready is not None else float("inf")),
         **({"stages_ms": _stage_means(sim)} if stages else {}),
         "network": {
             "messages": sim.network.sent,
@@ -735,10 +753,10 @@ def _stage_means(sim: Simulation) -> dict:
     return {"fetch": mean(fetch), "ordering": mean(order), "batches": len(fetch)}
 
 
-def _created_summary(sim: Simulation) -> dict:
+def _created_summary(sim: Simulation, since_s: float | None = None) -> dict:
     import numpy as np
 
-    xs = sim.created_latencies()
+    xs = sim.created_latencies(since_s)
     if not xs:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     a = np.asarray(xs)

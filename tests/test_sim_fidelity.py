@@ -318,3 +318,20 @@ def test_broker_by_rate_keeps_the_probes_terms_and_records_the_members_fetch_sta
     assert [r["rate_eps"] for r in rows] == [300, 1000]
     assert rows[0]["produce_ms"] == rows[1]["produce_ms"] == 1.0
     assert rows[0]["member_fetch_ms"] == 9.5 and rows[0]["probe_fetch_path_ms"] == pytest.approx(2.0 + 1.0 + 1.5)
+
+
+def test_latency_after_ready_leaves_out_only_the_records_that_raced_the_groups_formation():
+    # 40 ms one way: the first view takes several hops; records written from t=0 wait for it
+    text = _scn(workload="[{member: all, rate_eps: 200, partitions: 2}]").replace("latency_ms: 0", "latency_ms: 40")
+    r = run_scenario(parse_scenario(text))
+    assert r.failing == []
+    ready = r.summary["group_ready_s"]
+    assert 0.08 < ready < 1.0  # at least one round trip between the members
+    whole, after = r.summary["latency_created_ms"], r.summary["latency_created_after_ready_ms"]
+    assert whole["max"] >= 1000 * ready - 5  # a record created at ~t=0 waited for the view
+    assert after["max"] < whole["max"] and after["p99"] <= whole["p99"]
+    assert after["p50"] >= 80  # still at least a round trip: later records are all kept
+    # a member that never starts: the group is never ready, nothing is counted after it
+    down = run_scenario(parse_scenario(text + "faults: [{at_s: 0, crash: dc3}]"))
+    assert down.summary["group_ready_s"] is None
+    assert down.summary["latency_created_after_ready_ms"]["p50"] == 0.0
