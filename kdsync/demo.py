@@ -353,7 +353,10 @@ class LocalGroup:
         # state_dir is a top-level key: it comes before the first table
         lines = [f"state_dir = {_toml_str(str(self.dir / ('state-' + name)))}", "",
                  "[member]", f"id = {_toml_str(name)}", f"listen = {_toml_str(f'127.0.0.1:{self.ports[i]}')}",
-                 f"role = {_toml_str('witness' if i in self.witnesses else 'member')}", "", "[peers]"]
+                 f"role = {_toml_str('witness' if i in self.witnesses else 'member')}"]
+        lines += [f"{_toml_str(k)} = {_toml_str(v)}" for k, v in {**self.extra.get("member", {}),
+                                                                  **overrides.get("member", {})}.items()]
+        lines += ["", "[peers]"]
         for j, other in enumerate(self.names):
             addr = f"127.0.0.1:{self.ports[j]}" if j == i else self.peer_address(i, j)
             if j in self.witnesses:
@@ -369,10 +372,9 @@ class LocalGroup:
         }
         if self.metrics_ports:
             sections["metrics"] = {"listen": f"127.0.0.1:{self.metrics_ports[i]}"}
-        for sec, vals in self.extra.items():
-            sections.setdefault(sec, {}).update(vals)
-        for sec, vals in overrides.items():
-            sections.setdefault(sec, {}).update(vals)
+        for sec, vals in (*self.extra.items(), *overrides.items()):
+            if sec != "member":  # written above, in its table
+                sections.setdefault(sec, {}).update(vals)
         for sec, vals in sections.items():
             lines += ["", f"[{sec}]"] + [f"{_toml_str(k)} = {_toml_str(v)}" for k, v in vals.items()]
         return "\n".join(lines) + "\n"

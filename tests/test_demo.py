@@ -113,3 +113,22 @@ def test_writers_warm_up_outside_the_ordered_topic(tmp_path):
                                                        len(read_partition(c.bootstrap, "events")))))
         assert seen == [(1, 0)]
         assert n == 20 and len(read_partition(c.bootstrap, "events")) == 20
+
+
+def test_extra_and_override_member_keys_go_into_the_member_table(tmp_path):
+    from kdsync import demo
+    from kdsync.config import load_config
+
+    g = demo.LocalGroup(3, tmp_path, extra={"member": {"state_dir": str(tmp_path / "elsewhere")},
+                                            "checkpoint": {"interval_ms": 2000}})
+    path = tmp_path / "dc2.toml"
+    path.write_text(g.config_text(1, protocol={"name": "sequencer"}, member={"state_dir": str(tmp_path / "b")}))
+    cfg = load_config(str(path))  # one [member] table: a second would be a TOML error
+    assert cfg.member.id == "dc2" and cfg.member.state_dir == str(tmp_path / "b")
+    assert cfg.checkpoint.interval_ms == 2000 and cfg.protocol.name == "sequencer"
+    assert load_config(str(_write(tmp_path / "dc1.toml", g.config_text(0)))).member.state_dir == str(tmp_path / "elsewhere")
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

@@ -89,6 +89,7 @@ import os
 import random
 import socket
 import ssl
+from typing import cast
 
 from kdsync.transport import OnMessage, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
@@ -151,7 +152,8 @@ class _Accept(asyncio.Protocol):
         self.owner = owner
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # an asyncio.Transport in behaviour (uvloop's is not a subclass of it)
+        transport = cast(asyncio.Transport, transport)
         transport.pause_reading()
         if self.owner._closing:
             transport.abort()
