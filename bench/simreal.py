@@ -204,7 +204,8 @@ def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: 
         lat, st = sm["latency_created_after_ready_ms"], sm["stages_ms"]
         runs.append({"p50_ms": lat["p50"], "p90_ms": lat["p90"], "p99_ms": lat["p99"], "max_ms": lat["max"],
                      "events": sm["events_submitted"], "violations": len(r.failing),
-                     "messages_per_event": round(sm["network"]["messages"] / 3 / max(1, sm["events_submitted"]), 3),
+                     "messages_per_event": round(sm["network"]["messages"] / len(sm["members"])
+                                                     / max(1, sm["events_submitted"]), 3),
                      "stage_fetch_ms": st["fetch"], "stage_ordering_ms": st["ordering"]})
     out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     out["violations"] = sum(r["violations"] for r in runs)

@@ -565,15 +565,15 @@ class Simulation:
             t = self.env.now  # the settle watcher may have stopped the run early
 
     # ------------------------------------------------------------- results
-    def created_latencies(self, since_s: float | None = None) -> list[float]:
+    def created_latencies(self):
         """Per record, every cluster: whole ms from its CreateTime in the source
         topic to the CreateTime of its copy in a global topic (the instant the
         member handed it to its producer) — what the real bench measures
         (global record timestamp - kdsync.origin.ts).  The records of a producer
         batch were created evenly over the kafka.linger_ms before it was sent
         (writer_linger_ms: the first opened it writer_linger_ms before, the
-        others came evenly after it).  `since_s`: only records created at or
-        after that simulated time."""
+        others came evenly after it).  Returns two NumPy arrays of one entry
+        per record: the latency (ms) and the CreateTime (simulated s)."""
         import numpy as np
 
         linger = self.scenario.kafka.linger_ms / 1000.0
@@ -587,17 +587,14 @@ class Simulation:
                     sent.append(ack - self.produce_s)
                     counts.append(b.count)
         if not counts:
-            return []
+            return np.zeros(0), np.zeros(0)
         k = np.asarray(counts)
         idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # index of each record in its batch
         if first_opens > 0:
             created = np.repeat(np.asarray(sent), k) - first_opens * (1.0 - idx / np.repeat(k, k))
         else:
             created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
-        lat = np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0)
-        if since_s is not None:
-            lat = lat[created >= since_s]
-        return lat.tolist()
+        return np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0), created
 
     def latencies(self) -> list[tuple[float, int]]:
         """(latency ms, records) per delivered batch, every cluster."""
@@ -691,7 +688,6 @@ def run_scenario(
                 )
             )
     tolerated = MIRROR_TOLERATED if s.protocol == "mirror" else frozenset()
-    ready = sim.group_ready_s()
     failing = [v for v in violations if v.kind not in tolerated]
     for m in sim.order:
         if m.up:
@@ -699,6 +695,8 @@ def run_scenario(
     counts: dict[str, int] = {}
     for v in violations:
         counts[v.kind] = counts.get(v.kind, 0) + 1
+    ready = sim.group_ready_s()
+    created_all, created_ready = _created_summaries(sim, ready)
     summary = {
         "scenario": s.name,
         "seed": seed,
@@ -715,9 +713,9 @@ def run_scenario(
         "violation_counts": counts,
         "exit_code": 1 if failing else 0,
         "tick_ms": sim.tick_s * 1000,
-        "latency_created_ms": _created_summary(sim),
+        "latency_created_ms": created_all,
         "group_ready_s": None if ready is None else round(ready, 6),
-        "latency_created_after_ready_ms": _created_summary(sim, ready if ready is not None else float("inf")),
+        "latency_created_after_ready_ms": created_ready,
         **({"stages_ms": _stage_means(sim)} if stages else {}),
         "network": {
             "messages": sim.network.sent,
@@ -753,13 +751,18 @@ def _stage_means(sim: Simulation) -> dict:
     return {"fetch": mean(fetch), "ordering": mean(order), "batches": len(fetch)}
 
 
-def _created_summary(sim: Simulation, since_s: float | None = None) -> dict:
+def _created_summaries(sim: Simulation, ready: float | None) -> tuple[dict, dict]:
+    """latency_created_ms over every record, and over those created once the
+    group was ready (none when it never was): one pass over the topics."""
+    lat, created = sim.created_latencies()
+    return _percentiles(lat), _percentiles(lat[created >= ready] if ready is not None else lat[:0])
+
+
+def _percentiles(a) -> dict:
     import numpy as np
 
-    xs = sim.created_latencies(since_s)
-    if not xs:
+    if not len(a):
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
-    a = np.asarray(xs)
     return {"p50": round(float(np.percentile(a, 50)), 3), "p90": round(float(np.percentile(a, 90)), 3),
             "p99": round(float(np.percentile(a, 99)), 3), "max": round(float(a.max()), 3)}
 
