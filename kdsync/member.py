@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 One asyncio loop drives one ordering node (kdsync.core) per source topic,
 exactly as kdsync/core documents: peer messages, source events and the clock
-(`tick()` every `protocol.tick_ms`, measured on the loop's clock) go in; after
+(`tick()` every `protocol.tick_ms`, measured on the loop's clock; while every
+node is quiet the timer wakes for a pair of ticks every other period, and any
+input runs the ticks due first) go in; after
 every input batch the runtime drains `ready()` and does the I/O in the order
 Ready prescribes:
 
@@ -142,6 +144,9 @@ class Member:
         self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its pipeline was ready
         self.rng = random.Random()
         self._report_poll: asyncio.TimerHandle | None = None
+        self._tick_timer: asyncio.TimerHandle | None = None
+        self._ticks_late = False  # the timer skips a period: every node was quiet
+        self._tick_period = self._next_tick = self._last_refresh = 0.0
 
     # ------------------------------------------------------------ helpers
     def _node_config(self) -> NodeConfig:
@@ -207,9 +212,11 @@ class Member:
             elif self.cfg.topics is not None and self.cfg.topics.fixed_names():
                 for t in self.cfg.topics.fixed_names():
                     await self._start_pipeline(t)
-            ticker = asyncio.create_task(self._tick_loop())
-            await self._stop.wait()
-            ticker.cancel()
+            self._start_ticks()
+            try:
+                await self._stop.wait()
+            finally:
+                self._stop_ticks()
         except asyncio.CancelledError:
             if not self._stop.is_set():
                 raise
@@ -379,29 +386,69 @@ class Member:
         p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
 
     # ------------------------------------------------------------ driving the node
-    async def _tick_loop(self) -> None:
-        period = self.pcfg.tick_ms / 1000.0
-        loop = self.loop
-        next_t = loop.time() + period
-        last_refresh = loop.time()
-        while True:
-            await asyncio.sleep(max(0.0, next_t - loop.time()))
-            now = loop.time()
-            n = 0
-            while next_t <= now and n < 5:  # a stalled loop catches up a few ticks, not hundreds
-                next_t += period
-                n += 1
-            if next_t <= now:
-                next_t = now + period
-            for p in list(self.pipelines.values()):
-                for _ in range(max(n, 1)):
-                    p.node.tick()
-                self._process(p)
-            if self.producer is not None:
-                self.producer.poll(0)
-            if now - last_refresh > 5.0 and not self.witness and self.cfg.topics.fixed_names() is None:
-                last_refresh = now
-                asyncio.create_task(self._refresh_topics())
+    def _start_ticks(self) -> None:
+        self._tick_period = self.pcfg.tick_ms / 1000.0
+        self._next_tick = self.loop.time() + self._tick_period
+        self._last_refresh = self.loop.time()
+        self._arm_tick()
+
+    def _stop_ticks(self) -> None:
+        self._ticks_late = False
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None
+
+    def _arm_tick(self) -> None:
+        """The timer of the next tick: at its time, or one period later while
+        every node is quiet (core NodeBase.quiet): an idle member then wakes
+        for a pair of ticks every other period.  Any input runs the ticks due
+        first (_due_ticks), and one that makes a node busy again re-arms the
+        timer on time (_process)."""
+        nodes = self.pipelines.values()
+        late = bool(nodes) and all(p.node.quiet() for p in nodes)
+        self._ticks_late = late
+        when = self._next_tick + self._tick_period if late else self._next_tick
+        self._tick_timer = self.loop.call_at(when, self._on_tick_timer)
+
+    def _on_tick_timer(self) -> None:
+        self._tick_timer = None
+        if self._stopping:
+            return
+        try:
+            self._run_ticks(at_least=1)
+        except Exception as e:  # a core bug: stop loudly rather than run without a clock
+            log.exception("tick failed")
+            self.fatal(f"tick: {e}")
+            return
+        self._arm_tick()
+
+    def _due_ticks(self) -> None:
+        """Input is about to reach a node while its ticks run late: run the
+        ticks already due, so the node counts time exactly at every input."""
+        if self.loop.time() >= self._next_tick:
+            self._run_ticks(at_least=0)
+
+    def _run_ticks(self, at_least: int) -> None:
+        period = self._tick_period
+        now = self.loop.time()
+        n = 0
+        while self._next_tick <= now and n < 5:  # a stalled loop catches up a few ticks, not hundreds
+            self._next_tick += period
+            n += 1
+        if self._next_tick <= now:
+            self._next_tick = now + period
+        n = max(n, at_least)
+        if not n:
+            return
+        for p in list(self.pipelines.values()):
+            for _ in range(n):
+                p.node.tick()
+            self._process(p)
+        if self.producer is not None:
+            self.producer.poll(0)
+        if now - self._last_refresh > 5.0 and not self.witness and self.cfg.topics.fixed_names() is None:
+            self._last_refresh = now
+            asyncio.ensure_future(self._refresh_topics())
 
     async def _refresh_topics(self) -> None:
         try:
@@ -425,6 +472,8 @@ class Member:
                 if topic not in self.starting:
                     asyncio.ensure_future(self._start_pipeline(topic))
                 return
+            if self._ticks_late:
+                self._due_ticks()
             p.node.receive(peer, body)
             if not p.process_scheduled:
                 # every message of this loop iteration first, then one ready(): peer
@@ -448,6 +497,8 @@ class Member:
         if self._stopping:
             return  # not committed: consumed again after a restart
         touched: dict[str, TopicPipeline] = {}
+        if self._ticks_late:
+            self._due_ticks()
         now = time.monotonic()
         for run in runs:
             p = self.pipelines.get(run.topic)
@@ -491,6 +542,10 @@ class Member:
             if self.witness and rd.deliveries:
                 node.durable(p.durable_end)
                 self.metrics.delivered.labels(p.topic).set(p.durable_end)
+        if self._ticks_late and self._tick_timer is not None and not node.quiet():
+            self._tick_timer.cancel()  # busy again: the next tick on time
+            self._ticks_late = False
+            self._tick_timer = self.loop.call_at(self._next_tick, self._on_tick_timer)
 
     def _deliver(self, p: TopicPipeline, d: Delivery) -> None:
         p.stages.delivered(d, time.monotonic(), writes=p.writer is not None)

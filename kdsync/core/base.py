@@ -119,6 +119,17 @@ class NodeBase:
     def tick(self) -> None:
         self.now += 1
 
+    def quiet(self) -> bool:
+        """True when, until the next input (receive, submit, durable), a
+        tick of this node can only send heartbeats and count silence towards
+        failure suspicion: nothing waits on a retransmission or protocol
+        timer.  A driver may then let ticks fall due and run them late, in a
+        pair (an idle member wakes half as often); it must run the ticks due
+        before it hands the node any input, so time as the node counts it
+        stays exact at every input.  False (tick on time) unless a protocol
+        says otherwise."""
+        return False
+
     def durable(self, seq_end: int) -> None:
         """Positions below `seq_end` are durable in this member's global topic."""
         if seq_end > self.durable_seq:

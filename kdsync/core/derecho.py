@@ -413,6 +413,30 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                     self._wedge()
                     self._start_collect()
 
+    def quiet(self) -> bool:
+        """Until new input arrives, a tick here only counts time for
+        heartbeats and failure suspicion: active, nothing pending, every own
+        slot acknowledged by every peer (nothing to retransmit), everything
+        received acknowledged to every peer, no suspect, no catch-up, no view
+        change or joiner in sight.  A driver may then run its ticks late, in
+        pairs (see NodeBase.quiet)."""
+        if (self.state is not State.ACTIVE or self.pending or self.suspected or self.target is not None
+                or self._ack_round >= 0 or self.lead_round is not None or self.has_ready()):
+            return False
+        st = self.stream
+        k = st.my_k
+        if k >= 0:
+            upto = st.cut_upto
+            for acks in st.acks.values():
+                if acks[k] < upto:
+                    return False
+        cur = tuple(st.received)
+        me = self.me
+        for p in self.view.members:
+            if p != me and self.acked_sent.get(p) != cur:
+                return False
+        return not self.joiners or not self._wanted_joiners()
+
     def _send_ack(self, p: str) -> None:
         self.last_sent[p] = self.now
         cur = tuple(self.stream.received)

@@ -66,6 +66,7 @@ class InMemoryNetwork:
         self.bad_messages = 0
         self.reads_served = 0
         self.sent_by_type: dict[int, int] = {}  # messages handed to the network, by type code
+        self.before_input = None  # called with a member's id before a message or a submit reaches its node
         for i in self.ids:
             self.members[i] = NetworkMember(i, None)
             self._boot(i)
@@ -128,6 +129,8 @@ class InMemoryNetwork:
     def submit(self, i: str, n: int = 1, partition: int = 0) -> list[Event]:
         """n new source records at member i, submitted as one batch; returns them."""
         evs = self.make_events(i, n, partition)
+        if self.before_input is not None:
+            self.before_input(i)
         self.node(i).submit([Batch.from_events(evs)])
         return evs
 
@@ -217,6 +220,8 @@ class InMemoryNetwork:
             n = self.members[b].node
             if n is None or (a, b) in self.cut_links:
                 continue
+            if self.before_input is not None:
+                self.before_input(b)
             try:
                 n.receive(a, data)
             except Exception as exc:  # RemoteProtocolError is logged and survived
