@@ -17,7 +17,7 @@ The TOML file (reference: docs/config.md) with every optional section::
     [kafka]                             # any librdkafka property, as is
     "bootstrap.servers" = "127.0.0.1:9092"
     [kafka.consumer]                    # overrides for the source consumer
-    "fetch.wait.max.ms" = 5
+    "fetch.wait.max.ms" = 10
     [kafka.producer]                    # overrides for the global-topic producer
     "linger.ms" = 2
 

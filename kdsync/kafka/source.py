@@ -33,13 +33,14 @@ __all__ = ["MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
 
 log = logging.getLogger("kdsync.source")
 
+POLL_S = 0.25  # an idle consumer thread wakes 4 times/s (commits and stop wait that long, at most)
 MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
 
 
 def consumer_conf(member_id: str, overrides: dict) -> dict:
     """librdkafka properties of this member's consumers: kdsync's defaults,
     then the configured `overrides`, then what kdsync cannot do without."""
-    conf = {"group.id": f"kdsync-{member_id}", "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5,
+    conf = {"group.id": f"kdsync-{member_id}", "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10,
             "log_level": 3, "socket.connection.setup.timeout.ms": 5000}
     conf.update(overrides)
     conf["enable.auto.commit"] = False  # an offset is committed only once its event is durable
@@ -151,7 +152,7 @@ class SourceConsumer:
                     last_meta = now
                     self._refresh(c, assigned)
                 self._drain_commits(c)
-                if not self._resume.wait(0.05):
+                if not self._resume.wait(POLL_S):
                     continue
                 # back-pressure: too many consumed records not yet durably ordered and committed
                 if sum(nxt - self._committed.get(tp, 0) for tp, nxt in consumed.items()) > self.max_inflight:
@@ -165,7 +166,7 @@ class SourceConsumer:
                     self._update_lag(c, assigned)
                 # poll() returns as soon as one record is there; consume(n, timeout) would
                 # wait for n records or the timeout, adding up to the timeout to latency
-                first = c.poll(0.05)
+                first = c.poll(POLL_S)
                 if first is None:
                     continue
                 runs = self._runs([first] + c.consume(self.batch - 1, timeout=0), consumed)
