@@ -99,8 +99,6 @@ _STATUS = {
     State.ACTIVE: "active",
     State.WEDGED: "wedged",
 }
-_NOT_WEDGED = frozenset({State.ACTIVE, State.CATCHING_UP})
-_HOLDS_DATA = frozenset({State.ACTIVE, State.WEDGED})
 _CATCHING_UP = frozenset({State.CATCHING_UP, State.CATCHING_UP_WEDGED})
 
 
@@ -172,11 +170,13 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
 
     @property
     def wedged(self) -> bool:
-        return self.state not in _NOT_WEDGED
+        s = self.state  # identity tests: hashing an Enum member runs Python code (hot: every has_ready)
+        return s is not State.ACTIVE and s is not State.CATCHING_UP
 
     def _holds_view_data(self) -> bool:
         """Holds the current view's slots and everything before its start."""
-        return self.state in _HOLDS_DATA
+        s = self.state
+        return s is State.ACTIVE or s is State.WEDGED
 
     def _caught_up(self) -> bool:
         return self.state not in _CATCHING_UP
@@ -333,7 +333,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
             return
         self.max_round = max(self.max_round, msg.round)
         self._on_ack_vector(msg.sender, msg.recv)
-        if (msg.suspected or msg.wedged) and msg.sender not in self.suspected and self.state in _NOT_WEDGED:
+        if (msg.suspected or msg.wedged) and msg.sender not in self.suspected and not self.wedged:
             new = {m for m in msg.suspected if m in self.view.members and m != self.me} - self.suspected
             if new:
                 self._suspect(new)
