@@ -221,7 +221,10 @@ def test_calibrate_on_real_members_writes_a_profile_scenarios_can_name(tmp_path)
     assert all(c[t] >= 0 for t in ("message_us", "event_us", "tick_us", "wakeup_us"))
     assert c["message_us"] + c["event_us"] + c["tick_us"] > 0  # a member costs something
     assert c["slowdown"] >= 1.0
-    assert 0 < k["produce_ms"] < 100 and k["fetch_wait_ms"] == 5.0 and k["sink_linger_ms"] == 1.0
+    from kdsync.kafka.source import consumer_conf
+
+    member_wait = float(consumer_conf("x", {})["fetch.wait.max.ms"])  # the member's own, read from the code
+    assert 0 < k["produce_ms"] < 100 and k["fetch_wait_ms"] == member_wait == 10.0 and k["sink_linger_ms"] == 1.0
     from kdsync.config import ProtocolSection
 
     d = ProtocolSection()
@@ -282,7 +285,7 @@ def test_simreal_scenario_from_a_profile(tmp_path):
     d = scenario_for(prof, 300, 10, 3)
     assert d["network"]["default"]["latency_ms"] == 10 + LOOPBACK_MS
     s = parse_scenario(yaml.safe_dump(d), str(tmp_path / "x.yaml"))
-    assert s.kafka.writer_linger_ms == 2.0 and s.kafka.fetch_wait_ms == 5.0 and s.member_cost.slowdown == 1.2
+    assert s.kafka.writer_linger_ms == 2.0 and s.kafka.fetch_wait_ms == 10.0 and s.member_cost.slowdown == 1.2
     near = sim_point(prof, 300, 10, 3, tmp_path)
     far = sim_point(prof, 300, 25, 3, tmp_path)
     assert near["violations"] == 0 and near["events"] > 700
