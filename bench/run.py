@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
         member_params = MemberParams()
         total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
-                 + (2 * len(member_params.rates) if "member" in wanted else 0) + (2 if "shards" in wanted else 0))
+                 + (2 * len(member_params.rates) + member_params.drain_runs - 1 if "member" in wanted else 0) + (2 if "shards" in wanted else 0))
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
