@@ -543,9 +543,8 @@ class Member:
                 node.durable(p.durable_end)
                 self.metrics.delivered.labels(p.topic).set(p.durable_end)
         if self._ticks_late and self._tick_timer is not None and not node.quiet():
-            self._tick_timer.cancel()  # busy again: the next tick on time
-            self._ticks_late = False
-            self._tick_timer = self.loop.call_at(self._next_tick, self._on_tick_timer)
+            self._tick_timer.cancel()  # busy again: _arm_tick puts the next tick on time
+            self._arm_tick()
 
     def _deliver(self, p: TopicPipeline, d: Delivery) -> None:
         p.stages.delivered(d, time.monotonic(), writes=p.writer is not None)
