@@ -224,6 +224,7 @@ def _clean(out: Path) -> None:
 def simreal_section(out: Path, work: Path, prog: "Progress") -> Section:
     """`kdsync-sim calibrate` (writes OUT/calibration.yaml), then the four
     calibration points real vs sim (bench/simreal.py)."""
+    from bench.simreal import REAL_RUNS, SIM_SEEDS
     from bench.simreal import simreal_section as points_section
     from sim.calibrate import calibrate
 
@@ -232,8 +233,8 @@ def simreal_section(out: Path, work: Path, prog: "Progress") -> Section:
     calibrate(profile, [20.0, 300.0, 1000.0], 5.0, say=prog.say)
     sec = points_section(profile, 8.0, work, out, say=prog.say)
     sec.intro.insert(0, f"`make bench` first runs `kdsync-sim calibrate --out {profile}` (3 paced runs at 20, 300 "
-                        f"and 1 000 events/s and a broker probe), then each point below once for real and once in "
-                        f"the simulator.")
+                        f"and 1 000 events/s and a broker probe), then each point below {REAL_RUNS} times for real and with "
+                        f"{SIM_SEEDS} seeds in the simulator (the median of each).")
     return sec
 
 

@@ -2,9 +2,10 @@
 
 For 3 local clusters at 300 and 1 000 events/s in total, with 10 ms and 25 ms
 one-way delay between members (a `kdsync.testing.delay_proxy.DelayProxy` on
-every directed member link), the real run's p50/p99 (global record timestamp
+every directed member link), the real runs' p50/p99 (global record timestamp
 − `kdsync.origin.ts`, every paced event in every global topic, kdsync run's
-default configuration, 2 source partitions) next to the simulator's p50/p99
+default configuration, 2 source partitions; the median over REAL_RUNS runs)
+next to the simulator's p50/p99
 (`latency_created_after_ready_ms`: the same definition, records created once
 every member is in its first view, as the real writers start after
 `wait_ready`; the median over SIM_SEEDS seeds) for a scenario generated from
@@ -215,18 +216,51 @@ def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: 
     return out
 
 
-def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, points=POINTS) -> list[dict]:
+REAL_RUNS = 3  # the real figure at a point: the median over this many runs (one run's p99 swings ±30 %)
+MEDIAN_KEYS = ("p50_ms", "p90_ms", "p99_ms", "max_ms", "cpu_us_per_event", "member_cpu_pct", "loadavg_1m",
+               "messages_per_event", "stage_fetch_ms", "stage_handoff_ms", "stage_sent_ms", "stage_delivered_ms",
+               "stage_produced_ms")
+
+
+def real_median(rate_eps: float, delay_ms: float, duration_s: float, runs: int = REAL_RUNS, say=print,
+                point=None) -> dict:
+    """The real figures at one point: `runs` real runs one after the other,
+    each key the median over the runs that worked (like the simulator's
+    median over seeds: one 8 s run is one sample of a noisy box).  A run
+    that fails is reported in `error` and leaves the others."""
+    import statistics
+
+    point = point or real_point
+    done, errors = [], []
+    for i in range(runs):
+        try:
+            done.append(point(rate_eps, delay_ms, duration_s))
+        except Exception as e:  # one run failing must not hide the others
+            errors.append(f"run {i + 1}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            say(f"simreal: {errors[-1]}")
+    if not done:
+        return {"error": "; ".join(errors), "runs": 0}
+    out = {k: statistics.median(r[k] for r in done) for k in MEDIAN_KEYS if all(r.get(k) is not None for r in done)}
+    out.update({"events": done[0]["events"], "runs": len(done),
+                "p50_runs_ms": "/".join(f"{r['p50_ms']:g}" for r in done),
+                "p99_runs_ms": "/".join(f"{r['p99_ms']:g}" for r in done)})
+    if errors:
+        out["error"] = "; ".join(errors)
+    return out
+
+
+def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, points=POINTS,
+            real_runs: int = REAL_RUNS) -> list[dict]:
     rows = []
     for rate, delay in points:
-        say(f"simreal: {rate:g} events/s, {delay:g} ms one way: real run")
-        try:
-            real = real_point(rate, delay, duration_s)
-        except Exception as e:  # one point failing must not hide the others
-            real = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+        say(f"simreal: {rate:g} events/s, {delay:g} ms one way: {real_runs} real runs")
+        real = real_median(rate, delay, duration_s, real_runs, say)
         sim = sim_point(profile_path, rate, delay, duration_s, workdir)
         row = {"rate_eps": rate, "delay_ms": delay, "real_p50_ms": real.get("p50_ms"),
                "sim_p50_ms": sim["p50_ms"], "real_p99_ms": real.get("p99_ms"), "sim_p99_ms": sim["p99_ms"],
                "real_p90_ms": real.get("p90_ms"), "sim_p90_ms": sim["p90_ms"],
+               "real_runs": real.get("runs"), "real_p50_runs_ms": real.get("p50_runs_ms"),
+               "real_p99_runs_ms": real.get("p99_runs_ms"),
                "real_cpu_us_per_event": real.get("cpu_us_per_event"), "real_member_cpu_pct": real.get("member_cpu_pct"),
                "loadavg_1m": real.get("loadavg_1m"), "real_events": real.get("events"), "sim_events": sim["events"],
                "sim_violations": sim["violations"], "sim_seeds": sim["seeds"],
@@ -267,7 +301,8 @@ def simreal_section(profile_path: Path, duration_s: float, workdir: Path, out: P
         f"partitions, {duration_s:g} s of paced load; every member link through a delaying TCP proxy "
         f"(`kdsync.testing.delay_proxy`, the one-way delay in both directions). Real: global record timestamp − "
         f"`kdsync.origin.ts` over every paced event in every global topic; the writers start once every member "
-        f"is ready. Sim: the same definition over the records created once every member is in its first view "
+        f"is ready; the median of {REAL_RUNS} runs one after the other (each run's p50 and p99 in the csv). "
+        f"Sim: the same definition over the records created once every member is in its first view "
         f"(`latency_created_after_ready_ms`), the median of {SIM_SEEDS} seeds (ranges in the csv), for "
         f"a scenario generated from the calibration profile ({profile_path}: "
         f"{c['message_us']} µs/message, {c['event_us']} µs/event, {c['tick_us']} µs/tick; produce "
@@ -319,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--points", default=None, help="RATE:DELAY,... (default the four calibration points)")
     p.add_argument("--sim-only", action="store_true", help="only the simulator's figures (no real run)")
+    p.add_argument("--real-runs", type=int, default=REAL_RUNS, help="real runs per point (their median)")
     a = p.parse_args(argv)
     points = POINTS if not a.points else tuple(tuple(float(x) for x in pt.split(":")) for pt in a.points.split(","))
     with tempfile.TemporaryDirectory() as d:
@@ -327,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"rate_eps": rate, "delay_ms": delay,
                                   **sim_point(Path(a.profile), rate, delay, a.duration, Path(d))}))
             return 0
-        rows = compare(Path(a.profile), a.duration, Path(d), points=points)
+        rows = compare(Path(a.profile), a.duration, Path(d), points=points, real_runs=a.real_runs)
     for r in rows:
         print(json.dumps(r))
     return 0

@@ -292,6 +292,33 @@ def test_simreal_scenario_from_a_profile(tmp_path):
     assert far["p50_ms"] > near["p50_ms"] + 30  # derecho's hops each carry the 15 ms more
 
 
+def test_the_real_figure_is_the_median_of_runs_and_a_failed_run_is_reported():
+    from bench.simreal import real_median
+
+    results = iter([{"p50_ms": 40, "p90_ms": 50, "p99_ms": 90, "events": 10, "stage_fetch_ms": 9.0},
+                    RuntimeError("3 events not ordered in 120 s"),
+                    {"p50_ms": 38, "p90_ms": 48, "p99_ms": 52, "events": 10, "stage_fetch_ms": 8.0},
+                    {"p50_ms": 44, "p90_ms": 49, "p99_ms": 60, "events": 10, "stage_fetch_ms": None}])
+
+    def point(rate, delay, duration):
+        r = next(results)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    said = []
+    m = real_median(1000, 10, 8, runs=4, say=said.append, point=point)
+    assert (m["p50_ms"], m["p90_ms"], m["p99_ms"], m["runs"]) == (40, 49, 60, 3)
+    assert m["p99_runs_ms"] == "90/52/60" and "stage_fetch_ms" not in m  # a key one run lacks is not invented
+    assert "run 2: RuntimeError: 3 events not ordered" in m["error"] and said
+
+    def down(rate, delay, duration):
+        raise OSError("no broker")
+
+    assert real_median(300, 10, 8, runs=2, say=said.append, point=down) == {
+        "error": "run 1: OSError: no broker; run 2: OSError: no broker", "runs": 0}
+
+
 def test_broker_terms_are_interpolated_at_a_points_rate():
     from sim.calibrate import kafka_at
 
