@@ -7,7 +7,9 @@ p50/p99 of global record timestamp - source timestamp next to the plain
 producer -> consumer floor of the same run, member CPU per ordered event
 (split: event loop / librdkafka threads / other threads), the mean time per
 batch of each stage (kdsync_stage_seconds); at 1 000 events/s also the drain
-of a backlog and the idle CPU of a member."""
+of a backlog and the idle CPU of a member; and the copy floor (bench/copyfloor.py:
+CPU per event of a Python process that only consumes and produces, with
+kdsync's client settings) at 1 000 events/s."""
 
 from __future__ import annotations
 
@@ -89,6 +91,12 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     if not rows:
         raise NotMeasured("no point could be measured: " + "; ".join(errors))
     _more_drains(p, rows, errors, progress)
+    try:  # the CPU floor of the client layer: copy only (bench/copyfloor.py), right after the members
+        from bench.copyfloor import run_copy_floor
+
+        rows.append(_row(run_copy_floor(1000.0, p.duration_s)))
+    except Exception as e:
+        errors.append(f"copy floor: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     sec.intro.append(
         f"`python -m bench.load` per point: 3 embedded Tansu clusters, one `kdsync run` each with the default "
         f"configuration (only `[protocol] name`), a source topic of 2 partitions, one paced writer per cluster for "
@@ -99,7 +107,11 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"time per batch (kdsync_stage_seconds). At 1 000 events/s, before the load: {p.backlog_per_cluster} events "
         f"per cluster written while the members were down (drain = all of them / first->last global record; "
         f"the median of {p.drain_runs} drains per protocol, alternating, every run in drain_eps_runs); "
-        f"after it: {p.idle_s:g} s without traffic (idle = % of one core).")
+        f"after it: {p.idle_s:g} s without traffic (idle = % of one core). Row `copy-floor` "
+        f"(`python -m bench.copyfloor`): the same writers at 1 000 events/s, and per cluster instead of a member "
+        f"a Python process that only copies every cluster's source records into its own cluster with kdsync's "
+        f"client settings (a consumer thread per cluster, one idempotent producer): what the Kafka client layer "
+        f"alone costs per event on this box, the floor under any member built on confluent-kafka.")
     sec.tables.append(Table("member_load", "Member under paced load (derecho and mirror, 3 clusters)", rows))
     by = {(r["protocol"], r["rate_eps"]): r for r in rows}
 
@@ -111,6 +123,12 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     for proto in PROTOCOLS:
         sec.headlines.append(Headline(f"member CPU per ordered event, {proto} at 1 000 events/s (µs)",
                                       val(proto, 1000.0, "cpu_us_per_event"), "<= 50 (issue 9)", "member_load.csv"))
+    floor = val("copy-floor", 1000.0, "cpu_us_per_event")
+    sec.headlines.append(Headline("copy floor: CPU per copied event at 1 000 events/s, consume + produce only (µs)",
+                                  floor, "(the client layer alone; report)", "member_load.csv"))
+    rf = ratio(val("derecho", 1000.0, "cpu_us_per_event"), floor)
+    sec.headlines.append(Headline("member CPU per event / copy floor, derecho at 1 000 events/s", round(rf, 2) if rf else None,
+                                  "(report)", "member_load.csv"))
     for rate, goal in ((300.0, "<= 3 (issue 9)"), (1000.0, "<= 6 (issue 9)"), (3000.0, "")):
         rr = ratio(val("derecho", rate, "p99_ms"), val("derecho", rate, "floor_p99_ms"))
         sec.headlines.append(Headline(f"derecho p99 / floor p99 at {rate:,.0f} events/s",

@@ -38,3 +38,12 @@ def test_small_paced_run_measures_the_records(tmp_path):
     assert all(c > 0 for c in r["cpu_us_per_event_by_member"])
     assert 0 <= r["idle_cpu_pct"] < 100
     assert r["frames_out_per_event"] > 0
+
+
+def test_copy_floor_copies_every_record_and_counts_its_cpu():
+    from bench.copyfloor import run_copy_floor
+
+    r = run_copy_floor(150, 1.0)
+    assert r["events"] == 150  # every copier copied (and had acknowledged) all 150 paced records, or it raised
+    assert r["cpu_us_per_event"] > 0 and r["cpu_us_kafka"] >= 0 and r["cpu_us_threads"] >= 0  # 10 ms ticks
+    assert abs(r["cpu_us_kafka"] + r["cpu_us_threads"] - r["cpu_us_per_event"]) <= 0.2
