@@ -103,6 +103,8 @@ class WorkloadSpec(_Strict):
     at_s: float | None = Field(default=None, ge=0)
     partitions: int = Field(default=1, ge=1, le=1024)
     payload_bytes: int = Field(default=100, ge=0, le=1 << 20)
+    # how a steady rate's records arrive: Poisson, or evenly spaced (a paced writer, as bench.load's)
+    arrivals: Literal["poisson", "paced"] = "poisson"
 
     @model_validator(mode="after")
     def _one_kind(self) -> "WorkloadSpec":
@@ -114,6 +116,8 @@ class WorkloadSpec(_Strict):
             raise ValueError("a burst needs at_s")
         if self.rate_eps is not None and self.at_s is not None:
             raise ValueError("a rate takes start_s/stop_s, not at_s")
+        if self.burst is not None and self.arrivals != "poisson":
+            raise ValueError("arrivals is for a rate, not a burst")
         return self
 
 

@@ -10,7 +10,9 @@ rate × tick / partitions (drawn for a whole block of ticks at once, with
 NumPy), and every non-empty (tick, partition) becomes one `Batch` written
 at the tick's end.  A burst writes its records at `at_s`, spread over the
 partitions (multinomial).  With `linger_ms: 0` each record is its own batch
-at its own Poisson arrival time (the exact, slow model).
+at its own Poisson arrival time (the exact, slow model).  `arrivals: paced`
+replaces the Poisson arrivals of a rate by one record every 1/rate (a paced
+writer, as the real bench's), gathered into ticks or lingered the same way.
 
 Everything is drawn from generators seeded by a string derived from the
 run seed (SHA-256 → PCG64), so a run is the same on every machine and for
@@ -79,6 +81,14 @@ def _entry_writes(s: Scenario, seed: int, cluster: str, i: int, w: WorkloadSpec,
         return
     start = w.start_s or 0.0
     stop = s.duration_s if w.stop_s is None else w.stop_s
+    if w.arrivals == "paced":
+        paced = _paced(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}/paced"))
+        if tick > 0.0:
+            yield from _per_tick(paced, tick)
+            return
+        linger = s.kafka.writer_linger_ms / 1000.0
+        yield from (_librdkafka_batches(paced, linger) if linger > 0 else paced)
+        return
     if tick <= 0.0:
         exact = _exact(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}"))
         linger = s.kafka.writer_linger_ms / 1000.0
@@ -106,6 +116,32 @@ def _exact(w: WorkloadSpec, i: int, start: float, stop: float, rng: random.Rando
         p = rng.randrange(w.partitions) if w.partitions > 1 else 0
         yield Write(t, i, p, 1, w.payload_bytes)
         t += rng.expovariate(w.rate_eps)
+
+
+def _paced(w: WorkloadSpec, i: int, start: float, stop: float, rng: random.Random) -> Iterator[Write]:
+    """arrivals: paced — one record every 1/rate from a random phase (a paced
+    writer, as bench.load's), each to a random partition (keys hashed)."""
+    gap = 1.0 / w.rate_eps
+    t = start + rng.random() * gap
+    while t < stop:
+        yield Write(t, i, rng.randrange(w.partitions) if w.partitions > 1 else 0, 1, w.payload_bytes)
+        t += gap
+
+
+def _per_tick(arrivals: Iterator[Write], tick: float) -> Iterator[Write]:
+    """Exact arrivals gathered into producer ticks (as the Poisson model's):
+    one Write per (tick, partition) at the tick's end, in time order."""
+    cur, counts, tmpl = None, {}, None
+    for a in arrivals:
+        k = int(a.t / tick)
+        if k != cur:
+            for p in sorted(counts):
+                yield Write((cur + 1) * tick, tmpl.entry, p, counts[p], tmpl.payload_bytes)
+            cur, counts = k, {}
+        counts[a.partition] = counts.get(a.partition, 0) + 1
+        tmpl = a
+    for p in sorted(counts):
+        yield Write((cur + 1) * tick, tmpl.entry, p, counts[p], tmpl.payload_bytes)
 
 
 def _librdkafka_batches(arrivals: Iterator[Write], linger: float) -> Iterator[Write]:

@@ -262,6 +262,27 @@ def test_writer_linger_batches_like_librdkafka():
         parse_scenario(_scn(", linger_ms: 5, writer_linger_ms: 2"))
 
 
+def test_paced_arrivals_are_evenly_spaced_and_poisson_stays_the_default():
+    from sim.workload import writes
+
+    def recs(kafka: str, arrivals: str = "", seed: int = 1):
+        s = parse_scenario(_scn(kafka, workload=f"[{{member: dc1, rate_eps: 500, partitions: 2{arrivals}}}]"))
+        return [w for block in writes(s, seed, "dc1", 0.5) for w in block]
+
+    exact = recs(", linger_ms: 0", ", arrivals: paced")
+    assert len(exact) == 1000 and all(w.count == 1 for w in exact)  # 500/s for 2 s, one record each
+    gaps = np.diff([w.t for w in exact])
+    assert gaps == pytest.approx(np.full(len(gaps), 0.002))  # one every 1/rate
+    assert {w.partition for w in exact} == {0, 1}
+    assert exact[0].t != recs(", linger_ms: 0", ", arrivals: paced", seed=2)[0].t  # the phase is the seed's
+    ticked = recs(", linger_ms: 5", ", arrivals: paced")
+    assert sum(w.count for w in ticked) == 1000 and all(round(w.t / 0.005, 6) % 1 == 0 for w in ticked)
+    poisson = recs(", linger_ms: 0")
+    assert np.std(np.diff([w.t for w in poisson])) > 0.001  # exponential gaps: the default is unchanged
+    with pytest.raises(ScenarioError, match="arrivals is for a rate"):
+        parse_scenario(_scn(workload="[{member: dc1, burst: 10, at_s: 1.0, arrivals: paced}]"))
+
+
 def test_wakeup_quantiles_are_sampled_by_inverse_cdf():
     s = parse_scenario(_scn(extra="member_cost: {wakeup_quantiles_us: [1000, 1000, 3000]}"))
     sim = Simulation(s, 0)
@@ -284,6 +305,7 @@ def test_simreal_scenario_from_a_profile(tmp_path):
                                        {"wakeup_us": 300.0, "slowdown": 1.2}), tmp_path / "cal.yaml")
     d = scenario_for(prof, 300, 10, 3)
     assert d["network"]["default"]["latency_ms"] == 10 + LOOPBACK_MS
+    assert d["workload"][0]["arrivals"] == "paced"  # as the real bench's writers
     s = parse_scenario(yaml.safe_dump(d), str(tmp_path / "x.yaml"))
     assert s.kafka.writer_linger_ms == 2.0 and s.kafka.fetch_wait_ms == 10.0 and s.member_cost.slowdown == 1.2
     near = sim_point(prof, 300, 10, 3, tmp_path)
