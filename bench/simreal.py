@@ -152,17 +152,24 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
             if proxy_proc is not None:
                 proxy_proc.stdin.close()
                 try:
+                    # its last line: how late it forwarded (kdsync.testing.delay_proxy.late_quantiles)
+                    late = json.loads(proxy_proc.stdout.readline() or "{}")
+                    if late.get("late_quantiles_ms"):
+                        out["proxy_late_quantiles_ms"] = late["late_quantiles_ms"]
+                        out["proxy_late_p50_ms"], out["proxy_late_p99_ms"] = late["late_p50_ms"], late["late_p99_ms"]
                     proxy_proc.wait(10)
-                except subprocess.TimeoutExpired:
+                except (subprocess.TimeoutExpired, ValueError):
                     proxy_proc.kill()
     return out
 
 
 def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float,
-                 protocol: str = "derecho", partitions: int = 2) -> dict:
+                 protocol: str = "derecho", partitions: int = 2, link_late_ms: list[float] | None = None) -> dict:
     """The simulator's half of a point: the calibration profile, 3 members,
     the proxy's delay on every link, the same paced load; the broker's
-    latencies as calibrate measured them at this rate (interpolated)."""
+    latencies as calibrate measured them at this rate (interpolated);
+    `link_late_ms`: the quantiles of how late the real run's proxy forwarded
+    (its own scheduling), drawn as an extra delay per message."""
     from sim.calibrate import kafka_at
 
     prof = yaml.safe_load(Path(profile_path).read_text())
@@ -172,7 +179,8 @@ def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_
         "profile": str(Path(profile_path).resolve()),
         "duration_s": duration_s, "settle_s": 5,
         "members": [{"id": "dc1"}, {"id": "dc2"}, {"id": "dc3"}],
-        "network": {"default": {"latency_ms": delay_ms + LOOPBACK_MS}},
+        "network": {"default": {"latency_ms": delay_ms + LOOPBACK_MS,
+                                **({"extra_quantiles_ms": list(link_late_ms)} if link_late_ms else {})}},
         # paced, as the real writers (bench.load._Paced): Poisson arrivals gave a p99 ~20 % too high at 300/s
         "workload": [{"member": "all", "rate_eps": rate_eps / 3, "partitions": partitions, "payload_bytes": 40,
                       "arrivals": "paced"}],
@@ -184,7 +192,7 @@ SIM_SEEDS = 5  # the simulator's figure at a point: the median over this many se
 
 
 def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float, workdir: Path,
-              protocol: str = "derecho", seeds: int = SIM_SEEDS) -> dict:
+              protocol: str = "derecho", seeds: int = SIM_SEEDS, link_late_ms: list[float] | None = None) -> dict:
     """The simulator's figures at one point: the median over `seeds` runs (the
     Poisson workload and the member's wake-up delays are random; one seed is
     one sample, like the one real run).  Latency counts records created once
@@ -197,8 +205,8 @@ def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: 
     from sim.scenario import load_scenario
 
     path = workdir / f"simreal-{rate_eps:g}-{delay_ms:g}.yaml"
-    path.write_text(yaml.safe_dump(scenario_for(profile_path, rate_eps, delay_ms, duration_s, protocol),
-                                   sort_keys=False))
+    path.write_text(yaml.safe_dump(scenario_for(profile_path, rate_eps, delay_ms, duration_s, protocol,
+                                                link_late_ms=link_late_ms), sort_keys=False))
     sc = load_scenario(path)
     runs = []
     for seed in range(1, seeds + 1):
@@ -221,7 +229,7 @@ def sim_point(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: 
 REAL_RUNS = 3  # the real figure at a point: the median over this many runs (one run's p99 swings ±30 %)
 MEDIAN_KEYS = ("p50_ms", "p90_ms", "p99_ms", "max_ms", "cpu_us_per_event", "member_cpu_pct", "loadavg_1m",
                "messages_per_event", "stage_fetch_ms", "stage_handoff_ms", "stage_sent_ms", "stage_delivered_ms",
-               "stage_produced_ms")
+               "stage_produced_ms", "proxy_late_p50_ms", "proxy_late_p99_ms")
 
 
 def real_median(rate_eps: float, delay_ms: float, duration_s: float, runs: int = REAL_RUNS, say=print,
@@ -243,6 +251,9 @@ def real_median(rate_eps: float, delay_ms: float, duration_s: float, runs: int =
     if not done:
         return {"error": "; ".join(errors), "runs": 0}
     out = {k: statistics.median(r[k] for r in done) for k in MEDIAN_KEYS if all(r.get(k) is not None for r in done)}
+    lates = [r["proxy_late_quantiles_ms"] for r in done if r.get("proxy_late_quantiles_ms")]
+    if lates and all(len(q) == len(lates[0]) for q in lates):  # each quantile: the median over the runs
+        out["proxy_late_quantiles_ms"] = [statistics.median(q[k] for q in lates) for k in range(len(lates[0]))]
     out.update({"events": done[0]["events"], "runs": len(done),
                 "p50_runs_ms": "/".join(f"{r['p50_ms']:g}" for r in done),
                 "p99_runs_ms": "/".join(f"{r['p99_ms']:g}" for r in done)})
@@ -257,12 +268,15 @@ def compare(profile_path: Path, duration_s: float, workdir: Path, say=print, poi
     for rate, delay in points:
         say(f"simreal: {rate:g} events/s, {delay:g} ms one way: {real_runs} real runs")
         real = real_median(rate, delay, duration_s, real_runs, say)
-        sim = sim_point(profile_path, rate, delay, duration_s, workdir)
+        sim = sim_point(profile_path, rate, delay, duration_s, workdir,
+                        link_late_ms=real.get("proxy_late_quantiles_ms"))
         row = {"rate_eps": rate, "delay_ms": delay, "real_p50_ms": real.get("p50_ms"),
                "sim_p50_ms": sim["p50_ms"], "real_p99_ms": real.get("p99_ms"), "sim_p99_ms": sim["p99_ms"],
                "real_p90_ms": real.get("p90_ms"), "sim_p90_ms": sim["p90_ms"],
                "real_runs": real.get("runs"), "real_p50_runs_ms": real.get("p50_runs_ms"),
                "real_p99_runs_ms": real.get("p99_runs_ms"),
+               "real_proxy_late_p50_ms": real.get("proxy_late_p50_ms"),
+               "real_proxy_late_p99_ms": real.get("proxy_late_p99_ms"),
                "real_cpu_us_per_event": real.get("cpu_us_per_event"), "real_member_cpu_pct": real.get("member_cpu_pct"),
                "loadavg_1m": real.get("loadavg_1m"), "real_events": real.get("events"), "sim_events": sim["events"],
                "sim_violations": sim["violations"], "sim_seeds": sim["seeds"],
@@ -304,6 +318,9 @@ def simreal_section(profile_path: Path, duration_s: float, workdir: Path, out: P
         f"(`kdsync.testing.delay_proxy`, the one-way delay in both directions). Real: global record timestamp − "
         f"`kdsync.origin.ts` over every paced event in every global topic; the writers start once every member "
         f"is ready; the median of {REAL_RUNS} runs one after the other (each run's p50 and p99 in the csv). "
+        f"The proxy reports how late it forwarded (its own scheduling: real_proxy_late_p50/p99_ms) and the "
+        f"simulator draws that lateness on every link of the point (`extra_quantiles_ms`); its writers are "
+        f"paced like the real ones (`arrivals: paced`). "
         f"Sim: the same definition over the records created once every member is in its first view "
         f"(`latency_created_after_ready_ms`), the median of {SIM_SEEDS} seeds (ranges in the csv), for "
         f"a scenario generated from the calibration profile ({profile_path}: "

@@ -9,7 +9,9 @@ sends hundreds of thousands of them.
 
 Delay of one copy = queueing behind earlier messages on the same directed link
 (bandwidth is a FIFO serialiser per direction) + size / bandwidth + latency +
-jitter (normal, sd = jitter_ms, latency + jitter clipped at 0).  A link is
+jitter (normal, sd = jitter_ms, latency + jitter clipped at 0) + an extra
+delay drawn from `extra_quantiles_ms` when given (one-sided, by inverse CDF:
+what a delaying proxy's own scheduling adds on a busy box).  A link is
 FIFO like a TCP connection: jitter delays a message but never lets it pass an
 earlier one.  Reordering is its own knob: with probability `reorder` a copy
 leaves the FIFO and is held back by up to two latencies, so later messages
@@ -39,6 +41,7 @@ class LinkProps:
     duplicate: float = 0.0
     reorder: float = 0.0
     bytes_per_s: float = 1000e6 / 8
+    extra_q: tuple[float, ...] = ()  # quantiles (s) of a one-sided extra delay per message
 
 
 def _apply(base: LinkProps, spec: LinkSpec) -> LinkProps:
@@ -53,6 +56,8 @@ def _apply(base: LinkProps, spec: LinkSpec) -> LinkProps:
             changes[name] = v
     if spec.bandwidth_mbps is not None:
         changes["bytes_per_s"] = spec.bandwidth_mbps * 1e6 / 8
+    if spec.extra_quantiles_ms is not None:
+        changes["extra_q"] = tuple(q / 1000.0 for q in spec.extra_quantiles_ms)
     return replace(base, **changes) if changes else base
 
 
@@ -184,6 +189,11 @@ class SimNetwork:
                 flight += rng.gauss(0.0, p.jitter_s)
                 if flight < 0.0:
                     flight = 0.0
+            if p.extra_q:  # inverse CDF of the measured extra delay
+                q = p.extra_q
+                x = rng.random() * (len(q) - 1)
+                i = min(int(x), len(q) - 2)
+                flight += q[i] + (q[i + 1] - q[i]) * (x - i)
             delay = done - now + flight
             if copy == 0 and not (p.reorder and rng.random() < p.reorder):
                 # a FIFO link (TCP-like): jitter delays, never reorders.  SimPy

@@ -37,6 +37,16 @@ class LinkSpec(_Strict):
     duplicate: float | None = Field(default=None, ge=0, le=1)
     reorder: float | None = Field(default=None, ge=0, le=1)
     bandwidth_mbps: float | None = Field(default=None, gt=0)
+    # extension: a one-sided extra delay per message, drawn from these evenly spaced quantiles
+    # (0 .. 100 %, ms; e.g. a delaying proxy's own lateness, bench/simreal.py)
+    extra_quantiles_ms: list[float] | None = Field(default=None, min_length=2, max_length=1001)
+
+    @model_validator(mode="after")
+    def _extra(self) -> "LinkSpec":
+        q = self.extra_quantiles_ms
+        if q is not None and (any(b < a for a, b in zip(q, q[1:])) or q[0] < 0):
+            raise ValueError("extra_quantiles_ms must be >= 0 and non-decreasing")
+        return self
 
 
 class LinkOverride(LinkSpec):

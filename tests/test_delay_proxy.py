@@ -91,4 +91,19 @@ def test_proxy_process_serves_each_target_until_stdin_closes(echo):
             assert min(_rtts(port, 3)) >= 20.0
     finally:
         p.stdin.close()
+        last = p.stdout.readline()
         assert p.wait(10) == 0
+    report = json.loads(last)  # how late it forwarded: 2 ports x 3 echoes x 2 directions
+    assert report["chunks"] == 12 and len(report["late_quantiles_ms"]) == 41
+    q = report["late_quantiles_ms"]
+    assert q[0] >= 0 and all(a <= b for a, b in zip(q, q[1:])) and q[0] <= report["late_p50_ms"] <= q[-1]
+
+
+def test_late_quantiles_are_evenly_spaced_order_statistics():
+    from kdsync.testing.delay_proxy import late_quantiles
+
+    assert late_quantiles([]) == []
+    xs = [i / 1000.0 for i in range(101)]  # 0 .. 100 ms
+    assert late_quantiles(xs, n=5) == [0.0, 25.0, 50.0, 75.0, 100.0]
+    with DelayProxy(("127.0.0.1", 9), 0.0) as px:
+        assert list(px.late) == []  # nothing forwarded, nothing recorded

@@ -283,6 +283,30 @@ def test_paced_arrivals_are_evenly_spaced_and_poisson_stays_the_default():
         parse_scenario(_scn(workload="[{member: dc1, burst: 10, at_s: 1.0, arrivals: paced}]"))
 
 
+def test_link_extra_delay_is_drawn_from_its_quantiles_and_keeps_links_fifo():
+    def lat(extra: str) -> dict:
+        text = f"""
+name: extra
+duration_s: 3
+settle_s: 2
+protocol: mirror
+members: [{{id: dc1}}, {{id: dc2}}]
+network: {{default: {{latency_ms: 10{extra}}}}}
+kafka: {{produce_ms: 0, consume_ms: 0}}
+workload: [{{member: dc1, rate_eps: 200}}]
+"""
+        r = run_scenario(parse_scenario(text))
+        assert r.failing == [], [v.detail for v in r.failing]  # FIFO links: origin order holds
+        return r.summary["latency_ms"]
+
+    base, const, spread = lat(""), lat(", extra_quantiles_ms: [5, 5]"), lat(", extra_quantiles_ms: [0, 20]")
+    # mirror: half the records are local (no hop), half cross one link; the remote half carries the extra
+    assert const["p99"] == pytest.approx(base["p99"] + 5, abs=1.0)
+    assert base["p99"] + 10 < spread["p99"] <= base["p99"] + 21  # uniform 0..20 ms: its top reaches the p99
+    with pytest.raises(ScenarioError, match="extra_quantiles_ms must be >= 0 and non-decreasing"):
+        parse_scenario(_scn(extra="").replace("latency_ms: 0", "latency_ms: 0, extra_quantiles_ms: [3, 1]"))
+
+
 def test_wakeup_quantiles_are_sampled_by_inverse_cdf():
     s = parse_scenario(_scn(extra="member_cost: {wakeup_quantiles_us: [1000, 1000, 3000]}"))
     sim = Simulation(s, 0)
@@ -306,6 +330,9 @@ def test_simreal_scenario_from_a_profile(tmp_path):
     d = scenario_for(prof, 300, 10, 3)
     assert d["network"]["default"]["latency_ms"] == 10 + LOOPBACK_MS
     assert d["workload"][0]["arrivals"] == "paced"  # as the real bench's writers
+    assert "extra_quantiles_ms" not in d["network"]["default"]
+    late = scenario_for(prof, 300, 10, 3, link_late_ms=[0.1, 0.5, 4.0])["network"]["default"]
+    assert late == {"latency_ms": 10 + LOOPBACK_MS, "extra_quantiles_ms": [0.1, 0.5, 4.0]}
     s = parse_scenario(yaml.safe_dump(d), str(tmp_path / "x.yaml"))
     assert s.kafka.writer_linger_ms == 2.0 and s.kafka.fetch_wait_ms == 10.0 and s.member_cost.slowdown == 1.2
     near = sim_point(prof, 300, 10, 3, tmp_path)
@@ -317,10 +344,13 @@ def test_simreal_scenario_from_a_profile(tmp_path):
 def test_the_real_figure_is_the_median_of_runs_and_a_failed_run_is_reported():
     from bench.simreal import real_median
 
-    results = iter([{"p50_ms": 40, "p90_ms": 50, "p99_ms": 90, "events": 10, "stage_fetch_ms": 9.0},
+    results = iter([{"p50_ms": 40, "p90_ms": 50, "p99_ms": 90, "events": 10, "stage_fetch_ms": 9.0,
+                     "proxy_late_quantiles_ms": [0.1, 1.0, 9.0]},
                     RuntimeError("3 events not ordered in 120 s"),
-                    {"p50_ms": 38, "p90_ms": 48, "p99_ms": 52, "events": 10, "stage_fetch_ms": 8.0},
-                    {"p50_ms": 44, "p90_ms": 49, "p99_ms": 60, "events": 10, "stage_fetch_ms": None}])
+                    {"p50_ms": 38, "p90_ms": 48, "p99_ms": 52, "events": 10, "stage_fetch_ms": 8.0,
+                     "proxy_late_quantiles_ms": [0.3, 0.8, 2.0]},
+                    {"p50_ms": 44, "p90_ms": 49, "p99_ms": 60, "events": 10, "stage_fetch_ms": None,
+                     "proxy_late_quantiles_ms": [0.2, 0.9, 3.0]}])
 
     def point(rate, delay, duration):
         r = next(results)
@@ -332,6 +362,7 @@ def test_the_real_figure_is_the_median_of_runs_and_a_failed_run_is_reported():
     m = real_median(1000, 10, 8, runs=4, say=said.append, point=point)
     assert (m["p50_ms"], m["p90_ms"], m["p99_ms"], m["runs"]) == (40, 49, 60, 3)
     assert m["p99_runs_ms"] == "90/52/60" and "stage_fetch_ms" not in m  # a key one run lacks is not invented
+    assert m["proxy_late_quantiles_ms"] == [0.2, 0.9, 3.0]  # the median of each quantile over the runs
     assert "run 2: RuntimeError: 3 events not ordered" in m["error"] and said
 
     def down(rate, delay, duration):

@@ -10,7 +10,9 @@ connection it dials the target and pumps both directions; a pump reads what
 has arrived, stamps it with the loop's clock, and a writer task sends each
 chunk when `delay` has passed since it arrived — in arrival order, so the
 stream stays a stream (FIFO, like one TCP link) and a chunk is never sent
-early.  Bandwidth is not limited.  Both directions are delayed, so the round
+early.  How late each chunk left (the proxy's own scheduling on a busy box)
+is kept (`late`) and reported by the command-line proxy when it stops.
+Bandwidth is not limited.  Both directions are delayed, so the round
 trip over the proxy is 2 × delay (plus loopback).  Closing the proxy closes
 every connection it carries.
 """
@@ -37,6 +39,7 @@ class DelayProxy:
         self.host = host
         self.port = port
         self.bytes = 0  # forwarded, both directions
+        self.late: deque[float] = deque(maxlen=100_000)  # how late (s) each chunk left after it was due
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
@@ -103,6 +106,7 @@ class DelayProxy:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 chunks.popleft()
+                self.late.append(loop.time() - due)
                 writer.write(data)
                 self.bytes += len(data)
                 await writer.drain()
@@ -151,10 +155,22 @@ class DelayProxy:
         self.close()
 
 
+def late_quantiles(late_s: list[float], n: int = 41) -> list[float]:
+    """`n` evenly spaced quantiles (0 .. 100 %) of how late chunks left, in ms
+    (empty when nothing was forwarded): what the proxy's own scheduling adds to
+    its fixed delay on a busy box."""
+    xs = sorted(late_s)
+    if not xs:
+        return []
+    return [round(xs[min(len(xs) - 1, round(k * (len(xs) - 1) / (n - 1)))] * 1000.0, 3) for k in range(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m kdsync.testing.delay_proxy DELAY_MS PORT...`: one proxy per
     target port on 127.0.0.1, in a process of its own (no GIL shared with the
-    caller); prints the listening ports as one JSON list, runs until stdin closes."""
+    caller); prints the listening ports as one JSON list, runs until stdin
+    closes, then prints one JSON object: `chunks` forwarded,
+    `late_quantiles_ms` (`late_quantiles`), `late_p50_ms`, `late_p99_ms`."""
     import json
     import sys
 
@@ -165,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdin.read()
     for p in proxies:
         p.close()
+    late = sorted(x for p in proxies for x in p.late)
+    pct = (lambda f: round(late[min(len(late) - 1, int(f * len(late)))] * 1000.0, 3)) if late else (lambda f: None)
+    print(json.dumps({"chunks": len(late), "late_quantiles_ms": late_quantiles(late),
+                      "late_p50_ms": pct(0.5), "late_p99_ms": pct(0.99)}), flush=True)
     return 0
 
 
