@@ -34,26 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["run_copy_floor", "thread_cpu", "main"]
+__all__ = ["run_copy_floor", "main"]
 
 COPY_SUFFIX = "-copy"
-
-
-def thread_cpu(task_dir: str = "/proc/self/task") -> dict[str, float]:
-    """CPU seconds (user + system) of this process's threads, split into
-    `kafka` (librdkafka's `rdk:` threads) and `python` (every other thread)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {"kafka": 0.0, "python": 0.0}
-    for t in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{t}/comm") as f:
-                comm = f.read().strip()
-            with open(f"{task_dir}/{t}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            continue
-        out["kafka" if comm.startswith("rdk:") else "python"] += (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 # ------------------------------------------------------------------ copier
@@ -62,8 +45,10 @@ def copier(own: str, sources: list[str], topic: str, expect: int, timeout_s: flo
     consumer has its partitions, then, after `go` on stdin, one JSON line
     when `expect` paced records (keys `p...`) have been copied and
     acknowledged, or after `timeout_s`."""
+    import psutil
     from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
+    from bench.load import _thread_cpu
     from kdsync.kafka.sink import producer_conf
     from kdsync.kafka.source import POLL_S, consumer_conf
 
@@ -104,13 +89,15 @@ def copier(own: str, sources: list[str], topic: str, expect: int, timeout_s: flo
     threading.Thread(target=lambda: (sys.stdin.readline(), go.set()), daemon=True).start()
     while not go.is_set():  # the warm-up records: copied before the measurement starts
         producer.poll(0.05)
-    cpu0, t0 = thread_cpu(), time.monotonic()
+    me = psutil.Process()
+    cpu0, t0 = _thread_cpu(me), time.monotonic()
     while copied[0] < expect and not errors and time.monotonic() - t0 < timeout_s:
         producer.poll(0.05)
-    cpu1, t1 = thread_cpu(), time.monotonic()
+    cpu1, t1 = _thread_cpu(me), time.monotonic()
     stop.set()
+    d = {k: cpu1[k] - cpu0[k] for k in cpu0}  # librdkafka's threads; every other thread is Python
     print(json.dumps({"copied": copied[0], "errors": errors[:3], "seconds": round(t1 - t0, 3),
-                      **{f"{k}_s": round(cpu1[k] - cpu0[k], 4) for k in cpu0}}), flush=True)
+                      "kafka_s": round(d["kafka"], 4), "python_s": round(d["loop"] + d["threads"], 4)}), flush=True)
     for t in threads:
         t.join(5)
     producer.flush(10)

@@ -56,6 +56,7 @@ from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
 from sim.kafka import Cluster
+from sim.quantiles import inverse_cdf
 from sim.scenario import MemberCostSpec
 
 __all__ = ["Host", "SimMember"]
@@ -368,11 +369,8 @@ class SimMember:
 
     def _wakeup_delay(self) -> float:
         c = self.cost
-        q = c.wakeup_quantiles_us
-        if q:  # inverse CDF of the measured distribution
-            x = self._wakeup_rng.random() * (len(q) - 1)
-            i = min(int(x), len(q) - 2)
-            return (q[i] + (q[i + 1] - q[i]) * (x - i)) / 1e6
+        if c.wakeup_quantiles_us:  # the measured distribution, by inverse CDF
+            return inverse_cdf(c.wakeup_quantiles_us, self._wakeup_rng.random()) / 1e6
         if c.wakeup_us > 0.0:
             return self._wakeup_rng.expovariate(1e6 / c.wakeup_us)
         return 0.0

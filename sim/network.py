@@ -30,6 +30,7 @@ from typing import Callable
 import simpy
 from simpy.events import Timeout
 
+from sim.quantiles import inverse_cdf
 from sim.scenario import LinkSpec, NetworkSpec
 
 
@@ -189,11 +190,8 @@ class SimNetwork:
                 flight += rng.gauss(0.0, p.jitter_s)
                 if flight < 0.0:
                     flight = 0.0
-            if p.extra_q:  # inverse CDF of the measured extra delay
-                q = p.extra_q
-                x = rng.random() * (len(q) - 1)
-                i = min(int(x), len(q) - 2)
-                flight += q[i] + (q[i + 1] - q[i]) * (x - i)
+            if p.extra_q:  # the measured extra delay, by inverse CDF
+                flight += inverse_cdf(p.extra_q, rng.random())
             delay = done - now + flight
             if copy == 0 and not (p.reorder and rng.random() < p.reorder):
                 # a FIFO link (TCP-like): jitter delays, never reorders.  SimPy

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sim.quantiles import check_quantiles
+
 
 class ScenarioError(Exception):
     """A scenario file a user must fix: `str(err)` is one line `file:line: key: what`."""
@@ -43,9 +45,7 @@ class LinkSpec(_Strict):
 
     @model_validator(mode="after")
     def _extra(self) -> "LinkSpec":
-        q = self.extra_quantiles_ms
-        if q is not None and (any(b < a for a, b in zip(q, q[1:])) or q[0] < 0):
-            raise ValueError("extra_quantiles_ms must be >= 0 and non-decreasing")
+        check_quantiles(self.extra_quantiles_ms, "extra_quantiles_ms")
         return self
 
 
@@ -189,9 +189,7 @@ class MemberCostSpec(_Strict):
 
     @model_validator(mode="after")
     def _quantiles(self) -> "MemberCostSpec":
-        q = self.wakeup_quantiles_us
-        if q is not None and (any(b < a for a, b in zip(q, q[1:])) or q[0] < 0):
-            raise ValueError("wakeup_quantiles_us must be >= 0 and non-decreasing")
+        check_quantiles(self.wakeup_quantiles_us, "wakeup_quantiles_us")
         return self
 
     def costs_anything(self) -> bool:

@@ -81,16 +81,15 @@ def _entry_writes(s: Scenario, seed: int, cluster: str, i: int, w: WorkloadSpec,
         return
     start = w.start_s or 0.0
     stop = s.duration_s if w.stop_s is None else w.stop_s
-    if w.arrivals == "paced":
-        paced = _paced(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}/paced"))
+    paced = w.arrivals == "paced"
+    if paced or tick <= 0.0:  # record by record: paced, or Poisson without ticks (the exact model)
+        if paced:
+            exact = _paced(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}/paced"))
+        else:
+            exact = _exact(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}"))
         if tick > 0.0:
-            yield from _per_tick(paced, tick)
+            yield from _per_tick(exact, tick)
             return
-        linger = s.kafka.writer_linger_ms / 1000.0
-        yield from (_librdkafka_batches(paced, linger) if linger > 0 else paced)
-        return
-    if tick <= 0.0:
-        exact = _exact(w, i, start, stop, random.Random(f"{seed}/workload/{i}/{cluster}"))
         linger = s.kafka.writer_linger_ms / 1000.0
         yield from (_librdkafka_batches(exact, linger) if linger > 0 else exact)
         return
