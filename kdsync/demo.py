@@ -36,9 +36,9 @@ import typer
 
 from kdsync.clikit import UsageError, command, new_app
 from kdsync.clikit import run as run_cli
-from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
+from kdsync.kafka.embedded import EmbeddedCluster, S3Store, die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, read_global_headers
-from kdsync.kafka.topic import consumer, ensure_topic, iter_partition, read_to_eof
+from kdsync.kafka.topic import FetchStalledError, consumer, ensure_topic, iter_partition, read_to_eof
 from kdsync.logs import client_log
 
 __all__ = ["GlobalRecord", "LocalGroup", "check_agreement", "main", "read_global", "write_events"]
@@ -93,6 +93,8 @@ class GlobalTail:
             for m in read_to_eof(self._c, self.topic, self.partition, len(self.records), timeout=timeout, poll=0.1):
                 if m.offset() == len(self.records):
                     self.records.append(_global_record(m))
+        except FetchStalledError:
+            self.close()  # the next read asks with a new consumer (and a longer fetch wait)
         except TimeoutError:
             pass  # what has come so far
         return list(self.records)
@@ -312,8 +314,10 @@ class LocalGroup:
                  suspect_ms: float = 300, retransmit_ms: float = 30, names: list[str] | None = None,
                  peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
                  metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
-                 workers: int | None = None, source_partitions: int = 1):
+                 workers: int | None = None, source_partitions: int = 1, durable: bool = False):
         self.n = n
+        # durable: every cluster keeps its log in its own bucket of one S3 store (kill -9 + restart keep it)
+        self.store = S3Store(log_dir=workdir) if durable else None
         self.shards = shards  # [topics] shards; shard s of member i listens on ports[i] + s
         self.workers = workers  # kdsync run --workers W (None: without)
         self.source_partitions = source_partitions
@@ -324,7 +328,7 @@ class LocalGroup:
         self.topic = topic
         self.global_topic = topic + "-global"
         self.names = names or [f"dc{i + 1}" for i in range(n)]
-        self.clusters = [EmbeddedCluster(name, log_dir=self.dir) for name in self.names]
+        self.clusters = [EmbeddedCluster(name, log_dir=self.dir, store=self.store) for name in self.names]
         self.ports = [free_port_block(shards) for _ in range(n)]
         # with workers: the supervisor's port, then one per worker (kdsync.workers)
         self.metrics_ports = [free_port_block(1 + (workers or 0)) for _ in range(n)] if metrics else None
@@ -391,7 +395,7 @@ class LocalGroup:
         self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path), *workers,
                                           *self.member_args.get(i, ())],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         preexec_fn=_die_with_parent, start_new_session=True)
+                                         preexec_fn=die_with_parent, start_new_session=True)
         log.close()
         return self.procs[i]
 
@@ -548,6 +552,8 @@ class LocalGroup:
         for c in self.clusters:
             with contextlib.suppress(Exception):
                 c.close()
+        if self.store is not None:
+            self.store.close()
 
     def __enter__(self) -> LocalGroup:
         return self

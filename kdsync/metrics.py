@@ -14,6 +14,7 @@ Exported (all prefixed `kdsync_`):
   peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer}
   core_events_total{topic,kind}        kind = submitted|delivered|resubmitted|deduplicated|bad_messages
   bad_peer_messages_total{peer}        malformed messages dropped
+  source_restarts_total, source_fetch_wait_ms   the source client re-created after a stalled fetch (kdsync.kafka.source)
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class MemberMetrics:
         self.written = Counter("kdsync_events_written", "records confirmed in the global topic", ["topic"], registry=reg)
         self.stage = Histogram("kdsync_stage_seconds", "one stage of a batch's trip through the member (per batch)",
                                ["topic", "stage"], buckets=STAGE_BUCKETS, registry=reg)
+        self.source_restarts = Counter("kdsync_source_restarts", "source clients re-created because every fetch "
+                                       "came back empty while records waited", registry=reg)
+        self.source_fetch_wait = Gauge("kdsync_source_fetch_wait_ms", "fetch.wait.max.ms of the source client",
+                                       registry=reg)
         self.bad_messages = Counter("kdsync_bad_peer_messages", "malformed peer messages dropped", ["peer"], registry=reg)
         self.checkpoint_position = Gauge("kdsync_checkpoint_position",
                                          "position of the latest checkpoint the cluster confirmed (a restart reads "
@@ -98,6 +103,11 @@ class MemberMetrics:
         reg.register(_Live(peers, cores))
         self._status: dict[str, str] = {}
         self.server = None
+
+    def source_restarted(self, fetch_wait_ms: int) -> None:
+        """A stalled source client was re-created with `fetch_wait_ms` (any thread)."""
+        self.source_restarts.inc()
+        self.source_fetch_wait.set(fetch_wait_ms)
 
     def set_status(self, topic: str, status: str) -> None:
         old = self._status.get(topic)

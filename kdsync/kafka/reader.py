@@ -27,7 +27,7 @@ from kdsync.core import Event
 from kdsync.errors import FatalError
 from kdsync.kafka.checkpoint import Checkpoint, checkpoint_topic, read_checkpoint
 from kdsync.kafka.records import GlobalHeaders, event_from_global, read_global_headers
-from kdsync.kafka.topic import consumer, read_to_eof
+from kdsync.kafka.topic import FetchStalledError, consumer, read_to_eof
 
 __all__ = ["GlobalReader", "GlobalStart", "PartitionRead", "StartError", "decide_start", "load_start"]
 
@@ -330,6 +330,13 @@ class GlobalReader:
         Raises TimeoutError, KafkaException or ForeignRecordError."""
         if self._c is None:
             self._c = consumer(self.conf)
+        try:
+            return self._read(start, stop, timeout)
+        except FetchStalledError:
+            self.close()  # the retry asks with a new consumer (and a longer fetch wait)
+            raise
+
+    def _read(self, start: int, stop: int, timeout: float) -> list[Event]:
         found: dict[int, Event] = {}
         for p in self.ids:
             one = len(self.ids) == 1

@@ -13,6 +13,16 @@ Assignment is manual: a topic is consumed once the member adds it
 (`add_topic`), every partition from max(committed offset, the start the
 member gives), and partitions that appear later are picked up by the next
 metadata refresh.
+
+Fetches that come back empty while records wait (stalled fetch): a broker
+that answers every fetch with nothing although its high watermark is ahead
+of the consumer is re-asked by a new client at the same positions with twice
+the fetch wait (up to MAX_FETCH_WAIT_MS), once per `stall_s`; each time is
+one WARNING line and `on_restart`.  Tansu on S3 storage does this: it lists
+the partition's objects within the fetch's wait and stops listing when the
+wait is over, so once a partition holds more objects than it can list in
+`fetch.wait.max.ms` every fetch is empty (docs/durable.md).  A broker that
+works never triggers it: records arrive.
 """
 
 from __future__ import annotations
@@ -29,12 +39,14 @@ from kdsync.kafka.records import pack_payload
 from kdsync.logs import kv
 from kdsync.profiling import profiler
 
-__all__ = ["MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
+__all__ = ["MAX_FETCH_WAIT_MS", "MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
 
 log = logging.getLogger("kdsync.source")
 
 POLL_S = 0.25  # an idle consumer thread wakes 4 times/s (commits and stop wait that long, at most)
 MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
+STALL_S = 2.0  # records wait and every fetch came back empty this long: a new client with a longer wait
+MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
 
 
 def consumer_conf(member_id: str, overrides: dict) -> dict:
@@ -79,7 +91,8 @@ class SourceConsumer:
                  on_runs: Callable[[list[SourceRun]], None], on_fatal: Callable[[str], None],
                  on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT,
                  commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None,
-                 shard: tuple[int, int] | None = None):
+                 shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
+                 on_restart: Callable[[int], None] | None = None):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -97,6 +110,9 @@ class SourceConsumer:
         self.commits = 0  # commit requests sent
         self.on_commit = on_commit  # (topic, seconds since the oldest commit it carries was queued), this thread
         self._queued_at: dict[str, float] = {}
+        self.stall_s = stall_s
+        self.on_restart = on_restart  # (new fetch.wait.max.ms), consumer thread: a stalled fetch was re-asked
+        self.restarts = 0
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -145,6 +161,7 @@ class SourceConsumer:
         consumed: dict[tuple[str, int], int] = {}  # next offset to consume, per source partition
         last_meta = 0.0
         last_lag = 0.0
+        last_record = time.monotonic()  # when a record last arrived (or the stall clock was reset)
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -152,10 +169,17 @@ class SourceConsumer:
                     last_meta = now
                     self._refresh(c, assigned)
                 self._drain_commits(c)
+                if assigned and now - last_record > self.stall_s:
+                    last_record = now
+                    waiting = self._waiting(c, assigned, consumed)
+                    if waiting:
+                        c = self._reask(c, assigned, consumed, waiting)
                 if not self._resume.wait(POLL_S):
+                    last_record = time.monotonic()  # paused: not fetching is no stall
                     continue
                 # back-pressure: too many consumed records not yet durably ordered and committed
                 if sum(nxt - self._committed.get(tp, 0) for tp, nxt in consumed.items()) > self.max_inflight:
+                    last_record = time.monotonic()
                     self._stop.wait(0.02)
                     continue
                 if not assigned:
@@ -169,6 +193,7 @@ class SourceConsumer:
                 first = c.poll(POLL_S)
                 if first is None:
                     continue
+                last_record = time.monotonic()
                 runs = self._runs([first] + c.consume(self.batch - 1, timeout=0), consumed)
                 if runs:
                     self.loop.call_soon_threadsafe(self.on_runs, runs)
@@ -210,6 +235,58 @@ class SourceConsumer:
             consumed[(topic, part)] = nxt
             runs.append(SourceRun(topic, part, Batch.of(origin, part, first, payloads, tss), wall, mono))
         return runs
+
+    def _waiting(self, c, assigned, consumed) -> dict[tuple[str, int], int]:
+        """Partitions whose high watermark (from the last fetch responses) is
+        ahead of the next offset to consume: partition -> records waiting."""
+        from confluent_kafka import TopicPartition
+
+        out = {}
+        for (t, p) in list(assigned):
+            try:
+                _, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
+                pos = c.position([TopicPartition(t, p)])[0].offset
+            except Exception:
+                continue
+            nxt = consumed.get((t, p), pos if pos is not None and pos >= 0 else -1)
+            if hi is not None and nxt >= 0 and hi > nxt:
+                out[(t, p)] = hi - nxt
+        return out
+
+    def _reask(self, c, assigned, consumed, waiting: dict[tuple[str, int], int]):
+        """Every fetch came back empty for stall_s while `waiting` records
+        wait: close `c` and return a new client at the same positions with
+        twice the fetch wait (module doc)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        old = int(self.conf.get("fetch.wait.max.ms", 500))
+        wait = min(MAX_FETCH_WAIT_MS, max(old * 2, 20))
+        self.restarts += 1
+        log.warning("source fetches return nothing while records wait; asking again with a new client and a "
+                    "longer fetch wait (a broker that reads its storage within the fetch wait, e.g. Tansu on S3: "
+                    "see docs/durable.md)", **kv(waiting=sum(waiting.values()), partitions=len(waiting),
+                                                  stalled_s=self.stall_s, fetch_wait_ms=f"{old}->{wait}"))
+        if wait == old:
+            return c  # at the cap: nothing more to try; the stall detector reports the stage
+        self.conf["fetch.wait.max.ms"] = wait
+        positions = []
+        for (t, p) in assigned:
+            nxt = consumed.get((t, p))
+            if nxt is None:
+                try:
+                    nxt = c.position([TopicPartition(t, p)])[0].offset
+                except Exception:
+                    nxt = -1
+            if nxt is None or nxt < 0:
+                nxt = self._committed.get((t, p), 0)
+            positions.append(TopicPartition(t, p, nxt))
+        self._drain_commits(c, final=True)
+        c.close()
+        c = Consumer(self.conf)
+        c.incremental_assign(positions)
+        if self.on_restart is not None:
+            self.on_restart(wait)
+        return c
 
     def _refresh(self, c, assigned: dict[tuple[str, int], bool]) -> None:
         """Assign the partitions of added topics not assigned yet."""

@@ -3,6 +3,13 @@
 The tail of a partition is found by reading to partition EOF, never by
 ListOffsets alone (Tansu reports the high watermark too low after
 multi-record batches; on Kafka with transactions control records take offsets).
+
+A read that gets nothing while the partition's high watermark is ahead of it
+(a stalled fetch: Tansu on S3 storage answers fetches whose wait is shorter
+than its storage listing with nothing, docs/durable.md) raises
+`FetchStalledError` after `STALL_S` and raises the fetch wait of every
+consumer this process creates afterwards (`consumer`): the caller's retry,
+with a new consumer, gets past it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, Resourc
 
 from kdsync.logs import client_log
 
-__all__ = ["PartitionEndError", "TopicSettingsError", "admin_conf", "consumer", "ensure_topic", "iter_partition",
+__all__ = ["FetchStalledError", "PartitionEndError", "TopicSettingsError", "admin_conf", "consumer", "ensure_topic",
+           "fetch_wait_ms", "iter_partition",
            "partition_count", "read_partition", "read_to_eof", "topic_settings", "weaker_settings"]
 
 log = logging.getLogger("kdsync.kafka.topic")
@@ -31,6 +39,32 @@ class TopicSettingsError(ValueError):
     """The cluster refused to create a topic with the asked settings; str() is one line."""
 
 
+STALL_S = 2.0  # a read that gets nothing this long while records wait is a stalled fetch
+MAX_FETCH_WAIT_MS = 5000
+_learned_wait_ms = 0  # raised by a stalled read: the least fetch wait of the consumers created from then on
+
+
+class FetchStalledError(TimeoutError):
+    """Every fetch came back empty for STALL_S although the partition's high
+    watermark is ahead of the read; retry with a new consumer (`consumer`
+    now asks for a longer fetch wait)."""
+
+
+def fetch_wait_ms(configured: int = 10) -> int:
+    """The fetch wait for a new consumer: `configured`, or more after a stalled read."""
+    return max(int(configured), _learned_wait_ms)
+
+
+def _stalled(c: Consumer, topic: str, partition: int, nxt: int) -> int:
+    """Records waiting in topic[partition] ahead of offset `nxt`, by the high
+    watermark of `c`'s last fetch response (0: none or unknown)."""
+    try:
+        _, hi = c.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
+    except Exception:
+        return 0
+    return hi - nxt if hi is not None and hi > nxt >= 0 else 0
+
+
 def consumer(bootstrap_or_conf: str | dict) -> Consumer:
     """A consumer for reads to partition EOF (no commits, EOF events on); returns it."""
     conf = {"bootstrap.servers": bootstrap_or_conf} if isinstance(bootstrap_or_conf, str) else dict(bootstrap_or_conf)
@@ -41,7 +75,7 @@ def consumer(bootstrap_or_conf: str | dict) -> Consumer:
         "auto.offset.reset": "earliest",
         "log_level": conf.get("log_level", 3),
         "logger": conf.get("logger") or client_log(),  # never raw %3|... lines (kdsync.logs)
-        "fetch.wait.max.ms": conf.get("fetch.wait.max.ms", 10),  # EOF comes after an empty fetch
+        "fetch.wait.max.ms": fetch_wait_ms(conf.get("fetch.wait.max.ms", 10)),  # EOF comes after an empty fetch
     })
     return Consumer(conf)
 
@@ -67,13 +101,29 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
     (``end = yield from read_to_eof(...)``) is the partition's end offset
     at EOF, `stop` when it stopped there, None for a missing topic.
     """
+    global _learned_wait_ms
     c.assign([TopicPartition(topic, partition, max(start, 0))])  # out of range -> earliest
     try:
         deadline = time.monotonic() + timeout
+        progress = time.monotonic()
+        nxt = max(start, 0)  # the next offset this read waits for
         while True:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"no end of {topic}[{partition}] within {timeout}s")
-            for m in c.consume(batch, timeout=poll):
+            if now - progress > STALL_S:
+                progress = now
+                waiting = _stalled(c, topic, partition, nxt)
+                if waiting:
+                    _learned_wait_ms = min(MAX_FETCH_WAIT_MS, max(2 * _learned_wait_ms, 80))
+                    log.warning("fetches of %s[%d] return nothing while %d records wait; new consumers ask with "
+                                "fetch.wait.max.ms=%d (docs/durable.md)", topic, partition, waiting, _learned_wait_ms)
+                    raise FetchStalledError(f"{topic}[{partition}]: fetches return nothing while {waiting} records "
+                                            f"wait (stalled fetch; retry with a new consumer)")
+            msgs = c.consume(batch, timeout=poll)
+            if msgs:
+                progress = time.monotonic()
+            for m in msgs:
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
@@ -94,6 +144,7 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
                     return stop
                 if idle:
                     deadline = time.monotonic() + timeout
+                nxt = m.offset() + 1
                 yield m
                 if stop is not None and m.offset() + 1 >= stop:
                     return stop
@@ -109,11 +160,19 @@ def iter_partition(conf: str | dict, topic: str, partition: int = 0, start: int 
     KafkaException on a fatal error."""
     if partition_count(conf, topic) <= partition:
         return  # no such topic/partition: nothing to read
-    c = consumer(conf)
-    try:
-        yield from read_to_eof(c, topic, partition, start, stop, timeout=timeout, batch=batch)
-    finally:
-        c.close()
+    nxt = start
+    for attempt in range(6):  # a stalled fetch: again from where it got, with a new consumer
+        c = consumer(conf)
+        try:
+            for m in read_to_eof(c, topic, partition, nxt, stop, timeout=timeout, batch=batch):
+                nxt = m.offset() + 1
+                yield m
+            return
+        except FetchStalledError:
+            if attempt == 5:
+                raise
+        finally:
+            c.close()
 
 
 def read_partition(conf: str | dict, topic: str, partition: int = 0, start: int = 0,
