@@ -25,9 +25,10 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
-__all__ = ["KVFormatter", "KafkaClientLog", "client_log", "kv", "setup_logging"]
+__all__ = ["KVFormatter", "KafkaClientLog", "client_callback", "client_log", "kv", "setup_logging", "where"]
 
 
 class KVFormatter(logging.Formatter):
@@ -68,6 +69,30 @@ def setup_logging(member: str, fmt: str, level: str) -> None:
     root.setLevel(level.upper())
 
 
+def where(e: BaseException) -> str:
+    """file:line where `e` was raised (the last frame of its traceback)."""
+    import traceback
+
+    tb = traceback.extract_tb(e.__traceback__)
+    return f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+
+
+def client_callback(fn: Callable, what: str) -> Callable:
+    """`fn` as a confluent-kafka callback (error_cb, logger, on_delivery):
+    an exception escaping into the client leaves its error state set and
+    surfaces later as an unrelated SystemError, so it is logged here (with
+    where it was raised) and not raised."""
+    log = logging.getLogger("kdsync.kafka.client")
+
+    def guarded(*args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - see above
+            log.error(f"internal error in a kafka client callback ({what})", exc_info=True,
+                      **kv(where=where(e), error=repr(e)))
+    return guarded
+
+
 class KafkaClientLog:
     """The `logger` of a confluent-kafka client: librdkafka's log lines as
     lines of logger `kdsync.kafka.client`, at most one per kind (librdkafka
@@ -86,6 +111,12 @@ class KafkaClientLog:
 
     def log(self, level: int, fmt: str, *args) -> None:
         """Called by confluent-kafka as ``log(level, "%s [%s] %s", facility, client, text)``."""
+        try:
+            self._log(level, fmt, *args)
+        except Exception as e:  # noqa: BLE001 - never into the client (client_callback)
+            sys.stderr.write(f"kdsync: internal error logging a kafka client line: {e!r} at {where(e)}\n")
+
+    def _log(self, level: int, fmt: str, *args) -> None:
         if len(args) == 3:
             facility, client, text = (str(a) for a in args)
         else:

@@ -212,3 +212,61 @@ def test_source_runs_are_batches_with_the_records_timestamps():
     assert (r.batch.origin, r.batch.partition, r.batch.first_offset, r.batch.count) == ("me", 0, 4, 2)
     assert r.batch.timestamps_ms() == [5, 5] and r.fetched_wall > 0 and r.fetched_t > 0
     assert r.batch.payloads() == [pack_payload(None, b"v", None)] * 2
+
+
+def test_a_failed_producer_is_recovered_in_place_writing_exactly_the_missing_positions_in_order():
+    """kdsync.kafka.sink's recovery: after a delivery error the writer is
+    suspended (the failed producer's reports are ignored, new deliveries only
+    queued); resumed with a new producer and the positions read back from the
+    topic, it writes exactly the positions that did not land, in order."""
+    old = FakeProducer()
+    failed = []
+    w, got = writer(old, start=10)
+    w.on_failed = failed.append
+    w.write(delivery(10, tuple(ev("me", 0, o) for o in range(5, 11))))  # positions 10..15
+    old.report(0)
+    old.report(1)
+    run_scheduled(got)
+    assert w.durable_end == 12 and got["durable"][-1] == (12, {})  # own batch 10..15 not wholly durable
+    old.report(2, Err())  # position 12's report says failed (but it may have landed)
+    assert failed and failed[0].startswith("writing position 12 to t-global failed") and got["fatal"] == []
+    w.suspend()
+    old.report(3)  # a late report of the failed producer: ignored, the tail read decides
+    assert w.durable_end == 12
+    w.write(delivery(16, (ev("dc2", 0, 1), ev("me", 0, 11))))  # queued while suspended
+    assert len(old.records) == 6
+    new = FakeProducer()
+    w.resume(new, present={12})  # the tail read found position 12 in the topic
+    assert [int(dict(r[3])[H_SEQ]) for r in new.records] == [13, 14, 15, 16, 17]
+    for i in range(len(new.records)):
+        new.report(i)
+    run_scheduled(got)
+    assert w.durable_end == 18 and w.outstanding == 0 and got["fatal"] == []
+    assert got["durable"][-1] == (18, {0: 12})  # own events below 18: source offset 11 is the last
+    assert got["done"][-1] == (16, 18, False)
+
+
+def test_read_present_and_floors_come_from_reports():
+    """The writer's floors (where a tail read starts) advance with the offsets
+    of durable reports, never past a record whose position is not durable."""
+
+    class M:
+        def __init__(self, p, o):
+            self.p, self.o = p, o
+
+        def partition(self):
+            return self.p
+
+        def offset(self):
+            return self.o
+
+    prod = FakeProducer()
+    w, got = writer(prod, start=0)
+    w.floors = {0: 0}
+    w.write(delivery(0, tuple(ev("me", 0, o) for o in range(3))))
+    prod.records[1][5](None, M(0, 1))  # position 1 before 0: above the gap, the floor stays
+    assert w.floors == {0: 0}
+    prod.records[0][5](None, M(0, 0))
+    assert w.floors == {0: 1}
+    prod.records[2][5](None, M(0, None))  # acknowledged as a duplicate after a broker crash: no offset
+    assert w.durable_end == 3 and w.floors == {0: 1} and got["fatal"] == []

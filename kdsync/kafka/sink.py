@@ -7,9 +7,19 @@ exactly-once hold while a broker is paused) serves every global topic; one
 `GlobalWriter` per global topic produces each `Delivery` and checks the
 delivery reports one by one.  When they confirm a contiguous prefix of
 positions, the writer reports the new durable end together with the source
-offsets of this member's own events below it, which may now be committed.  A
-delivery error is fatal: nothing is silently lost, the member stops and its
-restart recovers from the global topic.
+offsets of this member's own events below it, which may now be committed.
+
+A failed producer (a fatal idempotence error: out-of-order sequence, fenced
+epoch, unknown producer id after a broker lost its state; or a delivery
+error) is recovered in place (the member's `_recover_producer`): every writer
+is `suspend`ed (reports of the failed producer are ignored from then on, new
+deliveries are only queued), the failed producer's in-flight requests are
+drained, a new producer is made, each global topic's tail above the durable
+end is read back (`read_present`: which positions made it), and `resume`
+produces, in order, exactly the positions that did not.  Within a partition
+records are in position order and a producer's writes land as a prefix, so
+what is missing is a suffix, re-produced in order: offsets stay positions and
+nothing is written twice.  Without `on_failed` a delivery error is fatal.
 
 Delivery reports are served by `producer.poll()`, which the member calls on
 its event loop; every callback of this module runs there.
@@ -17,6 +27,7 @@ its event loop; every callback of this module runs there.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from functools import partial
@@ -25,8 +36,11 @@ from typing import Callable, NamedTuple
 from kdsync.core import Delivery
 from kdsync.errors import FatalError
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ, global_partition, unpack_payload
+from kdsync.logs import kv, where
 
-__all__ = ["GlobalWriter", "WrittenDelivery", "ensure_global", "make_producer", "producer_conf"]
+__all__ = ["GlobalWriter", "WrittenDelivery", "ensure_global", "make_producer", "producer_conf", "read_present"]
+
+log = logging.getLogger("kdsync.sink")
 
 
 def producer_conf(overrides: dict) -> dict:
@@ -97,7 +111,8 @@ class GlobalWriter:
                  present: set[int] | None = None, on_durable: Callable[[int, dict[int, int]], None],
                  on_fatal: Callable[[str], None], schedule: Callable[[Callable[[], None]], object],
                  on_done: Callable[[list["WrittenDelivery"]], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 shard: int | None = None):
+                 shard: int | None = None, start_offsets: dict[int, int] | None = None,
+                 on_failed: Callable[[str], None] | None = None):
         self.producer = producer
         self.shard = shard  # a shard's writer: every record to partition `shard` (docs/shards.md)
         self.global_topic = global_topic
@@ -115,6 +130,17 @@ class GlobalWriter:
         self._done: deque = deque()  # WrittenDelivery of each Delivery produced, not yet durable
         self._scheduled = False
         self._origin_b: dict[str, bytes] = {}
+        self.on_failed = on_failed  # (message): the producer failed; the member recovers it (module doc)
+        self._gen = 0  # producer generation: reports of an earlier one are ignored
+        self.suspended = False  # recovering: deliveries are queued, not produced
+        self._pending: deque[Delivery] = deque()  # deliveries not wholly durable (re-produced after a failure)
+        # partition -> an offset below which every record's position is below durable_end (where a tail read starts)
+        self.floors: dict[int, int] = dict(start_offsets or {})
+
+    @property
+    def unproduced(self) -> int:
+        """Delivered records not handed to the producer yet (queued while suspended)."""
+        return self._pending[-1].end_seq - self.produced_end if self._pending else 0
 
     @property
     def outstanding(self) -> int:
@@ -123,15 +149,20 @@ class GlobalWriter:
 
     def write(self, d: Delivery) -> None:
         """Produce the records of `d`, which must continue where the last ended
-        (else on_fatal)."""
-        seq = d.first_seq
-        if seq != self.produced_end:
-            self.on_fatal(f"internal: delivery at position {seq} but {self.global_topic} continues at "
-                          f"{self.produced_end}")
+        (else on_fatal); while suspended, queue them."""
+        end = self._pending[-1].end_seq if self._pending else self.produced_end
+        if d.first_seq != end:
+            self.on_fatal(f"internal: delivery at position {d.first_seq} but {self.global_topic} continues at {end}")
             return
+        self._pending.append(d)
+        if not self.suspended:
+            self._produce(d)
+
+    def _produce(self, d: Delivery) -> None:
+        seq = d.first_seq
         t0 = self.clock()
         produce, topic, parts, report = self.producer.produce, self.global_topic, self.partitions, self._on_delivery
-        present, shard = self.present, self.shard
+        present, shard, gen = self.present, self.shard, self._gen
         first_ts = 0
         for b in d.batches:
             ob = self._origin_b.get(b.origin)
@@ -149,13 +180,13 @@ class GlobalWriter:
                 self._outstanding += 1
                 if present and seq in present:  # written before a crash, beyond a gap: do not duplicate
                     present.discard(seq)
-                    report(seq, None, None)
+                    report(gen, seq, None, None)
                 else:
                     part = shard if shard is not None else (0 if parts == 1 else global_partition(key, seq, parts))
                     while True:
                         try:
-                            produce(topic, value=value, key=key, partition=part, on_delivery=partial(report, seq),
-                                    headers=headers)
+                            produce(topic, value=value, key=key, partition=part,
+                                    on_delivery=partial(report, gen, seq), headers=headers)
                             break
                         except BufferError:  # local queue full: serve reports, then retry
                             self.producer.poll(0.05)
@@ -166,14 +197,36 @@ class GlobalWriter:
         self.produced_end = seq
         self._done.append(WrittenDelivery(d.first_seq, seq, first_ts, d.catchup, t0, self.clock()))
 
-    def _on_delivery(self, seq: int, err, msg) -> None:
+    def _on_delivery(self, gen: int, seq: int, err, msg) -> None:
+        # a callback of producer.poll(): an exception escaping it leaves confluent-kafka's
+        # error state set (a SystemError later, somewhere else), so none may escape
+        try:
+            self._delivered(gen, seq, err, msg)
+        except Exception as e:  # noqa: BLE001
+            log.exception("internal error in a delivery report", **kv(where=where(e)))
+            self.on_fatal(f"internal error in a delivery report of position {seq}: {e!r} at {where(e)}")
+
+    def _delivered(self, gen: int, seq: int, err, msg) -> None:
+        if gen != self._gen:
+            return  # a report of a failed producer: the tail read decides what it wrote
         self._outstanding -= 1
         if err is not None:
-            self.on_fatal(f"writing position {seq} to {self.global_topic} failed: {err.str()} "
-                          f"(restart the member once the cluster accepts writes; it resumes from the global topic)")
+            why = f"writing position {seq} to {self.global_topic} failed: {err.str()}"
+            if self.on_failed is not None:
+                self.on_failed(why)
+            else:
+                self.on_fatal(f"{why} (restart the member once the cluster accepts writes; it resumes from the "
+                              f"global topic)")
             return
+        if seq < self.durable_end:
+            return  # re-confirmed after a recovery (present in the topic)
         self.written += 1
         if seq == self.durable_end:
+            off = msg.offset() if msg is not None else None
+            if off is not None and off >= 0:  # no offset: acknowledged as a duplicate (a retry after a broker crash)
+                part = msg.partition()
+                if off + 1 > self.floors.get(part, 0):
+                    self.floors[part] = off + 1
             end = seq + 1
             confirmed = self._confirmed
             if confirmed:
@@ -193,6 +246,9 @@ class GlobalWriter:
         self._scheduled = False
         end = self.durable_end
         commits: dict[int, int] = {}
+        pending = self._pending
+        while pending and pending[0].end_seq <= end:
+            pending.popleft()
         own = self._own
         while own and own[0][0] < end:
             _, part, off = own.popleft()
@@ -205,6 +261,52 @@ class GlobalWriter:
             if self.on_done is not None:
                 self.on_done(done)
         self.on_durable(end, commits)
+
+
+    # ------------------------------------------------------------ recovery (module doc)
+    def suspend(self) -> None:
+        """The producer failed: ignore its reports from now on, queue new deliveries."""
+        self.suspended = True
+        self._gen += 1
+        self._outstanding = 0
+
+    def resume(self, producer, present: set[int]) -> None:
+        """Go on with `producer`: positions in `present` (read back from the
+        topic, at or above durable_end) are confirmed without writing, every
+        other pending position is produced again, in order."""
+        self.producer = producer
+        self._gen += 1
+        self._outstanding = 0
+        self._confirmed.clear()
+        self._own.clear()
+        self._done.clear()
+        pending = list(self._pending)
+        first = pending[0].first_seq if pending else self.durable_end
+        self.present = set(present) | set(range(first, self.durable_end))  # the durable head of the first one
+        self.produced_end = first
+        self.suspended = False
+        for d in pending:
+            self._produce(d)
+
+
+def read_present(conf: dict, global_topic: str, floors: dict[int, int], min_seq: int,
+                 timeout: float = 60.0) -> set[int]:
+    """The positions >= `min_seq` in `global_topic`, read from each partition
+    p's offset floors[p] to its end (blocking; raises TimeoutError /
+    KafkaException when the brokers do not answer)."""
+    from contextlib import closing
+
+    from kdsync.kafka.records import read_global_headers
+    from kdsync.kafka.topic import consumer, read_to_eof
+
+    out: set[int] = set()
+    with closing(consumer(conf)) as c:
+        for p, floor in sorted(floors.items()):
+            for m in read_to_eof(c, global_topic, p, floor, timeout=timeout, idle=True, poll=0.05):
+                h = read_global_headers(m.headers())
+                if h is not None and h.seq >= min_seq:
+                    out.add(h.seq)
+    return out
 
 
 class WrittenDelivery(NamedTuple):
