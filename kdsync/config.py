@@ -300,6 +300,10 @@ class CheckpointSection(_Model):
     positions: Annotated[int, Field(ge=1)] = 100_000
 
 
+class HealthSection(_Model):
+    stall_after_ms: Annotated[int, Field(ge=100, le=86_400_000)] = 30_000  # kdsync.health
+
+
 class MetricsSection(_Model):
     listen: str | None = None
 
@@ -356,6 +360,7 @@ class Config(_Model):
     protocol: ProtocolSection = Field(default_factory=ProtocolSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    health: HealthSection = Field(default_factory=HealthSection)
     log: LogSection = Field(default_factory=LogSection)
     state_dir: str | None = None
     base_dir: str = Field(default=".", exclude=True)  # directory of the config file

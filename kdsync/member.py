@@ -51,6 +51,7 @@ partition s of each global topic alone (docs/shards.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
@@ -71,11 +72,12 @@ from kdsync.core import (
     make_node,
 )
 from kdsync.errors import FatalError
+from kdsync.health import StallDetector
 from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter, EndOffsets, checkpoint_topic, ensure_checkpoint_topic
 from kdsync.kafka.reader import GlobalReader, load_start
-from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, producer_conf
+from kdsync.kafka.sink import GlobalWriter, ensure_global, make_producer, producer_conf, read_present
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
-from kdsync.logs import KafkaClientLog, kv
+from kdsync.logs import KafkaClientLog, client_callback, kv
 from kdsync.profiling import profiler
 from kdsync.stages import LatencyTrace, StageClock, shard_trace_path
 from kdsync.state import HardStateFile
@@ -84,6 +86,8 @@ from kdsync.transport.channels import frame_channel, split_channel
 log = logging.getLogger("kdsync.member")
 
 EARLY_MESSAGES = 10_000  # peer messages kept per topic while its pipeline starts
+MAX_RECOVERIES, RECOVERY_WINDOW_S = 5, 60.0  # more producer recoveries than this within the window: fatal
+DRAIN_S = 30.0  # a failed producer's in-flight requests are waited for this long before its tail is read
 REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
 
 
@@ -108,6 +112,8 @@ class TopicPipeline:
     status: str = ""  # the node's, as last logged
     process_scheduled: bool = False  # a ready() drain is queued on the loop
     stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
+    consumed: int = 0  # source records submitted to the node
+    delivered_end: int = 0  # next position the node has not delivered
 
 
 class Member:
@@ -144,9 +150,12 @@ class Member:
         self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its pipeline was ready
         self.rng = random.Random()
         self._report_poll: asyncio.TimerHandle | None = None
+        self._recovering = False  # the producer is being re-created (_recover_producer)
+        self._recoveries: list[float] = []  # when recent recoveries began
         self._tick_timer: asyncio.TimerHandle | None = None
         self._ticks_late = False  # the timer skips a period: every node was quiet
-        self._tick_period = self._next_tick = self._last_refresh = 0.0
+        self._tick_period = self._next_tick = self._last_refresh = self._last_health = 0.0
+        self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
 
     # ------------------------------------------------------------ helpers
     def _node_config(self) -> NodeConfig:
@@ -277,11 +286,75 @@ class Member:
             self._kafka_err_logged[err.code()] = now
             log.warning("kafka client error (retrying)", **kv(error=err.str()))
 
+    def _producer_conf(self) -> dict:
+        return {**producer_conf(self.cfg.kafka.producer_conf()),
+                "error_cb": client_callback(self._on_producer_error, "producer error_cb"),
+                "logger": self.kafka_log}
+
+    def _on_producer_error(self, err) -> None:
+        # called from producer.poll(), on the loop's thread
+        if err.fatal():
+            self._producer_failed(f"kafka producer: {err.str()}")
+        else:
+            self._on_kafka_error(err)
+
+    def _producer_failed(self, why: str) -> None:
+        """The producer failed (a fatal error, or a delivery error): recover
+        it in place (kdsync.kafka.sink module doc) unless recoveries repeat."""
+        if self._recovering or self._stopping:
+            return
+        now = time.monotonic()
+        self._recoveries = [t for t in self._recoveries if now - t < RECOVERY_WINDOW_S] + [now]
+        if len(self._recoveries) > MAX_RECOVERIES:
+            self.fatal(f"{why} ({len(self._recoveries)} producer recoveries within {RECOVERY_WINDOW_S:.0f} s; "
+                       f"restart the member once the cluster accepts writes; it resumes from the global topic)")
+            return
+        self._recovering = True
+        for p in self.pipelines.values():
+            if p.writer is not None:
+                p.writer.suspend()
+        asyncio.ensure_future(self._recover_producer(why))
+
+    async def _recover_producer(self, why: str) -> None:
+        log.warning("producer failed; re-creating it and resuming from the global topics' tails",
+                    **kv(error=why))
+        self.metrics.producer_recoveries.inc()
+        old = self.producer
+        try:
+            with contextlib.suppress(Exception):
+                old.purge(in_queue=True, in_flight=False)  # what was sent may still land: wait for it below
+            deadline = time.monotonic() + DRAIN_S
+            while len(old) > 0 and time.monotonic() < deadline and not self._stop.is_set():
+                old.poll(0)  # its reports are ignored (suspended writers); they tell the requests are over
+                await asyncio.sleep(0.05)
+            if len(old):
+                log.warning("the failed producer still has requests in flight; going on", **kv(messages=len(old)))
+            self.producer = make_producer(self._producer_conf())
+            for p in list(self.pipelines.values()):
+                if p.writer is None:
+                    continue
+                w = p.writer
+                present = await self._retry(f"reading the tail of {p.global_topic}", read_present, self.kafka_conf,
+                                            p.global_topic, dict(w.floors), w.durable_end)
+                w.resume(self.producer, present)
+                if p.checkpoint is not None:
+                    p.checkpoint.producer = self.producer
+                log.info("writer resumed", **kv(topic=p.topic, durable_end=w.durable_end, present=len(present),
+                                                produced_end=w.produced_end))
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # noqa: BLE001 - recovery failed: stop with one line, the restart recovers
+            self.fatal(f"{why}; recovering the producer failed: {e}")
+            return
+        finally:
+            self._recovering = False
+        if self._report_poll is None:
+            self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
+
     async def _start_kafka(self) -> None:
-        self.producer = make_producer({**producer_conf(self.cfg.kafka.producer_conf()),
-                                       "error_cb": self._on_kafka_error, "logger": self.kafka_log})
+        self.producer = make_producer(self._producer_conf())
         self.source = SourceConsumer(
-            {**self.kafka_conf, "error_cb": self._on_kafka_error}, self.me, self.loop,
+            {**self.kafka_conf, "error_cb": client_callback(self._on_kafka_error, "source error_cb")}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
             on_commit=lambda t, delay: self.metrics.stage.labels(t, "committed").observe(delay),
@@ -340,10 +413,12 @@ class Member:
             p = TopicPipeline(topic, gt, node, state, durable_end=start_seq)
             p.stages = StageClock(topic, self.me, self.metrics, self.trace)
             if not self.witness:
+                ids = [self.shard] if self.shard is not None else list(range(parts))
                 p.writer = GlobalWriter(
                     self.producer, gt, parts, start_seq, origin=self.me, present=present,
                     on_durable=lambda end, commits: self._on_durable(p, end, commits),
-                    on_done=p.stages.written, on_fatal=self.fatal, schedule=self.loop.call_soon, shard=self.shard)
+                    on_done=p.stages.written, on_fatal=self.fatal, schedule=self.loop.call_soon, shard=self.shard,
+                    start_offsets=dict(zip(ids, start.ends)), on_failed=self._producer_failed)
                 p.reader = GlobalReader(self.kafka_conf, f"kdsync-{self.me}-reader", gt, parts, start.seq_base,
                                         shard=self.shard)
                 self._start_checkpoints(p, start, parts)
@@ -448,9 +523,34 @@ class Member:
             self._process(p)
         if self.producer is not None:
             self.producer.poll(0)
+        if now - self._last_health >= 1.0:
+            self._check_health(now)
         if now - self._last_refresh > 5.0 and not self.witness and self.cfg.topics.fixed_names() is None:
             self._last_refresh = now
             asyncio.ensure_future(self._refresh_topics())
+
+    def _check_health(self, now: float) -> None:
+        """Sample every stage of every pipeline once a second (kdsync.health)."""
+        self._last_health = now
+        src = self.source
+        held_back = src is None or src.held_back
+        for p in list(self.pipelines.values()):
+            w = p.writer
+            samples = [("ordering", len(p.stages.own), p.delivered_end)]
+            if src is not None:
+                samples.append(("fetch", 0 if held_back else src.unfetched(p.topic), p.consumed))
+            if w is not None:
+                samples += [("produce", w.unproduced, w.produced_end), ("delivery report", w.outstanding, w.durable_end)]
+            for stage, held, progress in samples:
+                t = self.health.sample(now, p.topic, stage, held, progress)
+                if t is None:
+                    continue
+                self.metrics.stalled.labels(t.topic, t.stage).set(1 if t.stalled else 0)
+                if t.stalled:
+                    log.warning("stalled: records wait in a stage that does not move", **kv(
+                        topic=t.topic, stage=t.stage, held=t.held, for_s=round(t.for_s, 1)))
+                else:
+                    log.info("stall over", **kv(topic=t.topic, stage=t.stage, stalled_s=round(t.for_s, 1)))
 
     async def _refresh_topics(self) -> None:
         try:
@@ -507,6 +607,7 @@ class Member:
             if p is None:
                 continue
             p.stages.submitted(run, now)
+            p.consumed += run.batch.count
             p.node.submit([run.batch])
             touched[run.topic] = p
         for p in touched.values():
@@ -549,6 +650,7 @@ class Member:
             self._arm_tick()
 
     def _deliver(self, p: TopicPipeline, d: Delivery) -> None:
+        p.delivered_end = d.end_seq
         p.stages.delivered(d, time.monotonic(), writes=p.writer is not None)
         if p.writer is None:  # a witness: nothing to write, durable at once (reported after advance)
             p.durable_end = d.end_seq

@@ -14,6 +14,8 @@ Exported (all prefixed `kdsync_`):
   peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer}
   core_events_total{topic,kind}        kind = submitted|delivered|resubmitted|deduplicated|bad_messages
   bad_peer_messages_total{peer}        malformed messages dropped
+  stalled{topic,stage}                1 while a stage holds records that do not move (kdsync.health)
+  producer_recoveries_total           the global-topic producer failed and was re-created in place (kdsync.kafka.sink)
   source_restarts_total, source_fetch_wait_ms   the source client re-created after a stalled fetch (kdsync.kafka.source)
 """
 
@@ -89,6 +91,10 @@ class MemberMetrics:
         self.written = Counter("kdsync_events_written", "records confirmed in the global topic", ["topic"], registry=reg)
         self.stage = Histogram("kdsync_stage_seconds", "one stage of a batch's trip through the member (per batch)",
                                ["topic", "stage"], buckets=STAGE_BUCKETS, registry=reg)
+        self.producer_recoveries = Counter("kdsync_producer_recoveries", "failed producers re-created in place "
+                                           "(fatal idempotence error or delivery error)", registry=reg)
+        self.stalled = Gauge("kdsync_stalled", "1 while a stage holds records and has not moved for [health] "
+                             "stall_after_ms (kdsync.health)", ["topic", "stage"], registry=reg)
         self.source_restarts = Counter("kdsync_source_restarts", "source clients re-created because every fetch "
                                        "came back empty while records waited", registry=reg)
         self.source_fetch_wait = Gauge("kdsync_source_fetch_wait_ms", "fetch.wait.max.ms of the source client",

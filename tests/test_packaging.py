@@ -179,7 +179,7 @@ def _exported_samples() -> set[str]:
 def test_alert_rules_check_and_unit_tests():
     promtool = ensure_tool("promtool", "prometheus")
     r = _run(promtool, "check", "rules", RULES)
-    assert r.returncode == 0 and "SUCCESS: 8 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 9 rules found" in r.stdout, r.stdout + r.stderr
     r = _run(promtool, "test", "rules", "kdsync-alerts.test.yml", cwd=RULES.parent)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -187,7 +187,8 @@ def test_alert_rules_check_and_unit_tests():
 def test_alert_rules_cover_the_asked_cases_with_existing_metrics():
     rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
     names = {r["alert"] for r in rules}
-    assert {"KdsyncMemberNotActive", "KdsyncInputLagGrowing", "KdsyncViewChanges", "KdsyncCheckpointStale"} <= names
+    assert {"KdsyncMemberNotActive", "KdsyncInputLagGrowing", "KdsyncViewChanges", "KdsyncCheckpointStale",
+            "KdsyncStalled"} <= names
     exported = _exported_samples()
     for r in rules:
         assert _metric_names(r["expr"]) <= exported, (r["alert"], _metric_names(r["expr"]) - exported)

@@ -113,6 +113,8 @@ class SourceConsumer:
         self.stall_s = stall_s
         self.on_restart = on_restart  # (new fetch.wait.max.ms), consumer thread: a stalled fetch was re-asked
         self.restarts = 0
+        self.held_back = True  # paused, back-pressured or not started: not fetching is no stall (kdsync.health)
+        self._unfetched: dict[tuple[str, int], int] = {}  # records above the consumed position (last high watermark)
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -175,19 +177,22 @@ class SourceConsumer:
                     if waiting:
                         c = self._reask(c, assigned, consumed, waiting)
                 if not self._resume.wait(POLL_S):
+                    self.held_back = True
                     last_record = time.monotonic()  # paused: not fetching is no stall
                     continue
                 # back-pressure: too many consumed records not yet durably ordered and committed
                 if sum(nxt - self._committed.get(tp, 0) for tp, nxt in consumed.items()) > self.max_inflight:
+                    self.held_back = True
                     last_record = time.monotonic()
                     self._stop.wait(0.02)
                     continue
                 if not assigned:
                     self._stop.wait(0.1)
                     continue
+                self.held_back = False
                 if now - last_lag > 1.0:
                     last_lag = now
-                    self._update_lag(c, assigned)
+                    self._update_lag(c, assigned, consumed)
                 # poll() returns as soon as one record is there; consume(n, timeout) would
                 # wait for n records or the timeout, adding up to the timeout to latency
                 first = c.poll(POLL_S)
@@ -320,9 +325,15 @@ class SourceConsumer:
             log.info("consuming", **kv(topic=tp.topic, partition=tp.partition, offset=start))
         c.incremental_assign(committed)
 
-    def _update_lag(self, c, assigned) -> None:
+    def unfetched(self, topic: str) -> int:
+        """Records of `topic` above the consumed position, as of the last
+        high watermarks (any thread)."""
+        return sum(n for (t, _), n in list(self._unfetched.items()) if t == topic)
+
+    def _update_lag(self, c, assigned, consumed: dict[tuple[str, int], int]) -> None:
         """lag = source high watermark (from fetch responses, which Tansu
-        reports right) - offset below which every event is durably ordered."""
+        reports right) - offset below which every event is durably ordered;
+        also the records above the consumed position (`unfetched`)."""
         from confluent_kafka import TopicPartition
 
         for (t, p) in list(assigned):
@@ -331,7 +342,9 @@ class SourceConsumer:
             except Exception:
                 continue
             if hi is not None and hi >= 0:
-                self.on_lag(t, p, max(0, hi - self._committed.get((t, p), 0)))
+                done = self._committed.get((t, p), 0)
+                self.on_lag(t, p, max(0, hi - done))
+                self._unfetched[(t, p)] = max(0, hi - consumed.get((t, p), done))
 
     def _drain_commits(self, c, final: bool = False) -> None:
         """Take the queued commits (durable below: back-pressure and lag see

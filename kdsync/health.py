@@ -1,0 +1,77 @@
+"""Stall detection: a member that cannot make progress says so.
+
+A record goes through four stages in a member (docs/metrics.md,
+`kdsync_stalled`):
+
+| stage | holds | moves when |
+|---|---|---|
+| `fetch` | source records above the consumed position (the source is not held back) | records are consumed |
+| `ordering` | own batches submitted to the ordering node, not delivered yet | the node delivers |
+| `produce` | delivered records not handed to the producer (a producer being recovered) | records are produced |
+| `delivery report` | records produced whose delivery report has not come | positions become durable |
+
+A stage that holds something and has not moved for `stall_after_s` is
+stalled: one WARNING line (topic, stage, what it holds, for how long), the
+gauge `kdsync_stalled{topic,stage}` at 1, and the alert `KdsyncStalled`; when
+it moves again, one INFO line and the gauge back at 0.
+
+`StallDetector` is pure (samples in, transitions out; the member samples once
+a second), so it is tested with a fake clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["STAGES", "StallDetector", "Transition"]
+
+STAGES = ("fetch", "ordering", "produce", "delivery report")
+
+
+@dataclass
+class _Watch:
+    progress: int
+    since: float  # when progress last moved, or the stage last held nothing
+    stalled: bool = False
+
+
+@dataclass(frozen=True)
+class Transition:
+    topic: str
+    stage: str
+    stalled: bool  # True: it just stalled; False: it just moved again
+    held: int
+    for_s: float  # how long it has not moved (stalled) / had not moved (resumed)
+
+
+class StallDetector:
+    def __init__(self, stall_after_s: float):
+        if stall_after_s <= 0:
+            raise ValueError("stall_after_s must be > 0")
+        self.stall_after_s = stall_after_s
+        self._w: dict[tuple[str, str], _Watch] = {}
+
+    def sample(self, now: float, topic: str, stage: str, held: int, progress: int) -> Transition | None:
+        """One observation of `stage` of `topic`: `held` items wait in it,
+        `progress` is a counter that grows when it moves.  Returns the
+        transition it causes, if any."""
+        w = self._w.get((topic, stage))
+        if w is None:
+            self._w[(topic, stage)] = _Watch(progress, now)
+            return None
+        if held <= 0 or progress != w.progress:
+            was, since = w.stalled, w.since
+            w.progress, w.since, w.stalled = progress, now, False
+            return Transition(topic, stage, False, held, now - since) if was else None
+        if not w.stalled and now - w.since >= self.stall_after_s:
+            w.stalled = True
+            return Transition(topic, stage, True, held, now - w.since)
+        return None
+
+    def stalled(self) -> list[tuple[str, str]]:
+        """(topic, stage) of every stage stalled now."""
+        return [k for k, w in self._w.items() if w.stalled]
+
+    def forget(self, topic: str) -> None:
+        for k in [k for k in self._w if k[0] == topic]:
+            del self._w[k]

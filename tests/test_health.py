@@ -1,0 +1,44 @@
+"""The stall detector (kdsync.health): pure, driven by a fake clock."""
+
+import pytest
+
+from kdsync.health import StallDetector
+
+
+def test_a_stage_that_holds_records_and_does_not_move_stalls_once_then_resumes():
+    d = StallDetector(5.0)
+    assert d.sample(0.0, "t", "fetch", held=10, progress=0) is None
+    assert d.sample(4.9, "t", "fetch", held=10, progress=0) is None
+    t = d.sample(5.0, "t", "fetch", held=12, progress=0)
+    assert t is not None and t.stalled and t.stage == "fetch" and t.held == 12 and t.for_s == 5.0
+    assert d.sample(9.0, "t", "fetch", held=12, progress=0) is None  # said once
+    assert d.stalled() == [("t", "fetch")]
+    t = d.sample(10.0, "t", "fetch", held=3, progress=9)  # moved
+    assert t is not None and not t.stalled and t.for_s == 10.0 and d.stalled() == []
+    assert d.sample(14.0, "t", "fetch", held=3, progress=9) is None
+
+
+def test_nothing_held_is_no_stall_and_progress_resets_the_clock():
+    d = StallDetector(5.0)
+    d.sample(0.0, "t", "ordering", held=0, progress=0)
+    for now in range(1, 30):
+        assert d.sample(float(now), "t", "ordering", held=0, progress=0) is None  # idle is fine
+    for now in range(30, 60):
+        assert d.sample(float(now), "t", "ordering", held=4, progress=now) is None  # busy and moving
+    assert d.sample(63.9, "t", "ordering", held=4, progress=59) is None
+    t = d.sample(64.0, "t", "ordering", held=4, progress=59)  # unmoved since 59
+    assert t is not None and t.stalled and t.for_s == 5.0
+
+
+def test_stages_and_topics_are_watched_apart():
+    d = StallDetector(1.0)
+    for s in ("fetch", "delivery report"):
+        for tp in ("a", "b"):
+            d.sample(0.0, tp, s, 1, 0)
+    d.sample(2.0, "a", "fetch", 1, 1)
+    got = [d.sample(2.0, tp, s, 1, 0) for s in ("delivery report",) for tp in ("a", "b")]
+    assert all(t is not None and t.stalled for t in got) and ("a", "fetch") not in d.stalled()
+    d.forget("a")
+    assert d.stalled() == [("b", "delivery report")]
+    with pytest.raises(ValueError):
+        StallDetector(0)
