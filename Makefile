@@ -4,7 +4,10 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test demo bench test-rdma clean
+.PHONY: install test demo bench nemesis test-rdma clean
+
+SEED    ?= 1
+MINUTES ?= 2
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -22,6 +25,9 @@ demo: install
 
 bench: install
 	$(VPY) -m bench.run
+
+nemesis: install
+	$(VPY) -m kdsync.testing.nemesis --seed $(SEED) --minutes $(MINUTES) --out results/nemesis/seed-$(SEED).json
 
 test-rdma: install
 	bash infra/rdma-vm/run-tests.sh

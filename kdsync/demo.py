@@ -83,6 +83,7 @@ class GlobalTail:
     def __init__(self, bootstrap: str, topic: str, partition: int = 0):
         self.bootstrap, self.topic, self.partition = bootstrap, topic, partition
         self.records: list[GlobalRecord] = []
+        self.next = 0  # next offset to read (above len(records) after a hole: check_agreement reports it)
         self._c = None
 
     def read(self, timeout: float = 30.0) -> list[GlobalRecord]:
@@ -90,9 +91,10 @@ class GlobalTail:
             self._c = consumer({"bootstrap.servers": self.bootstrap, "group.id": "kdsync-demo-tail",
                                 "topic.metadata.refresh.interval.ms": 500})
         try:
-            for m in read_to_eof(self._c, self.topic, self.partition, len(self.records), timeout=timeout, poll=0.1):
-                if m.offset() == len(self.records):
+            for m in read_to_eof(self._c, self.topic, self.partition, self.next, timeout=timeout, poll=0.1):
+                if m.offset() >= self.next:
                     self.records.append(_global_record(m))
+                    self.next = m.offset() + 1
         except FetchStalledError:
             self.close()  # the next read asks with a new consumer (and a longer fetch wait)
         except TimeoutError:
@@ -185,7 +187,7 @@ def check_sharded(parts: dict[str, list[list[GlobalRecord]]], expected: int | No
 
 def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | None = None,
                  timeout: float = 60.0, warm_topic: str | None = None,
-                 on_ready: Callable[[], object] | None = None) -> int:
+                 on_ready: Callable[[], object] | None = None, linger_ms: float = 2) -> int:
     """Produce n records key=f"{tag}-{i}" (optionally paced at `rate`/s);
     return how many were acknowledged.  Raises RuntimeError on a delivery error.
 
@@ -196,7 +198,7 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
     first record (e.g. a barrier, so the caller's clock starts then)."""
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, "log_level": 3,
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": linger_ms, "log_level": 3,
                   "logger": client_log()})
     errors: list = []
     acked = [0]
@@ -302,6 +304,9 @@ def _toml_str(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+DURABLE_LINGER_MS = 50  # producers' linger on durable clusters: fewer, larger batches (docs/durable.md)
+
+
 class LocalGroup:
     """n embedded clusters and n `kdsync run` member processes (see module doc).
 
@@ -314,8 +319,11 @@ class LocalGroup:
                  suspect_ms: float = 300, retransmit_ms: float = 30, names: list[str] | None = None,
                  peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
                  metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
-                 workers: int | None = None, source_partitions: int = 1, durable: bool = False):
+                 workers: int | None = None, source_partitions: int = 1, durable: bool = False,
+                 stall_after_ms: int = 10_000, expect_stalls: bool = False):
         self.n = n
+        # [health] stall_after_ms of every member; unless expect_stalls, close() fails on a member's "stalled" line
+        self.stall_after_ms, self.expect_stalls = stall_after_ms, expect_stalls
         # durable: every cluster keeps its log in its own bucket of one S3 store (kill -9 + restart keep it)
         self.store = S3Store(log_dir=workdir) if durable else None
         self.shards = shards  # [topics] shards; shard s of member i listens on ports[i] + s
@@ -337,6 +345,9 @@ class LocalGroup:
         self.timing = dict(tick_ms=tick_ms, heartbeat_ms=heartbeat_ms, suspect_ms=suspect_ms, retransmit_ms=retransmit_ms)
         self.peer_address = peer_address or (lambda i, j: f"127.0.0.1:{self.ports[j]}")
         self.extra = extra or {}
+        if durable:  # Tansu on S3 stores one object per batch and lists a partition's objects on every fetch
+            self.extra = {"kafka.producer": {"linger.ms": DURABLE_LINGER_MS},
+                          "kafka.consumer": {"fetch.wait.max.ms": 100}, **self.extra}
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.member_args: dict[int, list[str]] = {}  # extra `kdsync run` arguments of member i
         self.logs: list[Path] = [self.dir / f"member-{name}.log" for name in self.names]
@@ -373,6 +384,7 @@ class LocalGroup:
                        **({"shards": self.shards} if self.shards > 1 else {})},
             "transport": {"kind": "tcp", **({"secret": self.secret} if self.secret else {})},
             "protocol": {"name": self.protocol, **self.timing},
+            "health": {"stall_after_ms": self.stall_after_ms},
         }
         if self.metrics_ports:
             sections["metrics"] = {"listen": f"127.0.0.1:{self.metrics_ports[i]}"}
@@ -554,6 +566,25 @@ class LocalGroup:
                 c.close()
         if self.store is not None:
             self.store.close()
+        if not self.expect_stalls and sys.exc_info()[0] is None:
+            self.assert_no_stall()
+
+    def stalls(self) -> list[str]:
+        """Every "stalled" line the members logged (kdsync.health)."""
+        return [f"{self.names[i]}: {line}" for i in range(self.n) for line in self.log_text(i).splitlines()
+                if 'msg="stalled: ' in line]
+
+    def assert_no_stall(self) -> None:
+        found = self.stalls()
+        if found:
+            raise AssertionError(f"{len(found)} stall warning(s) in a run that expected none "
+                                 f"(LocalGroup(expect_stalls=True) if the test causes them): {found[0]}")
+
+    def read_sources(self, timeout: float = 30.0) -> dict[str, list[tuple[int, int, bytes | None]]]:
+        """Every record in each cluster's source topic: name -> [(partition, offset, key)]."""
+        return {self.names[i]: [(m.partition(), m.offset(), m.key()) for p in range(self.source_partitions)
+                                for m in iter_partition(self.bootstrap(i), self.topic, p, timeout=timeout)]
+                for i in self.data}
 
     def __enter__(self) -> LocalGroup:
         return self
@@ -570,16 +601,20 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: float, rate: float | None,
-             out=print, shards: int = 1, workers: int | None = None) -> int:
+             out=print, shards: int = 1, workers: int | None = None, durable: bool = False) -> int:
     """Returns 0 when every cluster's global topic is identical (with shards:
-    partition by partition, `check_sharded`), 1 otherwise."""
+    partition by partition, `check_sharded`), 1 otherwise.
+
+    `durable`: the brokers keep their logs in an S3 store (docs/durable.md),
+    and the last cluster's broker is killed (SIGKILL) a third of the way into
+    the writes and restarted on its data two seconds later."""
     from rich.console import Console
 
     console = Console(stderr=True)
     per = [events // clusters + (1 if i < events % clusters else 0) for i in range(clusters)]
     sharded = shards > 1
     with LocalGroup(clusters, workdir, protocol=protocol, metrics=True, shards=shards, workers=workers,
-                    source_partitions=2 * shards if sharded else 1) as g:
+                    source_partitions=2 * shards if sharded else 1, durable=durable, expect_stalls=True) as g:
         with console.status(f"starting {clusters} embedded brokers"):
             g.start_brokers()
         console.log(f"brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
@@ -594,7 +629,7 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
         def writer(i: int) -> None:
             try:
                 write_events(g.bootstrap(i), g.topic, per[i], g.names[i], rate=rate / clusters if rate else None,
-                             warm_topic=WARM_TOPIC, on_ready=warm.wait)
+                             warm_topic=WARM_TOPIC, on_ready=warm.wait, linger_ms=DURABLE_LINGER_MS if durable else 2)
             except Exception as e:
                 warm.abort()
                 errors.append(str(e))
@@ -608,6 +643,8 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
             except threading.BrokenBarrierError:
                 pass  # a writer failed: reported below
             t0 = time.time()
+            if durable:
+                _crash_a_broker(g, console, t0, events / rate / 3 if rate else 1.0)
             for t in threads:
                 t.join()
         if errors:
@@ -638,6 +675,19 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
         if not ok:
             out(f"logs: {workdir}")
         return 0 if ok else 1
+
+
+def _crash_a_broker(g: LocalGroup, console, t0: float, after_s: float, down_s: float = 2.0) -> None:
+    """The durable demo's fault: SIGKILL the last cluster's broker `after_s`
+    into the writes, restart it on its data `down_s` later (its writer and
+    member retry meanwhile)."""
+    c = g.clusters[-1]
+    time.sleep(max(0.0, t0 + after_s - time.time()))
+    c.kill()
+    console.log(f"kill -9 of the {g.names[-1]} broker at +{time.time() - t0:.1f} s")
+    time.sleep(down_s)
+    c.start()
+    console.log(f"{g.names[-1]} broker restarted on its data after {down_s:.0f} s")
 
 
 def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000, rate: float = 300.0,
@@ -697,7 +747,8 @@ def _demo(
     clusters: int = typer.Option(3, help="number of clusters / members (1 to 16)"),
     events: int = typer.Option(3000, help="events written in total"),
     protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
-    rate: float = typer.Option(1000.0, help="total write rate in events/s (0 = as fast as possible, a burst)"),
+    rate: float | None = typer.Option(None, show_default="1000 (300 with --durable: one local S3 store for all)",
+                                      help="total write rate in events/s (0 = as fast as possible, a burst)"),
     shards: int = typer.Option(1, help="[topics] shards: K ordering groups per topic (source topic of 2K "
                                        "partitions; agreement checked partition by partition)"),
     workers: int | None = typer.Option(None, metavar="W", show_default="none: in the member process",
@@ -705,9 +756,15 @@ def _demo(
     timeout: float = typer.Option(120.0, help="seconds to wait for agreement"),
     keep: str | None = typer.Option(None, metavar="DIR", show_default="a temporary directory, removed",
                                     help="keep configs and logs in DIR"),
+    durable: bool = typer.Option(False, "--durable", help="brokers that keep their data (Tansu on a local S3 "
+                                 "store); one broker is killed mid-run and restarted on its data"),
+    data: str | None = typer.Option(None, "--data", metavar="DIR", show_default="a temporary directory, removed",
+                                    help="with --durable: keep the S3 store's, brokers' and members' files in DIR"),
 ) -> int:
     if not 1 <= clusters <= 16:
         raise UsageError("--clusters must be between 1 and 16")
+    if rate is None:
+        rate = 300.0 if durable else 1000.0
     if rate < 0:
         raise UsageError("--rate must be >= 0")
     if events < 1:
@@ -716,15 +773,20 @@ def _demo(
         raise UsageError("--shards must be between 1 and 64")
     if workers is not None and workers < 1:
         raise UsageError("--workers must be at least 1")
+    if data and not durable:
+        raise UsageError("--data DIR goes with --durable")
+    if data and keep and Path(data) != Path(keep):
+        raise UsageError("give --data DIR or --keep DIR, not both")
+    keep = keep or data
     # Ctrl-C: turn SIGINT/SIGTERM into KeyboardInterrupt so the context managers clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if keep:
             return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None, shards=shards,
-                            workers=workers)
+                            workers=workers, durable=durable)
         with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
             return run_demo(clusters, events, protocol, Path(d), timeout, rate or None, shards=shards,
-                            workers=workers)
+                            workers=workers, durable=durable)
     except KeyboardInterrupt:
         print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

@@ -173,15 +173,19 @@ class S3Store:
         self.close()
         raise BrokerStartError(f"S3 store did not answer on {self.endpoint} within {timeout}s (log: {self.log_path})")
 
+    def client(self):
+        """A boto3 S3 client of this store."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.ACCESS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=self.ACCESS["AWS_SECRET_ACCESS_KEY"],
+                            region_name=self.ACCESS["AWS_DEFAULT_REGION"])
+
     def bucket(self, name: str) -> str:
         """Create bucket `name` unless it exists; return its name."""
         if name in self.buckets:
             return name
-        import boto3
-
-        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.ACCESS["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=self.ACCESS["AWS_SECRET_ACCESS_KEY"],
-                          region_name=self.ACCESS["AWS_DEFAULT_REGION"])
+        s3 = self.client()
         try:
             s3.create_bucket(Bucket=name)
         except s3.exceptions.BucketAlreadyOwnedByYou:
@@ -245,6 +249,7 @@ class EmbeddedCluster:
                  log_dir: str | os.PathLike[str] | None = None, store: S3Store | None = None):
         self.name = name
         self.store = store  # None: memory storage; else the S3 store that keeps this cluster's log
+        self.recoveries: list[str] = []  # log repairs made before restarts (durable: _recover_log)
         self.host = host
         self._fixed_port = port
         self.port: int = port or 0
@@ -284,6 +289,8 @@ class EmbeddedCluster:
             self.port = self._fixed_port or self.port or free_port(self.host)
             url = f"tcp://{self.host}:{self.port}"
             storage = self.storage_url()  # starts the store first
+            if self.store is not None and attempts == 1:
+                self._recover_log()
             env = dict(os.environ, RUST_LOG=os.environ.get("KDSYNC_TANSU_LOG", "warn"))
             if self.store is not None:
                 env.update(self.store.env())
@@ -314,6 +321,19 @@ class EmbeddedCluster:
     @property
     def durable(self) -> bool:
         return self.store is not None
+
+    def _recover_log(self) -> None:
+        """Kafka's crash recovery on this cluster's S3 objects before Tansu
+        starts (kdsync.kafka.tansu_recovery); each repair is a line of the
+        broker's log and of `self.recoveries`."""
+        from kdsync.kafka.tansu_recovery import recover
+
+        fixes = recover(self.store.client(), bucket_name(self.name), f"kdsync-{self.name}")
+        self.recoveries += fixes
+        if fixes:
+            with open(self.log_path, "a") as log:
+                for f in fixes:
+                    log.write(f"kdsync log recovery: {f}\n")
 
     def storage_url(self) -> str:
         """Tansu's --storage-engine: memory, or this cluster's bucket in the S3 store.
