@@ -37,18 +37,21 @@ from typing import Callable, Iterator
 from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "shards", "rdma")
+SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "shards", "reliability", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
                "member": "skipped by --quick (six paced loads on real brokers take minutes)",
                "simreal": "skipped by --quick (calibration and four real runs take minutes)",
-               "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)"}
+               "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)",
+               "reliability": "skipped by --quick (minutes of faults per seed on durable clusters)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
           "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
           "simreal": "Simulator vs real: the four calibration points",
-          "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "summary")
+          "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP",
+          "reliability": "Reliability: the nemesis suite on durable clusters"}
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
+                      "summary")
 
 
 class UsageError(Exception):
@@ -339,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 sections.append(_guard("shards", TITLES["shards"],
                                        lambda: shards_section(out, args.quick, progress=lambda: prog.step("shards")),
+                                       prog))
+            if "reliability" in wanted:
+                from bench.reliability import reliability_section
+
+                sections.append(_guard("reliability", TITLES["reliability"],
+                                       lambda: reliability_section(out, progress=lambda: prog.step("reliability")),
                                        prog))
             if "rdma" in wanted:
                 sections.append(_guard("rdma", "RDMA (soft-RoCE in a VM) vs TCP",
