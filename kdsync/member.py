@@ -114,6 +114,14 @@ class TopicPipeline:
     stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
     consumed: int = 0  # source records submitted to the node
     delivered_end: int = 0  # next position the node has not delivered
+    # own events per source partition: next offset submitted / next offset the group delivered (kdsync.health)
+    submitted_next: dict[int, int] = field(default_factory=dict)
+    own_next: dict[int, int] = field(default_factory=dict)
+
+    def own_waiting(self) -> int:
+        """Own events submitted that the group has not delivered yet."""
+        own = self.own_next
+        return sum(max(0, s - own.get(part, s)) for part, s in self.submitted_next.items())
 
 
 class Member:
@@ -410,7 +418,8 @@ class Member:
                                  watermarks=watermarks, hard_state=hs)
             except LocalProtocolError as e:
                 raise FatalError(f"protocol: {e}") from None
-            p = TopicPipeline(topic, gt, node, state, durable_end=start_seq)
+            p = TopicPipeline(topic, gt, node, state, durable_end=start_seq, delivered_end=start_seq,
+                              own_next={part: off + 1 for (origin, part), off in watermarks.items() if origin == self.me})
             p.stages = StageClock(topic, self.me, self.metrics, self.trace)
             if not self.witness:
                 ids = [self.shard] if self.shard is not None else list(range(parts))
@@ -536,7 +545,7 @@ class Member:
         held_back = src is None or src.held_back
         for p in list(self.pipelines.values()):
             w = p.writer
-            samples = [("ordering", len(p.stages.own), p.delivered_end)]
+            samples = [("ordering", p.own_waiting(), p.delivered_end)]
             if src is not None:
                 samples.append(("fetch", 0 if held_back else src.unfetched(p.topic), p.consumed))
             if w is not None:
@@ -607,7 +616,10 @@ class Member:
             if p is None:
                 continue
             p.stages.submitted(run, now)
-            p.consumed += run.batch.count
+            b = run.batch
+            p.consumed += b.count
+            p.submitted_next[b.partition] = b.first_offset + b.count
+            p.own_next.setdefault(b.partition, b.first_offset)  # below its first submission: ordered before
             p.node.submit([run.batch])
             touched[run.topic] = p
         for p in touched.values():
@@ -651,6 +663,10 @@ class Member:
 
     def _deliver(self, p: TopicPipeline, d: Delivery) -> None:
         p.delivered_end = d.end_seq
+        own = p.own_next
+        for b in d.batches:
+            if b.origin == self.me and b.first_offset + b.count > own.get(b.partition, 0):
+                own[b.partition] = b.first_offset + b.count
         p.stages.delivered(d, time.monotonic(), writes=p.writer is not None)
         if p.writer is None:  # a witness: nothing to write, durable at once (reported after advance)
             p.durable_end = d.end_seq
