@@ -3,7 +3,7 @@
     python -m bench.load --protocol derecho --rate 1000 --duration 5 [--backlog 3000] [--idle 3] [--json]
 
 `run_load()` starts `clusters` embedded Tansu brokers and one `kdsync run`
-member per cluster (`kdsync.demo.LocalGroup`) with the default configuration
+member per cluster (`kdsync.local.LocalGroup`) with the default configuration
 a new user has (the README's minimal TOML: only `[protocol] name`; no fast
 timing overrides unless `timing=` is given), a source topic of `partitions`
 partitions (keys spread over them), then:
@@ -67,14 +67,14 @@ def _thread_cpu(proc) -> dict[str, float]:
 
 
 def _writers(g, clusters: int, per: int, tag: str, rate: float | None) -> None:
-    """Backlog writers (as fast as possible): kdsync.demo.write_events in every cluster at once."""
-    from kdsync import demo
+    """Backlog writers (as fast as possible): kdsync.local.write_events in every cluster at once."""
+    from kdsync.testing import local
 
     errors: list[str] = []
 
     def one(i: int) -> None:
         try:
-            demo.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate)
+            local.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate)
         except Exception as e:  # reported below
             errors.append(f"{g.names[i]}: {e}")
 
@@ -89,7 +89,7 @@ def _writers(g, clusters: int, per: int, tag: str, rate: float | None) -> None:
 
 class _Paced:
     """One application producer per cluster (idempotent, linger.ms=1, as
-    kdsync.demo.write_events) writing `per` records keyed f"{tag}{i}-{n}" at
+    kdsync.local.write_events) writing `per` records keyed f"{tag}{i}-{n}" at
     `rate` records/s each, all starting together once every producer is
     connected: one warm-up record each (key "w...", ordered like any other
     but not measured) is acknowledged first, so the latency figures hold no
@@ -253,7 +253,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
     out)` after the figures, before anything is stopped."""
     import psutil
 
-    from kdsync import demo
+    from kdsync.testing import local
     from kdsync.kafka.topic import ensure_topic
 
     own_dir = None
@@ -263,7 +263,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
     out: dict = {"protocol": protocol, "rate_eps": rate_eps, "duration_s": duration_s, "clusters": clusters,
                  "partitions": partitions, "timing": "default" if timing is None else "custom"}
     try:
-        g = demo.LocalGroup(clusters, Path(workdir), protocol=protocol, metrics=True, peer_address=peer_address,
+        g = local.LocalGroup(clusters, Path(workdir), protocol=protocol, metrics=True, peer_address=peer_address,
                             extra=extra, secret=secret)
         g.timing = dict(timing or {})  # empty: no [protocol] key but name, as the README's minimal config
         with g:
@@ -350,7 +350,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 out[f"cpu_us_{kind}"] = round(sum((b[kind] - a[kind]) / max(1, n) * 1e6 for a, b, n in
                                                   zip(split0, split1, ordered)) / clusters, 1)
             if protocol != "mirror":
-                ok, detail = demo.check_agreement(got, expected=total)
+                ok, detail = local.check_agreement(got, expected=total)
                 out["agreement"], out["agreement_detail"] = ok, detail
             if fl:
                 if fl.error or not fl.lat:

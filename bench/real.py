@@ -1,8 +1,8 @@
 """Real section: three embedded Tansu clusters on loopback, one `kdsync run`
 member per cluster, derecho vs sequencer vs mirror.
 
-Built from the member engineer's pieces (`kdsync.demo.LocalGroup`,
-`write_events`, `check_agreement`).  It does not call `kdsync.demo.measure`
+Built from the member engineer's pieces (`kdsync.local.LocalGroup`,
+`write_events`, `check_agreement`).  It does not call `kdsync.local.measure`
 as is: that one starts its throughput clock after `wait_ready()`, by which
 time a small backlog is already ordered (it reported 900 000 events/s for
 900 events); here the span is taken from the global topics' own record
@@ -29,7 +29,7 @@ class RealParams:
     timeout_s: float = 150.0
 
 
-def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int = 3) -> dict:
+def measure_e2e(local, protocol: str, workdir: Path, p: RealParams, clusters: int = 3) -> dict:
     """Throughput of a backlog, then latency of a paced stream, on `clusters`
     local clusters.  Raises on a member or broker failure."""
     import threading
@@ -42,8 +42,8 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
         def one(i: int) -> None:
             try:
                 # paced writers warm up first (a cold idempotent producer holds its first records ~0.5 s)
-                demo.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate,
-                                  warm_topic=demo.WARM_TOPIC if rate else None)
+                local.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate,
+                                  warm_topic=local.WARM_TOPIC if rate else None)
             except Exception as e:
                 errors.append(str(e))
 
@@ -56,7 +56,7 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
             raise RuntimeError(f"writing failed: {errors[0]}")
 
     out: dict = {"protocol": protocol}
-    with demo.LocalGroup(clusters, workdir, protocol=protocol, metrics=True) as g:
+    with local.LocalGroup(clusters, workdir, protocol=protocol, metrics=True) as g:
         g.start_brokers()
         write_all(p.backlog_per_cluster, "b", None)  # members are down: a backlog waits in every source topic
         g.start_members()
@@ -73,7 +73,7 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
         if protocol == "mirror":
             out["agreement"], out["detail"] = None, "mirror: counts only (no agreed order)"
         else:
-            out["agreement"], out["detail"] = demo.check_agreement(got, expected=total)
+            out["agreement"], out["detail"] = local.check_agreement(got, expected=total)
         per = p.paced_total // clusters
         write_all(per, "p", p.rate_eps / clusters)
         got = g.wait_for(total + per * clusters, p.timeout_s, poll=0.5)
@@ -82,7 +82,7 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
         out["latency_p99_ms"] = percentile(lat, 99)
         out["latency_samples"] = len(lat)
         if protocol != "mirror":
-            ok, detail = demo.check_agreement(got, expected=total + per * clusters)
+            ok, detail = local.check_agreement(got, expected=total + per * clusters)
             out["agreement"] = bool(out["agreement"]) and ok
             out["detail"] = detail
     return out
@@ -91,12 +91,12 @@ def measure_e2e(demo, protocol: str, workdir: Path, p: RealParams, clusters: int
 def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
     sec = Section("real", "Real brokers: three local clusters (embedded Tansu), one `kdsync run` per cluster")
     try:
-        from kdsync import demo
+        from kdsync.testing import local
     except Exception as e:
-        raise NotMeasured(f"kdsync.demo is not importable ({type(e).__name__}: {e})") from None
-    missing = [n for n in ("LocalGroup", "write_events", "check_agreement", "WARM_TOPIC") if not hasattr(demo, n)]
+        raise NotMeasured(f"kdsync.testing.local is not importable ({type(e).__name__}: {e})") from None
+    missing = [n for n in ("LocalGroup", "write_events", "check_agreement", "WARM_TOPIC") if not hasattr(local, n)]
     if missing:
-        raise NotMeasured(f"kdsync.demo lacks {', '.join(missing)} (the member's local-cluster helpers)")
+        raise NotMeasured(f"kdsync.testing.local lacks {', '.join(missing)} (the member's local-cluster helpers)")
     try:
         from kdsync.kafka.embedded import EmbeddedCluster  # noqa: F401
     except Exception as e:
@@ -106,7 +106,7 @@ def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-real-{proto}-") as d:
             try:
-                r = measure_e2e(demo, proto, Path(d), p)
+                r = measure_e2e(local, proto, Path(d), p)
             except Exception as e:  # one protocol failing must not hide the others
                 errors.append(f"{proto}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 r = None

@@ -10,7 +10,7 @@ process CPU time (utime + stime from /proc, the process and its
 descendants) of the members (supervisor + workers) and of the brokers, from
 the moment every shard is active to the end of the drain: the split says
 where the two cores went.  Every partition is checked identical in every
-cluster, every event once (`kdsync.demo.check_sharded`).
+cluster, every event once (`kdsync.local.check_sharded`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ShardParams:
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of process `pid` and its live descendants; 0 when gone."""
-    from kdsync.demo import child_pids
+    from kdsync.testing.local import child_pids
 
     total, todo = 0.0, [pid]
     while todo:
@@ -57,18 +57,18 @@ def measure_drain(workdir: Path, workers: int, p: ShardParams) -> dict:
     """Drain one backlog with `p.shards` shards in `workers` processes per
     cluster; returns throughput, CPU split and the agreement check.  Raises
     on a member or broker failure."""
-    from kdsync import demo
+    from kdsync.testing import local
 
     # the protocol's default tick and a suspicion that outlasts a busy box's stalls (LocalGroup's test
     # timings tick every 5 ms, which costs idle CPU in every process)
-    with demo.LocalGroup(p.clusters, workdir, shards=p.shards, workers=workers,
+    with local.LocalGroup(p.clusters, workdir, shards=p.shards, workers=workers,
                          source_partitions=p.source_partitions, metrics=True, tick_ms=10, suspect_ms=1000) as g:
         g.start_brokers()
         errors: list[str] = []
 
         def one(i: int) -> None:
             try:
-                demo.write_events(g.bootstrap(i), g.topic, p.backlog_per_cluster, f"b{i}")
+                local.write_events(g.bootstrap(i), g.topic, p.backlog_per_cluster, f"b{i}")
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(str(e))
 
@@ -98,7 +98,7 @@ def measure_drain(workdir: Path, workers: int, p: ShardParams) -> dict:
             raise RuntimeError(f"backlog of {total} not drained in {p.timeout_s:.0f} s: {short}")
         ts = [r.write_ts for v in got.values() for part in v for r in part]
         span = max(1e-3, (max(ts) - min(ts)) / 1000.0)
-        ok, detail = demo.check_sharded(got, expected=total)
+        ok, detail = local.check_sharded(got, expected=total)
         mc, bc = m1 - m0, b1 - b0
         return {"workers": workers, "shards": p.shards, "throughput_eps": round(total / span, 1),
                 "span_s": round(span, 3), "member_cpu_s": round(mc, 2), "broker_cpu_s": round(bc, 2),

@@ -34,7 +34,7 @@ GOAL = "within ±20 % (0.8-1.2)"
 
 
 def paced_writers(g, clusters: int, per: int, rate_each: float, tag: str = "p") -> None:
-    """One idempotent producer per cluster (as `kdsync.demo.write_events`:
+    """One idempotent producer per cluster (as `kdsync.local.write_events`:
     linger.ms 2), *warmed up* first — connected, producer id obtained, one
     record acknowledged — then `per` records at `rate_each`/s.  (A fresh
     idempotent producer holds its first records ~0.5 s while it starts: that
@@ -89,7 +89,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
     import subprocess
 
     from bench.load import _frames_out, _stage_sums
-    from kdsync import demo
+    from kdsync.testing import local
     from kdsync.kafka.topic import ensure_topic
 
     clusters = 3
@@ -97,7 +97,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
     proxy_proc = None
     out: dict = {"rate_eps": rate_eps, "delay_ms": delay_ms, "duration_s": duration_s, "protocol": protocol}
     with tempfile.TemporaryDirectory(prefix="kdsync-simreal-") as d:
-        g = demo.LocalGroup(clusters, Path(d), protocol=protocol, metrics=True,
+        g = local.LocalGroup(clusters, Path(d), protocol=protocol, metrics=True,
                             peer_address=lambda i, j: proxies[(i, j)])
         g.timing = {}  # kdsync run's defaults (the README's minimal configuration)
         try:
@@ -147,7 +147,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                             "member_cpu_pct": round(100 * sum(cpu) / clusters / max(1e-3, t1 - t0), 1),
                             "loadavg_1m": round(load0, 2)})
                 if protocol != "mirror":
-                    out["agreement"] = demo.check_agreement(got, expected=total)[0]
+                    out["agreement"] = local.check_agreement(got, expected=total)[0]
         finally:
             if proxy_proc is not None:
                 proxy_proc.stdin.close()

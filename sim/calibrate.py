@@ -286,7 +286,7 @@ def defaults() -> dict:
     p = ProtocolSection()
     return {"fetch_wait_ms": float(consumer_conf("x", {})["fetch.wait.max.ms"]),
             "sink_linger_ms": float(producer_conf({})["linger.ms"]),
-            "writer_linger_ms": 2.0,  # kdsync.demo.write_events (the bench's writers)
+            "writer_linger_ms": 2.0,  # kdsync.testing.local.write_events (the bench's writers)
             "timing": {k: float(getattr(p, k)) for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}}
 
 

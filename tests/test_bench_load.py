@@ -6,7 +6,7 @@ import pytest
 
 from bench.common import percentile
 from bench.load import run_load
-from kdsync.demo import read_global
+from kdsync.testing.local import read_global
 
 pytestmark = pytest.mark.timeout(300)
 

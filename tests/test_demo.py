@@ -101,7 +101,7 @@ def test_writers_warm_up_outside_the_ordered_topic(tmp_path):
     before the first counted record (a cold producer holds its first records
     ~0.5 s, which the demo and the bench would report as ordering latency);
     the counted topic gets exactly the n records."""
-    from kdsync.demo import WARM_TOPIC, write_events
+    from kdsync.testing.local import WARM_TOPIC, write_events
     from kdsync.kafka.embedded import EmbeddedCluster
     from kdsync.kafka.topic import ensure_topic, read_partition
 
@@ -116,10 +116,10 @@ def test_writers_warm_up_outside_the_ordered_topic(tmp_path):
 
 
 def test_extra_and_override_member_keys_go_into_the_member_table(tmp_path):
-    from kdsync import demo
+    from kdsync.testing import local
     from kdsync.config import load_config
 
-    g = demo.LocalGroup(3, tmp_path, extra={"member": {"state_dir": str(tmp_path / "elsewhere")},
+    g = local.LocalGroup(3, tmp_path, extra={"member": {"state_dir": str(tmp_path / "elsewhere")},
                                             "checkpoint": {"interval_ms": 2000}})
     path = tmp_path / "dc2.toml"
     path.write_text(g.config_text(1, protocol={"name": "sequencer"}, member={"state_dir": str(tmp_path / "b")}))

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from kdsync.demo import DURABLE_LINGER_MS, LocalGroup, check_agreement, write_events
+from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_agreement, write_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from kdsync.demo import measure
+from kdsync.testing.local import measure
 
 pytestmark = [
     pytest.mark.benchmark,

@@ -21,7 +21,7 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
 from kdsync.kafka.checkpoint import Checkpoint
 from kdsync.kafka.embedded import EmbeddedCluster, free_port
 from kdsync.kafka.records import read_global_headers

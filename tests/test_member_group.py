@@ -1,6 +1,6 @@
 """`kdsync run` end to end: three Tansu brokers and three member processes,
 all real processes started here.  Every test checks the global topics offset
-by offset (kdsync.demo.check_agreement): same event at the same offset in
+by offset (kdsync.testing.local.check_agreement): same event at the same offset in
 every cluster, seq == offset, no duplicate, nothing lost.
 """
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

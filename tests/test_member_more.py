@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kdsync.demo import LocalGroup, check_agreement, read_global, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
 from kdsync.kafka.embedded import EmbeddedCluster, die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, global_headers
 from kdsync.kafka.topic import ensure_topic

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kdsync.demo import LocalGroup, check_agreement, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, write_events
 
 pytestmark = pytest.mark.timeout(240)
 

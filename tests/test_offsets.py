@@ -22,7 +22,7 @@ import time
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from kdsync.demo import LocalGroup, write_events
+from kdsync.testing.local import LocalGroup, write_events
 from kdsync.kafka.embedded import die_with_parent
 from kdsync.kafka.offsets import ClusterRef, parse_cluster, sync_offsets, translate
 

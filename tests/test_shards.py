@@ -94,7 +94,7 @@ def _witness_config(tmp_path, port: int, shards: int = 2) -> str:
 def test_supervisor_gives_up_on_a_worker_that_keeps_dying(tmp_path, monkeypatch):
     """Shard 1's port is taken: its worker dies at every start; the
     supervisor restarts it with backoff, then exits 1 with one line."""
-    from kdsync.demo import free_port_block
+    from kdsync.testing.local import free_port_block
 
     port = free_port_block(2)
     blocker = socket.socket()
@@ -119,7 +119,7 @@ def test_supervisor_stops_workers_on_sigterm(tmp_path, shards):
     """Two witness shards in two workers (or, with shards = 1, the one member
     in one worker): SIGTERM to `kdsync run --workers 2` stops every worker
     cleanly, exit 0."""
-    from kdsync.demo import free_port_block
+    from kdsync.testing.local import free_port_block
 
     port = free_port_block(2)
     log = tmp_path / "log"
@@ -152,7 +152,7 @@ def test_two_shards_two_workers_kill9_a_worker(tmp_path):
     its supervisor restarts it.  Then every partition of the global topic is
     identical in every cluster, every source event is there exactly once, in
     its shard's partition and in source-partition order."""
-    from kdsync.demo import LocalGroup, check_sharded, write_events
+    from kdsync.testing.local import LocalGroup, check_sharded, write_events
 
     per, n = 1500, 3
     trace = tmp_path / "trace.jsonl"
@@ -215,7 +215,7 @@ def test_sharded_group_in_one_process_audit_and_translate(tmp_path, capsys):
     `kdsync offsets translate --shards 2` finds events in partition P mod 2."""
     import json
 
-    from kdsync.demo import LocalGroup
+    from kdsync.testing.local import LocalGroup
     from kdsync.kafka.offsets import parse_cluster, translate
 
     per, n = 150, 3
@@ -253,7 +253,7 @@ def _write_each_and_agree(g, per: int, tag: str, total: int, timeout: float = 12
     """`per` events into every cluster's source topic (keys tag<i>-...), then
     wait until the global topics hold `total` and check them partition by
     partition (check_sharded); returns what they hold."""
-    from kdsync.demo import check_sharded, write_events
+    from kdsync.testing.local import check_sharded, write_events
 
     for i in range(g.n):
         write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}")
@@ -306,7 +306,7 @@ def test_serve_shards_spread_over_two_hosts(tmp_path):
     ports) and shard 1 in another ("host b", other ports, state and metrics),
     chosen by [topics] serve_shards: together they order every partition,
     identical in every cluster."""
-    from kdsync.demo import LocalGroup, free_port_block
+    from kdsync.testing.local import LocalGroup, free_port_block
 
     per, n = 200, 3
     with LocalGroup(n, tmp_path, shards=2, source_partitions=4, metrics=True,
@@ -381,7 +381,7 @@ def test_sharded_global_topic_archived_restored_and_resumed(tmp_path, capsys):
 
     from confluent_kafka.admin import AdminClient
 
-    from kdsync.demo import LocalGroup
+    from kdsync.testing.local import LocalGroup
     from kdsync.kafka.checkpoint import checkpoint_topic
     from kdsync.kafka.topic import partition_count
     from kdsync.spark.archive import main_archive, main_restore

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kdsync.demo import LocalGroup, check_agreement, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, write_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from kdsync.core.base import NodeBase
+from kdsync.core.errors import RemoteProtocolError
 from kdsync.core.batch import Batch
 from kdsync.core.messages import MIRROR_MESSAGES, Codec, MirrorAck, MirrorData
 

@@ -106,7 +106,7 @@ class _Writers:
     """A paced idempotent writer per cluster for `seconds`; counts acknowledged events."""
 
     def __init__(self, g, seconds: float, rate: float, linger_ms: float):
-        from kdsync.demo import write_events
+        from kdsync.testing.local import write_events
 
         self.acked = [0] * g.n
         self.errors: list[str] = []
@@ -191,7 +191,7 @@ def _until(cond, timeout: float) -> bool:
 
 
 def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print) -> Report:
-    from kdsync.demo import DURABLE_LINGER_MS, LocalGroup, check_agreement
+    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_agreement
     from kdsync.testing.fault_proxy import FaultProxy
 
     faults = schedule(seed, minutes * 60)

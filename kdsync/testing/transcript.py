@@ -52,7 +52,7 @@ def _message_names(protocol: str) -> dict[int, str]:
 
 
 def run_transcript(text: str) -> str:
-    net: InMemoryInMemoryNetwork | None = None
+    net: InMemoryNetwork | None = None
     submitted: set = set()
     out: list[str] = []
     for line in text.splitlines():

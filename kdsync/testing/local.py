@@ -1,0 +1,645 @@
+"""The local-cluster harness every test, benchmark and the demo share.
+
+* `LocalGroup(n, workdir, ...)` — n embedded Tansu brokers (real processes;
+  `durable=True`: on a local S3 store, kept across kill -9), generated TOML
+  configs and n `kdsync run` subprocesses; `start_member(i)`,
+  `signal_member(i, sig)`, `wait_member(i)`, `close()` (stops every process
+  it started, members first; fails on a member's stall warning unless
+  `expect_stalls`).
+* `write_events(bootstrap, topic, n, tag)` — produce n keyed records, return
+  when every one is acknowledged.
+* `read_global(bootstrap, topic)` — a global topic read to partition EOF,
+  as `GlobalRecord`s; `GlobalTail` follows one.
+* `check_agreement({member: records})` — (ok, one-line detail).
+* sharded groups (`LocalGroup(..., shards=K, workers=W, source_partitions=P)`):
+  `read_partitions()`, `wait_for_partitions(n)` and `check_sharded(...)`
+  (every partition identical in every cluster, every event once, each
+  source partition's order kept).
+* `measure(protocol, workdir)` — throughput and latency of one protocol on
+  local clusters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kdsync.kafka.embedded import EmbeddedCluster, S3Store, die_with_parent
+from kdsync.kafka.records import H_SEQ, read_global_headers
+from kdsync.kafka.topic import FetchStalledError, consumer, ensure_topic, iter_partition, read_to_eof
+from kdsync.logs import client_log
+
+__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "check_agreement",
+           "check_sharded", "child_pids", "free_port_block", "measure", "read_global", "write_events"]
+
+WARM_TOPIC = "kdsync-demo-warmup"  # the writers' warm-up records go here, never into an ordered topic
+
+
+@dataclass(frozen=True)
+class GlobalRecord:
+    offset: int
+    seq: int
+    origin: str
+    origin_partition: int
+    origin_offset: int
+    origin_ts: int
+    key: bytes | None
+    value: bytes | None
+    write_ts: int  # record timestamp in the global topic (ms)
+
+    @property
+    def event_id(self) -> tuple[str, int, int]:
+        return (self.origin, self.origin_partition, self.origin_offset)
+
+
+def _global_record(m) -> GlobalRecord:
+    h = read_global_headers(m.headers())
+    if h is None:
+        raise ValueError(f"{m.topic()}[{m.partition()}] offset {m.offset()} has no {H_SEQ} header")
+    return GlobalRecord(m.offset(), h.seq, h.origin, h.origin_partition, h.origin_offset, h.origin_ts, m.key(),
+                        m.value(), m.timestamp()[1])
+
+
+def read_global(bootstrap: str, topic: str, timeout: float = 30.0, partition: int = 0) -> list[GlobalRecord]:
+    """Every record of one partition (default 0) of a global topic, read to partition EOF."""
+    return [_global_record(m) for m in iter_partition(bootstrap, topic, partition, timeout=timeout)]
+
+
+class GlobalTail:
+    """Follows one partition (default 0) of one global topic with one long-lived consumer:
+    `read()` returns every record so far, fetching only what is new."""
+
+    def __init__(self, bootstrap: str, topic: str, partition: int = 0):
+        self.bootstrap, self.topic, self.partition = bootstrap, topic, partition
+        self.records: list[GlobalRecord] = []
+        self.next = 0  # next offset to read (above len(records) after a hole: check_agreement reports it)
+        self._c = None
+
+    def read(self, timeout: float = 30.0) -> list[GlobalRecord]:
+        if self._c is None:
+            self._c = consumer({"bootstrap.servers": self.bootstrap, "group.id": "kdsync-demo-tail",
+                                "topic.metadata.refresh.interval.ms": 500})
+        try:
+            for m in read_to_eof(self._c, self.topic, self.partition, self.next, timeout=timeout, poll=0.1):
+                if m.offset() >= self.next:
+                    self.records.append(_global_record(m))
+                    self.next = m.offset() + 1
+        except FetchStalledError:
+            self.close()  # the next read asks with a new consumer (and a longer fetch wait)
+        except TimeoutError:
+            pass  # what has come so far
+        return list(self.records)
+
+    def close(self) -> None:
+        if self._c is not None:
+            self._c.close()
+            self._c = None
+
+
+def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None = None) -> tuple[bool, str]:
+    """Every global topic holds the same events at the same offsets, seq ==
+    offset, no duplicate, origin order, the same key and value for an event
+    everywhere, and (if given) exactly `expected` records.  Returns (ok, one
+    line: the first violation of `kdsync.checker`, or what holds)."""
+    from kdsync.checker import FOREIGN, LOST_WRITE, Violation, check, gap, runs_from_events
+
+    names = sorted(topics)
+    found: list[Violation] = []
+    for n in names:
+        for i, r in enumerate(topics[n]):
+            if r.offset != i or r.seq != i:
+                found.append(gap(n, i, r.seq if r.offset == i else r.offset))
+                break
+    # the bytes of an event are those of the first cluster holding it
+    first: dict[tuple[str, int, int], tuple] = {}
+    for n in names:
+        for r in topics[n]:
+            first.setdefault(r.event_id, (n, r.key, r.value))
+
+    def content(member: str, run):
+        recs = topics[member]
+        bad, at = 0, -1
+        for j in range(run.count):
+            r = recs[run.seq + j]
+            if first[r.event_id][1:] != (r.key, r.value):
+                bad += 1
+                at = j if at < 0 else at
+        return (bad, at) if bad else None
+
+    found += check({n: runs_from_events([r.event_id for r in topics[n]]) for n in names}, content=content)
+    if expected is not None:
+        for n in names:
+            if len(topics[n]) != expected:
+                anomaly = LOST_WRITE if len(topics[n]) < expected else FOREIGN
+                found.append(Violation(anomaly, f"{n}: {len(topics[n])} records, expected {expected}", n))
+    if found:
+        return False, f"{found[0].anomaly}: {found[0].detail}"
+    for n in names[1:]:
+        if len(topics[n]) != len(topics[names[0]]):
+            return False, f"{names[0]} has {len(topics[names[0]])} records, {n} has {len(topics[n])}"
+    return True, f"{len(topics[names[0]]) if names else 0} records identical in {len(names)} clusters"
+
+
+def check_sharded(parts: dict[str, list[list[GlobalRecord]]], expected: int | None = None) -> tuple[bool, str]:
+    """A sharded global topic ({cluster: records of each partition}): each
+    partition holds the same events at the same offsets in every cluster
+    (`check_agreement` per partition), every source event is in exactly one
+    partition once (and `expected` of them, if given), in the partition of its
+    shard (source partition mod K), and each source partition's events are in
+    source-offset order.  Returns (ok, one line)."""
+    names = sorted(parts)
+    k = len(parts[names[0]]) if names else 0
+    for s in range(k):
+        ok, detail = check_agreement({n: parts[n][s] for n in names})
+        if not ok:
+            return False, f"partition {s}: {detail}"
+    for n in names:
+        seen: set = set()
+        for s, recs in enumerate(parts[n]):
+            last: dict[tuple[str, int], int] = {}
+            for r in recs:
+                if r.event_id in seen:
+                    return False, f"{n}: event {r.event_id} twice"
+                seen.add(r.event_id)
+                if r.origin_partition % k != s:
+                    return False, f"{n}: event {r.event_id} in partition {s}, not {r.origin_partition % k}"
+                src = (r.origin, r.origin_partition)
+                if r.origin_offset <= last.get(src, -1):
+                    return False, f"{n}: partition {s}: {src} offset {r.origin_offset} after {last[src]}"
+                last[src] = r.origin_offset
+        if expected is not None and len(seen) != expected:
+            return False, f"{n}: {len(seen)} events, expected {expected}"
+    sizes = "/".join(str(len(parts[names[0]][s])) for s in range(k)) if names else "-"
+    return True, (f"{len(names)} clusters agree partition by partition ({k} partitions: {sizes} records), "
+                  f"every event once, source-partition order kept")
+
+
+def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | None = None,
+                 timeout: float = 60.0, warm_topic: str | None = None,
+                 on_ready: Callable[[], object] | None = None, linger_ms: float = 2) -> int:
+    """Produce n records key=f"{tag}-{i}" (optionally paced at `rate`/s);
+    return how many were acknowledged.  Raises RuntimeError on a delivery error.
+
+    `warm_topic`: first write one record there and wait for it, so the
+    idempotent producer has its id and connection before the first counted
+    record (a cold one holds its first records ~0.5 s, which would show as
+    the ordering's latency); `on_ready()` is called once warm, before the
+    first record (e.g. a barrier, so the caller's clock starts then)."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": linger_ms, "log_level": 3,
+                  "logger": client_log()})
+    errors: list = []
+    acked = [0]
+
+    def cb(err, msg):
+        if err is not None:
+            errors.append(err)
+        else:
+            acked[0] += 1
+
+    if warm_topic is not None:
+        ensure_topic(bootstrap, warm_topic, 1)
+        p.produce(warm_topic, key=tag.encode(), value=b"warm-up")
+        if p.flush(timeout):
+            raise RuntimeError(f"writing to {warm_topic} at {bootstrap}: warm-up record not acknowledged")
+    if on_ready is not None:
+        on_ready()
+    t0 = time.monotonic()
+    for i in range(n):
+        while True:
+            try:
+                p.produce(topic, key=f"{tag}-{i}".encode(), value=f"{tag} event {i}".encode(),
+                          headers=[("app", tag.encode())], on_delivery=cb)
+                break
+            except BufferError:
+                p.poll(0.01)
+        p.poll(0)
+        if rate:
+            ahead = (i + 1) / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+    left = p.flush(timeout)
+    if errors or left:
+        raise RuntimeError(f"writing to {topic} at {bootstrap}: {len(errors)} errors, {left} unacknowledged")
+    return acked[0]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Pids of the live children of process `pid` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(d))
+    return sorted(out)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+_TAKEN: set[int] = set()  # ports handed out by free_port_block in this process
+
+
+def free_port_block(k: int) -> int:
+    """A port P with P .. P + k - 1 all free (shard s listens on P + s), below
+    the kernel's ephemeral range (so that no client connection takes P + 1
+    meanwhile) and not handed out before by this process."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(500):
+        p = random.randrange(10_000, max(10_001, low - k))
+        if any(q in _TAKEN for q in range(p, p + k)):
+            continue
+        socks = []
+        try:
+            for q in range(p, p + k):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", q))
+            _TAKEN.update(range(p, p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError(f"no block of {k} free ports")
+
+
+def _toml_str(v) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_str(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_str(x) for x in v) + "]"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+DURABLE_LINGER_MS = 50  # producers' linger on durable clusters: fewer, larger batches (docs/durable.md)
+
+
+class LocalGroup:
+    """n embedded clusters and n `kdsync run` member processes (see module doc).
+
+    `peer_address(i, j)` may route member i's link to member j elsewhere (a
+    test proxy); by default it is member j's listen address.
+    """
+
+    def __init__(self, n: int, workdir: str | os.PathLike[str], *, topic: str = "events", protocol: str = "derecho",
+                 secret: str | None = "demo-secret", tick_ms: float = 5, heartbeat_ms: float = 20,
+                 suspect_ms: float = 300, retransmit_ms: float = 30, names: list[str] | None = None,
+                 peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
+                 metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
+                 workers: int | None = None, source_partitions: int = 1, durable: bool = False,
+                 stall_after_ms: int = 10_000, expect_stalls: bool = False):
+        self.n = n
+        # [health] stall_after_ms of every member; unless expect_stalls, close() fails on a member's "stalled" line
+        self.stall_after_ms, self.expect_stalls = stall_after_ms, expect_stalls
+        # durable: every cluster keeps its log in its own bucket of one S3 store (kill -9 + restart keep it)
+        self.store = S3Store(log_dir=workdir) if durable else None
+        self.shards = shards  # [topics] shards; shard s of member i listens on ports[i] + s
+        self.workers = workers  # kdsync run --workers W (None: without)
+        self.source_partitions = source_partitions
+        self.witnesses = set(witnesses)  # indices of members with role "witness" (no cluster)
+        self.data = [i for i in range(n) if i not in self.witnesses]
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.topic = topic
+        self.global_topic = topic + "-global"
+        self.names = names or [f"dc{i + 1}" for i in range(n)]
+        self.clusters = [EmbeddedCluster(name, log_dir=self.dir, store=self.store) for name in self.names]
+        self.ports = [free_port_block(shards) for _ in range(n)]
+        # with workers: the supervisor's port, then one per worker (kdsync.workers)
+        self.metrics_ports = [free_port_block(1 + (workers or 0)) for _ in range(n)] if metrics else None
+        self.protocol = protocol
+        self.secret = secret
+        self.timing = dict(tick_ms=tick_ms, heartbeat_ms=heartbeat_ms, suspect_ms=suspect_ms, retransmit_ms=retransmit_ms)
+        self.peer_address = peer_address or (lambda i, j: f"127.0.0.1:{self.ports[j]}")
+        self.extra = extra or {}
+        if durable:  # Tansu on S3 stores one object per batch and lists a partition's objects on every fetch
+            self.extra = {"kafka.producer": {"linger.ms": DURABLE_LINGER_MS},
+                          "kafka.consumer": {"fetch.wait.max.ms": 100}, **self.extra}
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.member_args: dict[int, list[str]] = {}  # extra `kdsync run` arguments of member i
+        self.logs: list[Path] = [self.dir / f"member-{name}.log" for name in self.names]
+        self._tails: dict[int, GlobalTail] = {}
+
+    # -------------------------------------------------------------- brokers
+    def start_brokers(self) -> None:
+        for i in self.data:
+            self.clusters[i].start()
+            ensure_topic(self.clusters[i].bootstrap, self.topic, self.source_partitions)
+
+    def bootstrap(self, i: int) -> str:
+        return self.clusters[i].bootstrap
+
+    # -------------------------------------------------------------- members
+    def config_text(self, i: int, **overrides) -> str:
+        name = self.names[i]
+        # state_dir is a top-level key: it comes before the first table
+        lines = [f"state_dir = {_toml_str(str(self.dir / ('state-' + name)))}", "",
+                 "[member]", f"id = {_toml_str(name)}", f"listen = {_toml_str(f'127.0.0.1:{self.ports[i]}')}",
+                 f"role = {_toml_str('witness' if i in self.witnesses else 'member')}"]
+        lines += [f"{_toml_str(k)} = {_toml_str(v)}" for k, v in {**self.extra.get("member", {}),
+                                                                  **overrides.get("member", {})}.items()]
+        lines += ["", "[peers]"]
+        for j, other in enumerate(self.names):
+            addr = f"127.0.0.1:{self.ports[j]}" if j == i else self.peer_address(i, j)
+            if j in self.witnesses:
+                lines.append(f"{other} = {{ address = {_toml_str(addr)}, role = \"witness\" }}")
+            else:
+                lines.append(f"{other} = {_toml_str(addr)}")
+        sections = {
+            "kafka": {"bootstrap.servers": self.clusters[i].bootstrap if i not in self.witnesses else "127.0.0.1:1"},
+            "topics": {"source": self.topic, "global_suffix": "-global",
+                       **({"shards": self.shards} if self.shards > 1 else {})},
+            "transport": {"kind": "tcp", **({"secret": self.secret} if self.secret else {})},
+            "protocol": {"name": self.protocol, **self.timing},
+            "health": {"stall_after_ms": self.stall_after_ms},
+        }
+        if self.metrics_ports:
+            sections["metrics"] = {"listen": f"127.0.0.1:{self.metrics_ports[i]}"}
+        for sec, vals in (*self.extra.items(), *overrides.items()):
+            if sec != "member":  # written above, in its table
+                sections.setdefault(sec, {}).update(vals)
+        for sec, vals in sections.items():
+            lines += ["", f"[{sec}]"] + [f"{_toml_str(k)} = {_toml_str(v)}" for k, v in vals.items()]
+        return "\n".join(lines) + "\n"
+
+    def config_path(self, i: int) -> Path:
+        return self.dir / f"{self.names[i]}.toml"
+
+    def start_member(self, i: int, **overrides) -> subprocess.Popen:
+        path = self.config_path(i)
+        path.write_text(self.config_text(i, **overrides))
+        log = open(self.logs[i], "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        workers = ["--workers", str(self.workers)] if self.workers else []
+        self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path), *workers,
+                                          *self.member_args.get(i, ())],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=die_with_parent, start_new_session=True)
+        log.close()
+        return self.procs[i]
+
+    def start_members(self) -> None:
+        for i in range(self.n):
+            self.start_member(i)
+
+    def signal_member(self, i: int, sig: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+
+    def wait_member(self, i: int, timeout: float = 30.0) -> int:
+        p = self.procs[i]
+        rc = p.wait(timeout)
+        self.procs[i] = None
+        return rc
+
+    def stop_member(self, i: int, timeout: float = 20.0) -> int | None:
+        p = self.procs[i]
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs[i] = None
+        return p.returncode
+
+    def metrics(self, i: int, port_offset: int = 0) -> dict[tuple[str, tuple], float]:
+        """Member i's Prometheus samples {(name, sorted label items): value};
+        empty when the endpoint does not answer (yet).  `port_offset`: with
+        workers, 1 + w reads worker w's endpoint (0: the supervisor's)."""
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        if not self.metrics_ports:
+            raise RuntimeError("LocalGroup(metrics=True) is needed to read metrics")
+        try:
+            with urlopen(f"http://127.0.0.1:{self.metrics_ports[i] + port_offset}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def shard_metrics(self, i: int) -> dict[tuple[str, tuple], float]:
+        """Member i's samples of every shard (label `shard`), from each worker's endpoint."""
+        out: dict = {}
+        for w in range(min(self.workers, self.shards) if self.workers else 0):
+            out.update(self.metrics(i, 1 + w))
+        return out if self.workers else self.metrics(i)
+
+    def is_active(self, i: int) -> bool:
+        if self.shards > 1:
+            m = self.shard_metrics(i)
+            return all(m.get(("kdsync_status", (("shard", str(s)), ("status", "active"), ("topic", self.topic))))
+                       == 1.0 for s in range(self.shards))
+        m = self.metrics(i)
+        return m.get(("kdsync_status", (("status", "active"), ("topic", self.topic)))) == 1.0
+
+    def worker_pids(self, i: int) -> list[int]:
+        """Pids of member i's worker processes (children of its `kdsync run --workers`)."""
+        p = self.procs[i]
+        if p is None:
+            return []
+        return [pid for pid in child_pids(p.pid) if b"kdsync.workers" in _cmdline(pid)]
+
+    def wait_ready(self, timeout: float = 30.0, members: list[int] | None = None) -> None:
+        """Wait until every (listed) member reports status "active" for the topic.
+        Raises TimeoutError naming the ones that did not (and RuntimeError if one exited)."""
+        idx = list(range(self.n)) if members is None else members
+        deadline = time.monotonic() + timeout
+        waiting = list(idx)
+        while waiting:
+            for i in list(waiting):
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(f"member {self.names[i]} exited with {p.returncode}: "
+                                       f"{self.log_text(i).strip().splitlines()[-1:]}")
+                if self.is_active(i):
+                    waiting.remove(i)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"members not active after {timeout}s: {[self.names[i] for i in waiting]}")
+            if waiting:
+                time.sleep(0.05)
+
+    def log_text(self, i: int) -> str:
+        try:
+            return self.logs[i].read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -------------------------------------------------------------- checks
+    def read_globals(self, timeout: float = 30.0) -> dict[str, list[GlobalRecord]]:
+        return {self.names[i]: read_global(self.clusters[i].bootstrap, self.global_topic, timeout) for i in self.data}
+
+    def wait_for(self, expected: int, timeout: float, members: list[int] | None = None,
+                 poll: float = 0.1) -> dict[str, list[GlobalRecord]]:
+        """Poll until every (listed) global topic holds `expected` records or
+        the deadline passes; returns the last reading either way."""
+        idx = self.data if members is None else members
+        deadline = time.monotonic() + timeout
+        while True:
+            got = {self.names[i]: self._tail(i).read(min(5.0, max(1.0, deadline - time.monotonic()))) for i in idx}
+            if all(len(v) >= expected for v in got.values()) or time.monotonic() > deadline:
+                return got
+            for i in idx:  # a member that died will not get there
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    return got
+            time.sleep(poll)
+
+    def _tail(self, i: int, partition: int = 0) -> GlobalTail:
+        key = i if partition == 0 else (i, partition)
+        if key not in self._tails:
+            self._tails[key] = GlobalTail(self.clusters[i].bootstrap, self.global_topic, partition)
+        return self._tails[key]
+
+    def read_partitions(self, timeout: float = 30.0) -> dict[str, list[list[GlobalRecord]]]:
+        """Every partition (one per shard) of each cluster's global topic."""
+        return {self.names[i]: [read_global(self.clusters[i].bootstrap, self.global_topic, timeout, s)
+                                for s in range(self.shards)] for i in self.data}
+
+    def wait_for_partitions(self, expected: int, timeout: float, poll: float = 0.1) -> dict[str, list[list[GlobalRecord]]]:
+        """Poll until every cluster's global topic holds `expected` records over
+        its partitions (one per shard) or the deadline passes; returns the last
+        reading either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = min(5.0, max(1.0, deadline - time.monotonic()))
+            got = {self.names[i]: [self._tail(i, s).read(left) for s in range(self.shards)] for i in self.data}
+            if all(sum(map(len, v)) >= expected for v in got.values()) or time.monotonic() > deadline:
+                return got
+            time.sleep(poll)
+
+    # -------------------------------------------------------------- cleanup
+    def close(self) -> None:
+        for t in self._tails.values():
+            with contextlib.suppress(Exception):
+                t.close()
+        for i in range(self.n):  # all at once, then wait for each
+            with contextlib.suppress(Exception):
+                self.signal_member(i, signal.SIGCONT)
+                self.signal_member(i, signal.SIGTERM)
+        for i in range(self.n):
+            with contextlib.suppress(Exception):
+                self.stop_member(i, timeout=10)
+        for c in self.clusters:
+            with contextlib.suppress(Exception):
+                c.close()
+        if self.store is not None:
+            self.store.close()
+        if not self.expect_stalls and sys.exc_info()[0] is None:
+            self.assert_no_stall()
+
+    def stalls(self) -> list[str]:
+        """Every "stalled" line the members logged (kdsync.health)."""
+        return [f"{self.names[i]}: {line}" for i in range(self.n) for line in self.log_text(i).splitlines()
+                if 'msg="stalled: ' in line]
+
+    def assert_no_stall(self) -> None:
+        found = self.stalls()
+        if found:
+            raise AssertionError(f"{len(found)} stall warning(s) in a run that expected none "
+                                 f"(LocalGroup(expect_stalls=True) if the test causes them): {found[0]}")
+
+    def read_sources(self, timeout: float = 30.0) -> dict[str, list[tuple[int, int, bytes | None]]]:
+        """Every record in each cluster's source topic: name -> [(partition, offset, key)]."""
+        return {self.names[i]: [(m.partition(), m.offset(), m.key()) for p in range(self.source_partitions)
+                                for m in iter_partition(self.bootstrap(i), self.topic, p, timeout=timeout)]
+                for i in self.data}
+
+    def __enter__(self) -> LocalGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000, rate: float = 300.0,
+            paced: int = 1500, timeout: float = 180.0, **group_kw) -> dict:
+    """End-to-end figures of one protocol on `clusters` local clusters.
+
+    throughput: `backlog` events per cluster are written while the members are
+    down, then the members start; events/s = all events / (time from the group
+    being active to the last record in the last global topic).
+    latency: with the group running, `paced` events in total written at `rate`
+    events/s across the clusters; p50/p99 of (global record timestamp - source
+    timestamp) over every cluster's global topic.
+    """
+    out: dict = {"protocol": protocol, "clusters": clusters, "backlog_per_cluster": backlog, "rate_eps": rate}
+    with LocalGroup(clusters, workdir, protocol=protocol, metrics=True, **group_kw) as g:
+        g.start_brokers()
+        threads = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, backlog, f"b{i}"))
+                   for i in range(clusters)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        g.start_members()
+        g.wait_ready(timeout=60)
+        t0 = time.time()
+        total = backlog * clusters
+        got = g.wait_for(total, timeout, poll=0.05)
+        ok, detail = check_agreement(got, expected=total) if protocol != "mirror" else (
+            all(len(v) == total for v in got.values()), "counts only (mirror does not agree on order)")
+        last = max(r.write_ts for rs in got.values() for r in rs) / 1000.0
+        out["throughput_eps"] = total / max(1e-3, last - t0)
+        out["throughput_ok"] = ok
+        per = paced // clusters
+        threads = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, per, f"p{i}"),
+                                    kwargs={"rate": rate / clusters, "warm_topic": WARM_TOPIC})
+                   for i in range(clusters)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = g.wait_for(total + per * clusters, timeout, poll=0.1)
+        lat = [max(0, r.write_ts - r.origin_ts) for rs in got.values() for r in rs[total:]]
+        out["latency_p50_ms"] = _percentile(lat, 50)
+        out["latency_p99_ms"] = _percentile(lat, 99)
+        out["latency_samples"] = len(lat)
+        out["agreement"] = ok and (protocol == "mirror" or check_agreement(got, expected=total + per * clusters)[0])
+        out["detail"] = detail
+    return out
