@@ -15,12 +15,12 @@ it exactly once, each origin partition in order (`check_agreement`).
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
 
-from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_agreement, write_events
+from kdsync.testing import local
+from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_agreement
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -31,29 +31,16 @@ def _logs(g: LocalGroup) -> str:
     return "\n".join(f"--- {n}\n" + "\n".join(g.log_text(i).splitlines()[-30:]) for i, n in enumerate(g.names))
 
 
-class Writers:
-    """One paced writer thread per cluster, `n` events each; join() re-raises the first error."""
+class Writers(local.Writers):
+    """kdsync.testing.local.Writers at RATE on durable clusters; join() fails on any writer error."""
 
     def __init__(self, g: LocalGroup, n: int, tag: str, rate: float = RATE):
-        self.errors: list[Exception] = []
-        self.total = n * g.n
-
-        def w(i):
-            try:
-                write_events(g.bootstrap(i), g.topic, n, f"{tag}-{g.names[i]}", rate=rate, timeout=300,
-                             linger_ms=DURABLE_LINGER_MS)
-            except Exception as e:  # re-raised in join
-                self.errors.append(e)
-
-        self.threads = [threading.Thread(target=w, args=(i,), daemon=True) for i in range(g.n)]
-        for t in self.threads:
-            t.start()
+        super().__init__(g, n, tag, rate, linger_ms=DURABLE_LINGER_MS, timeout=300)
 
     def join(self) -> int:
-        for t in self.threads:
-            t.join(400)
+        acked = super().join(400)
         assert not self.errors, self.errors
-        return self.total
+        return acked
 
 
 def _wait_written(g: LocalGroup, i: int, n: int, timeout: float = 90.0) -> None:

@@ -14,84 +14,10 @@ import time
 
 import pytest
 
+from kdsync.testing.fault_proxy import FaultProxy
 from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
-
-
-class LinkCutter:
-    """A TCP proxy for one directed member link that the test can cut.
-
-    cut(): close every open connection and refuse new ones (accept + close);
-    heal(): forward again."""
-
-    def __init__(self, target_port: int):
-        self.target = ("127.0.0.1", target_port)
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.cut_ = False
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            if self.cut_:
-                c.close()
-                continue
-            try:
-                u = socket.create_connection(self.target, timeout=2)
-                u.settimeout(None)  # the timeout is for connecting only: a quiet link is not a dead one
-            except OSError:
-                c.close()
-                continue
-            with self.lock:
-                self.conns += [c, u]
-            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
-
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
-        try:
-            while True:
-                data = a.recv(65536)
-                if not data or self.cut_:
-                    break
-                b.sendall(data)
-        except OSError:
-            pass
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def cut(self) -> None:
-        self.cut_ = True
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def heal(self) -> None:
-        self.cut_ = False
-
-    def close(self) -> None:
-        self.closed = True
-        self.cut()
-        self.sock.close()
 
 
 @pytest.fixture
@@ -185,14 +111,14 @@ def test_kill_9_mid_stream_then_restart(group):
 
 
 def test_isolated_member_delivers_nothing_then_catches_up(tmp_path):
-    proxies: dict[tuple[int, int], LinkCutter] = {}
+    proxies: dict[tuple[int, int], FaultProxy] = {}
     g = LocalGroup(3, tmp_path, topic="events", metrics=True, tick_ms=5, heartbeat_ms=20, suspect_ms=300,
                    peer_address=lambda i, j: f"127.0.0.1:{proxies[(i, j)].port}")
     try:
         for i in range(3):
             for j in range(3):
                 if i != j:
-                    proxies[(i, j)] = LinkCutter(g.ports[j])
+                    proxies[(i, j)] = FaultProxy(("127.0.0.1", g.ports[j])).start()  # cut() resets, heal() forwards
         g.start_brokers()
         g.start_members()
         g.wait_ready()

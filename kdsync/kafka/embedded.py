@@ -110,6 +110,22 @@ def die_with_parent() -> None:
 
 
 
+def _stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
+    """SIGCONT (a paused process cannot handle SIGTERM) and SIGTERM, wait up to
+    `timeout`, then SIGKILL. Only a process we started."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(timeout)
+
+
 class S3Store:
     """One moto S3 server process on a loopback port: the durable storage of
     embedded clusters (each keeps its log in a bucket of its own).
@@ -204,15 +220,7 @@ class S3Store:
     def close(self) -> None:
         """Stop the server; its objects are gone."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop_process(proc, 5.0)
         self.buckets.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -348,17 +356,7 @@ class EmbeddedCluster:
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait up to `timeout`, then SIGKILL. Only our own process."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGCONT)  # a paused broker cannot handle SIGTERM
-            proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(timeout)
+        _stop_process(proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL (crash) our broker process; data in memory storage is lost,

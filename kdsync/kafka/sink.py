@@ -201,44 +201,41 @@ class GlobalWriter:
         # a callback of producer.poll(): an exception escaping it leaves confluent-kafka's
         # error state set (a SystemError later, somewhere else), so none may escape
         try:
-            self._delivered(gen, seq, err, msg)
+            if gen != self._gen:
+                return  # a report of a failed producer: the tail read decides what it wrote
+            self._outstanding -= 1
+            if err is not None:
+                why = f"writing position {seq} to {self.global_topic} failed: {err.str()}"
+                if self.on_failed is not None:
+                    self.on_failed(why)
+                else:
+                    self.on_fatal(f"{why} (restart the member once the cluster accepts writes; it resumes from the "
+                                  f"global topic)")
+                return
+            if seq < self.durable_end:
+                return  # re-confirmed after a recovery (present in the topic)
+            self.written += 1
+            if seq == self.durable_end:
+                off = msg.offset() if msg is not None else None
+                if off is not None and off >= 0:  # no offset: acknowledged as a duplicate (a retry after a broker crash)
+                    part = msg.partition()
+                    if off + 1 > self.floors.get(part, 0):
+                        self.floors[part] = off + 1
+                end = seq + 1
+                confirmed = self._confirmed
+                if confirmed:
+                    while end in confirmed:
+                        confirmed.discard(end)
+                        end += 1
+                self.durable_end = end
+                if not self._scheduled:  # report once per batch of delivery reports
+                    self._scheduled = True
+                    self.schedule(self.report_durable)
+            else:
+                self._confirmed.add(seq)
         except Exception as e:  # noqa: BLE001
             log.exception("internal error in a delivery report", **kv(where=where(e)))
             self.on_fatal(f"internal error in a delivery report of position {seq}: {e!r} at {where(e)}")
-
-    def _delivered(self, gen: int, seq: int, err, msg) -> None:
-        if gen != self._gen:
-            return  # a report of a failed producer: the tail read decides what it wrote
-        self._outstanding -= 1
-        if err is not None:
-            why = f"writing position {seq} to {self.global_topic} failed: {err.str()}"
-            if self.on_failed is not None:
-                self.on_failed(why)
-            else:
-                self.on_fatal(f"{why} (restart the member once the cluster accepts writes; it resumes from the "
-                              f"global topic)")
-            return
-        if seq < self.durable_end:
-            return  # re-confirmed after a recovery (present in the topic)
-        self.written += 1
-        if seq == self.durable_end:
-            off = msg.offset() if msg is not None else None
-            if off is not None and off >= 0:  # no offset: acknowledged as a duplicate (a retry after a broker crash)
-                part = msg.partition()
-                if off + 1 > self.floors.get(part, 0):
-                    self.floors[part] = off + 1
-            end = seq + 1
-            confirmed = self._confirmed
-            if confirmed:
-                while end in confirmed:
-                    confirmed.discard(end)
-                    end += 1
-            self.durable_end = end
-            if not self._scheduled:  # report once per batch of delivery reports
-                self._scheduled = True
-                self.schedule(self.report_durable)
-        else:
-            self._confirmed.add(seq)
 
     def report_durable(self) -> None:
         """Call on_durable with the durable end and the commits it allows now

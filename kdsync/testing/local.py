@@ -37,7 +37,7 @@ from kdsync.kafka.records import H_SEQ, read_global_headers
 from kdsync.kafka.topic import FetchStalledError, consumer, ensure_topic, iter_partition, read_to_eof
 from kdsync.logs import client_log
 
-__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "check_agreement",
+__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "Writers", "check_agreement",
            "check_sharded", "child_pids", "free_port_block", "measure", "read_global", "write_events"]
 
 WARM_TOPIC = "kdsync-demo-warmup"  # the writers' warm-up records go here, never into an ordered topic
@@ -231,6 +231,33 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
     if errors or left:
         raise RuntimeError(f"writing to {topic} at {bootstrap}: {len(errors)} errors, {left} unacknowledged")
     return acked[0]
+
+
+class Writers:
+    """One paced idempotent writer thread per cluster of `g` (a LocalGroup),
+    `n` events each (`write_events`, tag f"{tag}-{cluster}"), started at once.
+    `acked[i]`: events cluster i acknowledged; `errors`: one line per writer
+    that failed; join() waits and returns the events acknowledged in all."""
+
+    def __init__(self, g, n: int, tag: str, rate: float | None, *, linger_ms: float = 2, timeout: float = 300):
+        self.acked = [0] * g.n
+        self.errors: list[str] = []
+
+        def w(i: int) -> None:
+            try:
+                self.acked[i] = write_events(g.bootstrap(i), g.topic, n, f"{tag}-{g.names[i]}", rate=rate,
+                                             timeout=timeout, linger_ms=linger_ms)
+            except Exception as e:  # the caller decides (join's result, errors)
+                self.errors.append(f"writer {g.names[i]}: {e}")
+
+        self.threads = [threading.Thread(target=w, args=(i,), daemon=True) for i in range(g.n)]
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float = 600) -> int:
+        for t in self.threads:
+            t.join(timeout)
+        return sum(self.acked)
 
 
 def child_pids(pid: int) -> list[int]:

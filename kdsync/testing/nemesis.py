@@ -33,7 +33,6 @@ import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -102,32 +101,6 @@ class Report:
         ]
 
 
-class _Writers:
-    """A paced idempotent writer per cluster for `seconds`; counts acknowledged events."""
-
-    def __init__(self, g, seconds: float, rate: float, linger_ms: float):
-        from kdsync.testing.local import write_events
-
-        self.acked = [0] * g.n
-        self.errors: list[str] = []
-
-        def w(i: int) -> None:
-            try:
-                self.acked[i] = write_events(g.bootstrap(i), g.topic, int(seconds * rate), f"n-{g.names[i]}",
-                                             rate=rate, timeout=240, linger_ms=linger_ms)
-            except Exception as e:  # reported as an anomaly
-                self.errors.append(f"writer {g.names[i]}: {e}")
-
-        self.threads = [threading.Thread(target=w, args=(i,), daemon=True) for i in range(g.n)]
-        for t in self.threads:
-            t.start()
-
-    def join(self) -> int:
-        for t in self.threads:
-            t.join(600)
-        return sum(self.acked)
-
-
 class _Nemesis:
     """Applies and heals faults on a LocalGroup whose links run through `proxies[(i, j)]`."""
 
@@ -191,7 +164,7 @@ def _until(cond, timeout: float) -> bool:
 
 
 def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print) -> Report:
-    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_agreement
+    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, Writers, check_agreement
     from kdsync.testing.fault_proxy import FaultProxy
 
     faults = schedule(seed, minutes * 60)
@@ -209,7 +182,7 @@ def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print)
         g.start_members()
         g.wait_ready(90)
         seconds = sum((f.duration if f.kind != "rolling_restart" else 6.0 * g.n) + f.gap for f in faults)
-        writers = _Writers(g, seconds + 5, rate, DURABLE_LINGER_MS)
+        writers = Writers(g, int((seconds + 5) * rate), "n", rate, linger_ms=DURABLE_LINGER_MS, timeout=240)
         nem = _Nemesis(g, proxies, log)
         t0 = time.monotonic()
         for f in faults:

@@ -13,7 +13,7 @@ it is not used in production.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kdsync.checker import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
