@@ -15,15 +15,20 @@ stalled: one WARNING line (topic, stage, what it holds, for how long), the
 gauge `kdsync_stalled{topic,stage}` at 1, and the alert `KdsyncStalled`; when
 it moves again, one INFO line and the gauge back at 0.
 
-`StallDetector` is pure (samples in, transitions out; the member samples once
-a second), so it is tested with a fake clock.
+`StallDetector` is pure (samples in, transitions out), so it is tested with
+a fake clock; `sample_pipelines` is the member's sampling, once a second.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-__all__ = ["STAGES", "StallDetector", "Transition"]
+from kdsync.logs import kv
+
+__all__ = ["STAGES", "StallDetector", "Transition", "sample_pipelines"]
+
+log = logging.getLogger("kdsync.member")
 
 STAGES = ("fetch", "ordering", "produce", "delivery report")
 
@@ -75,3 +80,26 @@ class StallDetector:
     def forget(self, topic: str) -> None:
         for k in [k for k in self._w if k[0] == topic]:
             del self._w[k]
+
+
+def sample_pipelines(detector: StallDetector, metrics, pipelines, source, now: float) -> None:
+    """Sample every stage of every pipeline of a member (kdsync.pipeline):
+    log and set `kdsync_stalled` on each transition."""
+    held_back = source is None or source.held_back
+    for p in list(pipelines):
+        w = p.writer
+        samples = [("ordering", p.own_waiting(), p.delivered_end)]
+        if source is not None:
+            samples.append(("fetch", 0 if held_back else source.unfetched(p.topic), p.consumed))
+        if w is not None:
+            samples += [("produce", w.unproduced, w.produced_end), ("delivery report", w.outstanding, w.durable_end)]
+        for stage, held, progress in samples:
+            t = detector.sample(now, p.topic, stage, held, progress)
+            if t is None:
+                continue
+            metrics.stalled.labels(t.topic, t.stage).set(1 if t.stalled else 0)
+            if t.stalled:
+                log.warning("stalled: records wait in a stage that does not move", **kv(
+                    topic=t.topic, stage=t.stage, held=t.held, for_s=round(t.for_s, 1)))
+            else:
+                log.info("stall over", **kv(topic=t.topic, stage=t.stage, stalled_s=round(t.for_s, 1)))

@@ -47,7 +47,7 @@ def test_stages_and_topics_are_watched_apart():
 def test_the_ordering_stage_holds_own_events_submitted_and_not_delivered_by_offset():
     """The member's 'ordering' sample counts by source offsets, so batches a
     view change re-cut (resubmitted, merged, caught up) are not left behind."""
-    from kdsync.member import TopicPipeline
+    from kdsync.pipeline import TopicPipeline
 
     p = TopicPipeline("t", "t-global", node=None, state=None, own_next={0: 10})  # ordered below 10 before a restart
     p.submitted_next = {0: 25, 1: 7}

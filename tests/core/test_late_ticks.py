@@ -3,7 +3,7 @@
 While every node is quiet (NodeBase.quiet) the member's tick timer skips a
 period and runs the pair of ticks at the next one; any input runs the ticks
 already due first, and input that makes a node busy puts the timer back on
-time (kdsync/member.py, _arm_tick).  `LateClock` is that rule over the
+time (kdsync/ticks.py, TickClock).  `LateClock` is that rule over the
 in-memory network, member by member; the tests drive it through crashes,
 restarts, partitions and loss and check the outside invariants.
 """

@@ -1,0 +1,182 @@
+"""One source topic's pipeline in `kdsync run`, and how it starts.
+
+A `TopicPipeline` is one source topic on its way to its global topic: its
+ordering node, the node's hard-state file, the writer, reader and checkpoint
+writer of the global topic (none on a witness, which has no Kafka) and the
+counters the stall detector samples (kdsync.health).
+
+`open_pipeline` is the start-up kdsync.member's docstring describes: the
+global topic and its checkpoint topic are created if missing, the latest
+checkpoint and the global topic after it are read (start position, origin
+watermarks, positions present beyond a gap), the hard state is loaded, and
+the node, writer, reader and checkpoint writer are made.  The member then
+registers the pipeline (source partitions, early peer messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kdsync.core import HardState, LocalProtocolError, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
+from kdsync.errors import FatalError
+from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter, EndOffsets, checkpoint_topic, ensure_checkpoint_topic
+from kdsync.kafka.reader import GlobalReader, GlobalStart, load_start
+from kdsync.kafka.sink import GlobalWriter, ensure_global
+from kdsync.logs import kv
+from kdsync.stages import StageClock
+from kdsync.state import HardStateFile
+
+if TYPE_CHECKING:
+    from kdsync.config import Config
+    from kdsync.member import Member
+
+__all__ = ["TopicPipeline", "discover_topics", "node_config", "open_pipeline", "serve_read"]
+
+log = logging.getLogger("kdsync.member")
+
+
+@dataclass
+class TopicPipeline:
+    """One source topic on its way to its global topic (module doc)."""
+
+    topic: str
+    global_topic: str
+    node: OrderingNode
+    state: HardStateFile
+    writer: GlobalWriter | None = None
+    reader: GlobalReader | None = None
+    checkpoint: CheckpointWriter | None = None
+    checkpoint_task: asyncio.Future | None = None
+    end_offsets: EndOffsets | None = None
+    read_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one read of the global topic at a time
+    durable_end: int = 0
+    status: str = ""  # the node's, as last logged
+    process_scheduled: bool = False  # a ready() drain is queued on the loop
+    stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
+    consumed: int = 0  # source records submitted to the node
+    delivered_end: int = 0  # next position the node has not delivered
+    # own events per source partition: next offset submitted / next offset the group delivered (kdsync.health)
+    submitted_next: dict[int, int] = field(default_factory=dict)
+    own_next: dict[int, int] = field(default_factory=dict)
+
+    def own_waiting(self) -> int:
+        """Own events submitted that the group has not delivered yet."""
+        own = self.own_next
+        return sum(max(0, s - own.get(part, s)) for part, s in self.submitted_next.items())
+
+    async def close(self) -> None:
+        """Close the global topic's reader and end-offset client (threads: they block)."""
+        if self.reader is not None:
+            await asyncio.to_thread(self.reader.close)
+        if self.end_offsets is not None:
+            await asyncio.to_thread(self.end_offsets.close)
+
+
+def discover_topics(cfg: Config, kafka_conf: dict) -> list[str]:
+    """The source topics of `cfg`: its fixed names, or the cluster's topics
+    its pattern matches (blocking: run in a thread)."""
+    names = cfg.topics.fixed_names()
+    if names is not None:
+        return names
+    from confluent_kafka.admin import AdminClient
+
+    from kdsync.kafka.topic import admin_conf
+
+    md = AdminClient(admin_conf(kafka_conf)).list_topics(timeout=10)
+    return sorted(t for t in md.topics if cfg.topics.matches(t))
+
+
+def node_config(cfg: Config) -> NodeConfig:
+    """The ordering node's configuration from the member's."""
+    p = cfg.protocol
+    return NodeConfig(member_id=cfg.member.id, members=cfg.member_ids(), roles=cfg.roles(), protocol=p.name,
+                      heartbeat_ticks=p.ticks(p.heartbeat_ms), suspect_ticks=p.ticks(p.suspect_ms),
+                      retransmit_ticks=p.ticks(p.retransmit_ms), max_batch=p.max_batch,
+                      log_retention=p.log_retention, catchup_chunk=p.catchup_chunk)
+
+
+async def open_pipeline(m: Member, topic: str) -> tuple[TopicPipeline, GlobalStart | None, HardState | None]:
+    """The pipeline of `topic` for member `m`, started from its global topic
+    (none read on a witness), with the start state read and the hard state
+    loaded."""
+    gt = m.cfg.topics.global_topic(topic) if m.cfg.topics else topic + "-global"
+    start_seq, watermarks, parts, present, start = 0, {}, 1, set(), None
+    if not m.witness:
+        tc = m.cfg.topics
+        parts = await m.retry(f"creating {gt}", ensure_global, m.kafka_conf, gt, tc.partition_count(),
+                              tc.replication_factor, tc.global_topic_config(), tc.shards)
+        if m.shard is not None:
+            parts = 1  # this shard's partition of gt alone
+        await m.retry(f"creating {checkpoint_topic(gt)}", ensure_checkpoint_topic, m.kafka_conf, gt,
+                      tc.replication_factor, tc.min_insync_replicas)
+        start = await m.retry(f"reading {gt} from its checkpoint", load_start, m.kafka_conf, gt, parts, 60.0, m.shard)
+        start_seq, watermarks, present = start.end, start.watermarks, start.present
+        if start.lost is not None:
+            log.warning("positions were deleted from the global topic (retention) before a checkpoint "
+                        "covered them; resuming after them, with the checkpoint's watermarks for origin "
+                        "partitions seen only there", **kv(topic=topic, global_topic=gt,
+                                                           lost=f"{start.lost[0]}..{start.lost[1] - 1}",
+                                                           start_seq=start_seq))
+    state = HardStateFile(m.cfg.state_path() / f"{topic}.hardstate")
+    hs = state.load()
+    try:
+        node = make_node(node_config(m.cfg), rng=random.Random(m.rng.getrandbits(64)), start_seq=start_seq,
+                         watermarks=watermarks, hard_state=hs)
+    except LocalProtocolError as e:
+        raise FatalError(f"protocol: {e}") from None
+    p = TopicPipeline(topic, gt, node, state, durable_end=start_seq, delivered_end=start_seq,
+                      own_next={part: off + 1 for (origin, part), off in watermarks.items() if origin == m.me})
+    p.stages = StageClock(topic, m.me, m.metrics, m.trace)
+    if not m.witness:
+        ids = [m.shard] if m.shard is not None else list(range(parts))
+        p.writer = GlobalWriter(
+            m.producer, gt, parts, start_seq, origin=m.me, present=present,
+            on_durable=lambda end, commits: m.on_durable(p, end, commits),
+            on_done=p.stages.written, on_fatal=m.fatal, schedule=m.loop.call_soon, shard=m.shard,
+            start_offsets=dict(zip(ids, start.ends)), on_failed=m.recovery.failed)
+        p.reader = GlobalReader(m.kafka_conf, f"kdsync-{m.me}-reader", gt, parts, start.seq_base, shard=m.shard)
+        _start_checkpoints(m, p, start, parts)
+    if present:
+        log.warning("global topic has positions beyond a gap; they will not be written twice",
+                    **kv(topic=topic, gap_at=start_seq, beyond=len(present)))
+    return p, start, hs
+
+
+def _start_checkpoints(m: Member, p: TopicPipeline, start: GlobalStart, parts: int) -> None:
+    """The checkpoint writer of `p` (kdsync.kafka.checkpoint), and a first
+    checkpoint of the start state unless the topic already holds positions
+    beyond a gap."""
+    cc = m.cfg.checkpoint
+    p.end_offsets = EndOffsets(m.kafka_conf, p.global_topic, parts, shard=m.shard)
+    p.checkpoint = CheckpointWriter(
+        m.producer, p.global_topic, parts, m.me, start_seq=start.end, watermarks=start.watermarks,
+        min_seq=max(start.present) + 1 if start.present else start.end, last=start.checkpoint,
+        measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions, shard=m.shard,
+        on_written=lambda cp, topic=p.topic: m.metrics.checkpoint_written(topic, cp.seq, cp.written_ms))
+    cp = start.checkpoint
+    if not start.present and (cp is None or cp.seq != start.end or cp.offsets != start.ends):
+        p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, m.me,
+                                          shard=m.shard))
+    p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
+
+
+async def serve_read(m: Member, p: TopicPipeline, start: int, stop: int) -> None:
+    """Answer the node's read of positions [start, stop) it no longer holds
+    from the global topic (a worker thread), in chunks of `catchup_chunk`."""
+    if p.reader is None:
+        log.warning("a witness cannot serve reads of a global topic", **kv(topic=p.topic, start=start, stop=stop))
+        return
+    chunk = m.pcfg.catchup_chunk
+    async with p.read_lock:  # one reader consumer per pipeline, one read at a time
+        try:
+            events = await m.retry(f"reading {p.global_topic}[{start}:{stop})", p.reader.read, start, stop)
+        except asyncio.CancelledError:
+            return
+    log.info("served a read from the global topic", **kv(topic=p.topic, start=start, stop=stop, events=len(events)))
+    for i in range(0, len(events), chunk):
+        p.node.step(LogChunk(start + i, tuple(batches_from_events(events[i:i + chunk]))))
+        m.process(p)

@@ -1,0 +1,89 @@
+"""`kdsync run`'s clock: the tick timer of one member's ordering nodes.
+
+Every timeout in the core is counted in ticks (kdsync.core), and the member
+ticks every node once per `protocol.tick_ms`, measured on the loop's clock.
+While every node is quiet (core NodeBase.quiet) the timer skips a period: an
+idle member wakes for a pair of ticks every other period.  Any input runs the
+ticks already due first (`due`), so a node counts time exactly at every
+input, and input that makes a node busy puts the timer back on time
+(`wake_if_busy`).  tests/core/test_late_ticks.py drives this rule through
+faults on the in-memory network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+__all__ = ["TickClock"]
+
+MAX_CATCH_UP = 5  # a stalled loop catches up a few ticks, not hundreds
+
+
+class TickClock:
+    """`quiet()`: every node is quiet; `on_ticks(n, now)`: tick every node
+    `n` times; `on_error(e)`: `on_ticks` raised (a core bug: the member stops
+    loudly rather than run without a clock); `stopping()`: the member stops."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tick_ms: int, *, quiet: Callable[[], bool],
+                 on_ticks: Callable[[int, float], None], on_error: Callable[[Exception], None],
+                 stopping: Callable[[], bool]):
+        self.loop = loop
+        self.period = tick_ms / 1000.0
+        self.next = 0.0
+        self.late = False  # the timer skips a period: every node was quiet
+        self._timer: asyncio.TimerHandle | None = None
+        self._quiet, self._on_ticks, self._on_error, self._stopping = quiet, on_ticks, on_error, stopping
+
+    def start(self) -> None:
+        self.next = self.loop.time() + self.period
+        self._arm()
+
+    def stop(self) -> None:
+        self.late = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def due(self) -> None:
+        """Input is about to reach a node: while ticks run late, run the
+        ticks already due first."""
+        if self.late and self.loop.time() >= self.next:
+            self._run(at_least=0)
+
+    def wake_if_busy(self, node) -> None:
+        """`node` just processed input: if it is busy again while the timer
+        runs late, put the next tick on time."""
+        if self.late and self._timer is not None and not node.quiet():
+            self._timer.cancel()
+            self._arm()
+
+    def _arm(self) -> None:
+        late = self._quiet()
+        self.late = late
+        when = self.next + self.period if late else self.next
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._stopping():
+            return
+        try:
+            self._run(at_least=1)
+        except Exception as e:  # noqa: BLE001 - reported to the member, which stops
+            self._on_error(e)
+            return
+        self._arm()
+
+    def _run(self, at_least: int) -> None:
+        period = self.period
+        now = self.loop.time()
+        n = 0
+        while self.next <= now and n < MAX_CATCH_UP:
+            self.next += period
+            n += 1
+        if self.next <= now:
+            self.next = now + period
+        n = max(n, at_least)
+        if n:
+            self._on_ticks(n, now)
