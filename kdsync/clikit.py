@@ -12,8 +12,9 @@ module that defines one keeps a ``main(argv) -> int`` that runs it through
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import typer
 from typer.core import TyperCommand
@@ -23,7 +24,7 @@ from typer._click.exceptions import ClickException, NoSuchOption
 from typer._click.exceptions import UsageError as _ClickUsageError
 from typer._click.globals import get_current_context
 
-__all__ = ["CONTEXT", "App", "KdsyncCommand", "UsageError", "command", "new_app", "run"]
+__all__ = ["CONTEXT", "App", "KdsyncCommand", "UsageError", "command", "error_line", "new_app", "run", "run_job"]
 
 # -h as well as --help (argparse accepted both); help at most 100 columns wide
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -102,7 +103,7 @@ def command(app: typer.Typer, name: str):
     return typer.main.get_group(app).commands[name]
 
 
-def one_line(e: ClickException, path: str) -> str:
+def usage_line(e: ClickException, path: str) -> str:
     """Click/typer error `e` of command `path` as one line (the command's own
     UsageErrors verbatim, click's with a pointer to --help)."""
     if isinstance(e, UsageError):
@@ -117,6 +118,31 @@ def one_line(e: ClickException, path: str) -> str:
             msg = msg.replace(wordy, plain)
         msg = msg[:1].lower() + msg[1:]
     return f"{msg} (see {path} --help)"
+
+
+def error_line(e: BaseException) -> str:
+    """The first meaningful line of an exception (Py4J/Spark errors are long)."""
+    text = str(e).strip() or type(e).__name__
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Traceback", "File ", "at ", "JVM stacktrace")):
+            return f"{type(e).__name__}: {line[:300]}"
+    return type(e).__name__
+
+
+def run_job(prog: str, fn: Callable[..., Any], *args, what: str = "failed") -> tuple[bool, Any]:
+    """Run a job `fn(*args)` (a Spark job, a broker's): (True, its result);
+    a UsageError passes; another exception prints ``PROG: WHAT: <one line>``
+    and gives (False, None), or is raised with KDSYNC_DEBUG=1."""
+    try:
+        return True, fn(*args)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line (KDSYNC_DEBUG=1 for the traceback)
+        if os.environ.get("KDSYNC_DEBUG"):
+            raise
+        print(f"{prog}: {what}: {error_line(e)}", file=sys.stderr)
+        return False, None
 
 
 def _path(cmd, argv: list[str], prog: str) -> str:
@@ -140,7 +166,7 @@ def run(cmd, argv: Sequence[str] | None, prog: str) -> int:
     except ClickException as e:
         ctx = getattr(e, "ctx", None)
         path = ctx.command_path if ctx is not None else _path(cmd, argv, prog)
-        text = one_line(e, path)
+        text = usage_line(e, path)
         print(text if isinstance(e, UsageError) and not e.prefix else f"{path}: {text}", file=sys.stderr)
         return e.exit_code
     except typer.Abort:

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 
 from kdsync.config import Config
+from kdsync.kafka.embedded import die_with_parent
 from kdsync.logs import kv
 
 __all__ = ["MAX_RESTARTS", "RESTART_WINDOW_S", "ShardMetrics", "Supervisor", "assign_shards", "run_shards"]
@@ -174,12 +175,6 @@ class _Worker:
     restarts: int = 0
 
 
-def _die_with_parent() -> None:  # in the child between fork and exec
-    from kdsync.kafka.embedded import die_with_parent as die
-
-    die()
-
-
 class Supervisor:
     """Runs the served shards of `cfg` in `workers` processes (module doc).
     `run()` returns the exit code."""
@@ -214,7 +209,7 @@ class Supervisor:
         return argv
 
     def _start(self, w: _Worker) -> None:
-        w.proc = subprocess.Popen(self._argv(w), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        w.proc = subprocess.Popen(self._argv(w), stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         w.started = time.monotonic()
         w.restart_at = None
         log.info("worker started", **kv(worker=w.index, pid=w.proc.pid, shards=",".join(map(str, w.shards)) or "-"))

@@ -157,9 +157,9 @@ def _cmd_swarm(
         except Exception as err:  # a Spark job or master that fails: one line
             if local:
                 raise
-            from kdsync.spark.audit import one_line
+            from kdsync.clikit import error_line
 
-            print(f"kdsync-sim swarm: Spark failed: {one_line(err)}", file=sys.stderr)
+            print(f"kdsync-sim swarm: Spark failed: {error_line(err)}", file=sys.stderr)
             return 1
 
 

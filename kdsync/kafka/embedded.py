@@ -126,7 +126,26 @@ def _stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
         proc.wait(timeout)
 
 
-class S3Store:
+class _ChildProcess:
+    """A server process we started (`proc`): is it running, SIGSTOP/SIGCONT."""
+
+    proc: subprocess.Popen | None = None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pause(self) -> None:
+        """SIGSTOP the process (it stops answering but keeps its sockets)."""
+        if self.running():
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused process."""
+        if self.running():
+            self.proc.send_signal(signal.SIGCONT)
+
+
+class S3Store(_ChildProcess):
     """One moto S3 server process on a loopback port: the durable storage of
     embedded clusters (each keeps its log in a bucket of its own).
 
@@ -155,9 +174,6 @@ class S3Store:
     def env(self) -> dict[str, str]:
         """The environment a Tansu broker needs to use this store."""
         return {**self.ACCESS, "AWS_ENDPOINT": self.endpoint, "AWS_ALLOW_HTTP": "true"}
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout: float = 30.0) -> S3Store:
         """Start moto's server and return once it answers."""
@@ -209,14 +225,6 @@ class S3Store:
         self.buckets.add(name)
         return name
 
-    def pause(self) -> None:
-        if self.running():
-            self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.running():
-            self.proc.send_signal(signal.SIGCONT)
-
     def close(self) -> None:
         """Stop the server; its objects are gone."""
         proc, self.proc = self.proc, None
@@ -250,7 +258,7 @@ def _metadata_ok(bootstrap: str, timeout: float) -> bool:
         return False
 
 
-class EmbeddedCluster:
+class EmbeddedCluster(_ChildProcess):
     """One Tansu broker process on a loopback port (one Kafka "cluster")."""
 
     def __init__(self, name: str = "kafka", port: int | None = None, host: str = "127.0.0.1",
@@ -273,9 +281,6 @@ class EmbeddedCluster:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout: float = 20.0) -> EmbeddedCluster:
         """Start the broker and return once it answers a metadata request.
@@ -365,16 +370,6 @@ class EmbeddedCluster:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-
-    def pause(self) -> None:
-        """SIGSTOP the broker (it stops answering but keeps its sockets)."""
-        if self.running():
-            self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT a paused broker."""
-        if self.running():
-            self.proc.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         self.stop()

@@ -42,7 +42,6 @@ Theory of operation.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -50,7 +49,7 @@ import uuid
 
 import typer
 
-from kdsync.clikit import UsageError, command, new_app
+from kdsync.clikit import UsageError, command, new_app, run_job
 from kdsync.clikit import run as run_cli
 
 SEGMENT_RE = re.compile(r"^(\d{20})-(\d{20})$")
@@ -381,16 +380,8 @@ def _spark(master: str, name: str):
 
 def _report(prog: str, fn, *args) -> int:
     """Run `fn(*args)` and print its summary as JSON: 0; a failure: one line, 1."""
-    try:
-        out = fn(*args)
-    except UsageError:
-        raise
-    except Exception as e:  # a failed Spark job or broker: one line (KDSYNC_DEBUG=1 for the traceback)
-        from kdsync.spark.audit import one_line
-
-        if os.environ.get("KDSYNC_DEBUG"):
-            raise
-        print(f"{prog}: failed: {one_line(e)}", file=sys.stderr)
+    ok, out = run_job(prog, fn, *args)  # a failed Spark job or broker: one line
+    if not ok:
         return 1
     print(json.dumps(out, indent=2))
     return 0

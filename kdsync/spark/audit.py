@@ -33,7 +33,7 @@ from pathlib import Path
 import typer
 
 from kdsync import checker
-from kdsync.clikit import UsageError, command, new_app
+from kdsync.clikit import UsageError, command, new_app, run_job
 from kdsync.clikit import run as run_cli
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ
 
@@ -364,16 +364,6 @@ def run(args: AuditArgs) -> tuple[int, dict]:
     return (0 if report["ok"] else 1), report
 
 
-def one_line(e: BaseException) -> str:
-    """The first meaningful line of an exception (Py4J/Spark errors are long)."""
-    text = str(e).strip() or type(e).__name__
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Traceback", "File ", "at ", "JVM stacktrace")):
-            return f"{type(e).__name__}: {line[:300]}"
-    return type(e).__name__
-
-
 app = new_app()
 
 
@@ -404,15 +394,10 @@ def _audit(
                                                            "T-global is audited as its own run T/s"),
 ) -> int:
     args = AuditArgs(cluster, topic, global_suffix, trace, master, out, window_s, approx, kafka_property, shards)
-    try:
-        code, report = run(args)
-    except UsageError:
-        raise
-    except Exception as e:  # a failed Spark job or broker: one line (KDSYNC_DEBUG=1 for the traceback)
-        if os.environ.get("KDSYNC_DEBUG"):
-            raise
-        print(f"kdsync audit: failed: {one_line(e)}", file=sys.stderr)
+    ok, result = run_job("kdsync audit", run, args)  # a failed Spark job or broker: one line
+    if not ok:
         return 1
+    code, report = result
     print(json.dumps(report, indent=2, default=str))
     return code
 
