@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 Role = Literal["member", "witness"]
-Protocol = Literal["derecho", "sequencer", "mirror"]
+ProtocolName = Literal["derecho", "sequencer", "mirror"]
 
 
 class Delivery:
@@ -153,7 +153,7 @@ class NodeConfig:
     member_id: str
     members: tuple[str, ...]
     roles: dict[str, Role] = field(default_factory=dict)
-    protocol: Protocol = "derecho"
+    protocol: ProtocolName = "derecho"
     heartbeat_ticks: int = 2
     suspect_ticks: int = 10
     retransmit_ticks: int = 3
