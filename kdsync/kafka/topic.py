@@ -153,18 +153,20 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
 
 
 def iter_partition(conf: str | dict, topic: str, partition: int = 0, start: int = 0,
-                   stop: int | None = None, timeout: float = 30.0, batch: int = 1000) -> Iterator[Message]:
+                   stop: int | None = None, timeout: float = 30.0, batch: int = 1000,
+                   idle: bool = False) -> Iterator[Message]:
     """Yield the records of one partition from offset `start` until partition
     EOF (or offset `stop`, exclusive), with a consumer of its own.  Raises
-    TimeoutError when EOF is not reached within `timeout` seconds,
-    KafkaException on a fatal error."""
+    TimeoutError when EOF is not reached within `timeout` seconds (with
+    `idle`: `timeout` seconds without a record), KafkaException on a fatal
+    error."""
     if partition_count(conf, topic) <= partition:
         return  # no such topic/partition: nothing to read
     nxt = start
     for attempt in range(6):  # a stalled fetch: again from where it got, with a new consumer
         c = consumer(conf)
         try:
-            for m in read_to_eof(c, topic, partition, nxt, stop, timeout=timeout, batch=batch):
+            for m in read_to_eof(c, topic, partition, nxt, stop, timeout=timeout, batch=batch, idle=idle):
                 nxt = m.offset() + 1
                 yield m
             return

@@ -605,9 +605,11 @@ class LocalGroup:
                                  f"(LocalGroup(expect_stalls=True) if the test causes them): {found[0]}")
 
     def read_sources(self, timeout: float = 30.0) -> dict[str, list[tuple[int, int, bytes | None]]]:
-        """Every record in each cluster's source topic: name -> [(partition, offset, key)]."""
+        """Every record in each cluster's source topic: name -> [(partition, offset, key)].
+        `timeout`: seconds without a record (a durable broker's topic of many
+        small objects reads slowly on a busy machine, but it reads)."""
         return {self.names[i]: [(m.partition(), m.offset(), m.key()) for p in range(self.source_partitions)
-                                for m in iter_partition(self.bootstrap(i), self.topic, p, timeout=timeout)]
+                                for m in iter_partition(self.bootstrap(i), self.topic, p, timeout=timeout, idle=True)]
                 for i in self.data}
 
     def __enter__(self) -> LocalGroup:
