@@ -5,7 +5,7 @@
 TOPIC`; every other
 subcommand lives in its own module as a typer command and is imported only
 when it is used, so `kdsync run` does not pay for PySpark.  Every command
-follows kdsync.clikit: help text with defaults, and bad usage as one line,
+follows kdsync.cli_style: help text with defaults, and bad usage as one line,
 exit 2.
 """
 
@@ -19,8 +19,8 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from kdsync.clikit import UsageError, command, new_app
-from kdsync.clikit import run as run_cli
+from kdsync.cli_style import UsageError, command, new_app
+from kdsync.cli_style import run as run_cli
 
 # subcommand -> module defining it (as `app`, a typer app with a command of that name)
 SUBCOMMANDS = {
@@ -97,8 +97,8 @@ def _run(
     import asyncio
 
     from kdsync.config import ConfigError, find_derecho_cfg, legacy_config, load_config
-    from kdsync.errors import FatalError
-    from kdsync.logs import setup_logging
+    from kdsync.fatal import FatalError
+    from kdsync.observability.logs import setup_logging
 
     if log_level is not None and log_level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level must be debug, info, warning or error, not {log_level!r}")
@@ -119,7 +119,7 @@ def _run(
     except ConfigError as e:
         raise UsageError(str(e), prefix=False) from None
     setup_logging(cfg.member.id, cfg.log.format, log_level or cfg.log.level)
-    from kdsync.logs import kv
+    from kdsync.observability.logs import kv
 
     for msg, fields in notes:
         logging.getLogger("kdsync.config").info(msg, **kv(**fields))

@@ -301,7 +301,7 @@ class CheckpointSection(_Model):
 
 
 class HealthSection(_Model):
-    stall_after_ms: Annotated[int, Field(ge=100, le=86_400_000)] = 30_000  # kdsync.health
+    stall_after_ms: Annotated[int, Field(ge=100, le=86_400_000)] = 30_000  # kdsync.observability.stalls
 
 
 class MetricsSection(_Model):

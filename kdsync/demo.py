@@ -16,8 +16,8 @@ from typing import Literal
 
 import typer
 
-from kdsync.clikit import UsageError, command, new_app
-from kdsync.clikit import run as run_cli
+from kdsync.cli_style import UsageError, command, new_app
+from kdsync.cli_style import run as run_cli
 from kdsync.testing.local import (
     DURABLE_LINGER_MS, WARM_TOPIC, LocalGroup, _percentile, check_agreement, check_sharded, write_events,
 )

@@ -53,15 +53,15 @@ from collections import deque
 
 from kdsync.config import Config, parse_address
 from kdsync.core import Delivery, RemoteProtocolError
-from kdsync.errors import FatalError
-from kdsync.health import StallDetector, sample_pipelines
+from kdsync.fatal import FatalError
+from kdsync.observability.stalls import StallDetector, sample_pipelines
 from kdsync.kafka.sink import make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
-from kdsync.logs import KafkaClientLog, client_callback, kv
+from kdsync.observability.logs import KafkaClientLog, client_callback, kv
 from kdsync.pipeline import TopicPipeline, discover_topics, open_pipeline, serve_read
 from kdsync.producer_recovery import ProducerRecovery
-from kdsync.profiling import profiler
-from kdsync.stages import LatencyTrace, shard_trace_path
+from kdsync.observability.profiler import profiler
+from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.ticks import TickClock
 from kdsync.transport.channels import frame_channel, split_channel
 
@@ -136,7 +136,7 @@ class Member:
         if self.signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.loop.add_signal_handler(sig, self._on_signal, sig)
-        from kdsync.metrics import MemberMetrics
+        from kdsync.observability.metrics import MemberMetrics
         from kdsync.transport import TLSSettings, TransportError, make_transport
 
         self.metrics = MemberMetrics(self._peer_stats, self._stats_for_metrics)

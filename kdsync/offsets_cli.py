@@ -15,8 +15,8 @@ from typing import Annotated
 
 import typer
 
-from kdsync.clikit import new_app
-from kdsync.clikit import run as run_cli
+from kdsync.cli_style import new_app
+from kdsync.cli_style import run as run_cli
 from kdsync.kafka.offsets import BadInput, ClusterRef, OffsetsError, parse_cluster, sync_offsets, translate
 
 offsets_app = new_app(

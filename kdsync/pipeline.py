@@ -3,7 +3,7 @@
 A `TopicPipeline` is one source topic on its way to its global topic: its
 ordering node, the node's hard-state file, the writer, reader and checkpoint
 writer of the global topic (none on a witness, which has no Kafka) and the
-counters the stall detector samples (kdsync.health).
+counters the stall detector samples (kdsync.observability.stalls).
 
 `open_pipeline` is the start-up kdsync.member's docstring describes: the
 global topic and its checkpoint topic are created if missing, the latest
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kdsync.core import HardState, LocalProtocolError, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter, EndOffsets, checkpoint_topic, ensure_checkpoint_topic
 from kdsync.kafka.reader import GlobalReader, GlobalStart, load_start
 from kdsync.kafka.sink import GlobalWriter, ensure_global
-from kdsync.logs import kv
-from kdsync.stages import StageClock
+from kdsync.observability.logs import kv
+from kdsync.observability.stage_latency import StageClock
 from kdsync.state import HardStateFile
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class TopicPipeline:
     stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
     consumed: int = 0  # source records submitted to the node
     delivered_end: int = 0  # next position the node has not delivered
-    # own events per source partition: next offset submitted / next offset the group delivered (kdsync.health)
+    # own events per source partition: next offset submitted / next offset the group delivered (kdsync.observability.stalls)
     submitted_next: dict[int, int] = field(default_factory=dict)
     own_next: dict[int, int] = field(default_factory=dict)
 

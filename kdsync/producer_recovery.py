@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kdsync.kafka.sink import make_producer, read_present
-from kdsync.logs import kv
+from kdsync.observability.logs import kv
 
 if TYPE_CHECKING:
     from kdsync.member import Member

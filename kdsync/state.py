@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 
 from kdsync.core import HardState
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 
 __all__ = ["HardStateFile"]
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from kdsync.config import Config
 from kdsync.kafka.embedded import die_with_parent
-from kdsync.logs import kv
+from kdsync.observability.logs import kv
 
 __all__ = ["MAX_RESTARTS", "RESTART_WINDOW_S", "ShardMetrics", "Supervisor", "assign_shards", "run_shards"]
 
@@ -106,7 +106,7 @@ def _serve_metrics(listen: tuple[str, int], collector) -> object:
 # ---------------------------------------------------------------- one worker
 async def _run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str, int] | None,
                       trace_latency: str | None = None) -> int:
-    from kdsync.errors import FatalError
+    from kdsync.fatal import FatalError
     from kdsync.member import Member
 
     loop = asyncio.get_running_loop()
@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kdsync.workers --config X --worker W [--shards 0,2]``: one
     worker of a Supervisor (not a user command)."""
     from kdsync.config import ConfigError, load_config, parse_address
-    from kdsync.errors import FatalError
-    from kdsync.logs import setup_logging
+    from kdsync.fatal import FatalError
+    from kdsync.observability.logs import setup_logging
 
     ap = argparse.ArgumentParser(prog="kdsync-worker")
     ap.add_argument("--config", required=True)

@@ -18,8 +18,8 @@ from typing import Iterator, Literal
 
 import typer
 
-from kdsync.clikit import UsageError, new_app
-from kdsync.clikit import run as run_cli
+from kdsync.cli_style import UsageError, new_app
+from kdsync.cli_style import run as run_cli
 from sim.scenario import ScenarioError, load_scenario
 from sim.swarm import member_states as _states
 
@@ -157,7 +157,7 @@ def _cmd_swarm(
         except Exception as err:  # a Spark job or master that fails: one line
             if local:
                 raise
-            from kdsync.clikit import error_line
+            from kdsync.cli_style import error_line
 
             print(f"kdsync-sim swarm: Spark failed: {error_line(err)}", file=sys.stderr)
             return 1

@@ -22,7 +22,7 @@ from bisect import bisect_right
 
 from kdsync.core import Batch, HardState
 from kdsync.core.batch import read_positions
-from kdsync.checker import watermarks
+from kdsync.invariants import watermarks
 
 
 class SourcePartition:

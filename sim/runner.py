@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterator
 import simpy
 from simpy.events import Timeout
 
-from kdsync.checker import TRACE_COLUMNS
+from kdsync.invariants import TRACE_COLUMNS
 from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
-from sim.checkers import MIRROR_TOLERATED, Checker, Violation
+from sim.observer import MIRROR_TOLERATED, Checker, Violation
 from sim.kafka import Cluster
 from sim.members import SERVICE_RECORDS, SimMember
 from sim.network import SimNetwork

@@ -1,4 +1,4 @@
-"""kdsync.checker: every anomaly on small inputs, the same verdict whatever
+"""kdsync.invariants: every anomaly on small inputs, the same verdict whatever
 the split into runs (per event or long runs), run-sized cost, views and
 minority deliveries judged by content."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kdsync import checker as C
-from kdsync.checker import OffsetRanges, Run, ViewRecord, check, normalise, runs_from_events, watermarks
+from kdsync import invariants as C
+from kdsync.invariants import OffsetRanges, Run, ViewRecord, check, normalise, runs_from_events, watermarks
 from kdsync.core import Event
 
 pytestmark = [pytest.mark.timeout(60)]

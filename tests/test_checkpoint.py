@@ -18,7 +18,7 @@ from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter
 from kdsync.kafka.reader import (AFTER_DELETION, ANCHORED, AT_CHECKPOINT, FROM_START, PartitionRead, StartError,
                                  _Keys, _read_partition, decide_start)
 from kdsync.kafka.records import global_headers, pack_payload
-from kdsync.logs import KafkaClientLog
+from kdsync.observability.logs import KafkaClientLog
 
 T = "t-global"
 

@@ -1,4 +1,4 @@
-"""One CLI style for every command (kdsync/clikit.py): help with defaults,
+"""One CLI style for every command (kdsync/cli_style.py): help with defaults,
 exit 0; bad usage as ONE line ``PROG: what to fix`` and exit 2; the
 command lines argparse accepted keep working (greedy options, abbreviated
 long options, the legacy `kdsync run N BROKERS TOPIC`)."""
@@ -27,7 +27,7 @@ def _commands():
     import typer
 
     from kdsync import cli, demo as demo_mod
-    from kdsync.clikit import command
+    from kdsync.cli_style import command
     from kdsync.spark import archive, audit as audit_mod
     from sim import cli as sim_cli
 

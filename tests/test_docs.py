@@ -136,7 +136,7 @@ def _labels():
     """Label names of every family, from a scrape-like collection."""
     from types import SimpleNamespace
 
-    from kdsync.metrics import MemberMetrics
+    from kdsync.observability.metrics import MemberMetrics
 
     peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0)
     m = MemberMetrics(peers=lambda: {"dc2": peer}, cores=lambda: {"t": {"delivered": 1}})

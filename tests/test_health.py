@@ -1,8 +1,8 @@
-"""The stall detector (kdsync.health): pure, driven by a fake clock."""
+"""The stall detector (kdsync.observability.stalls): pure, driven by a fake clock."""
 
 import pytest
 
-from kdsync.health import StallDetector
+from kdsync.observability.stalls import StallDetector
 
 
 def test_a_stage_that_holds_records_and_does_not_move_stalls_once_then_resumes():

@@ -10,7 +10,7 @@ import pytest
 
 from kdsync.core import Delivery, Event, HardState, RemoteProtocolError
 from kdsync.core import batches_from_events
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 from kdsync.kafka.records import H_SEQ, global_headers, pack_payload
 from kdsync.kafka.sink import GlobalWriter
 from kdsync.kafka.source import SourceConsumer
@@ -164,7 +164,7 @@ def test_channels_frame_and_refuse_malformed():
 def test_observe_many_tallies_like_observe():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from kdsync.metrics import LATENCY_BUCKETS, observe_many
+    from kdsync.observability.metrics import LATENCY_BUCKETS, observe_many
 
     reg = CollectorRegistry()
     h = Histogram("x_seconds", "x", ["t"], buckets=LATENCY_BUCKETS, registry=reg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 from kdsync.kafka.records import (
     KDSYNC_HEADERS,
     ForeignRecordError,

@@ -284,7 +284,7 @@ def _assert_shard_traces(trace, parts) -> None:
 def test_existing_global_topic_with_fewer_partitions_is_refused(tmp_path):
     """shards = 2 against a global topic created with one partition: one line
     naming the key; with enough partitions it is taken as is."""
-    from kdsync.errors import FatalError
+    from kdsync.fatal import FatalError
     from kdsync.kafka.embedded import EmbeddedCluster
     from kdsync.kafka.sink import ensure_global
     from kdsync.kafka.topic import ensure_topic
@@ -349,7 +349,7 @@ def test_shard_metrics_label_every_sample_with_its_shard():
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kdsync.metrics import MemberMetrics
+    from kdsync.observability.metrics import MemberMetrics
     from kdsync.workers import ShardMetrics
 
     ms = {s: SimpleNamespace(metrics=MemberMetrics()) for s in (0, 3)}

@@ -1,4 +1,4 @@
-"""A member that cannot make progress says so (kdsync.health), with real processes.
+"""A member that cannot make progress says so (kdsync.observability.stalls), with real processes.
 
 dc2's broker is frozen (SIGSTOP) while events flow into dc1: dc2's member
 gets them delivered by the group but its own cluster confirms none of its

@@ -49,7 +49,7 @@ def kdsync_metrics() -> dict[str, tuple[str, set[str]]]:
     from a live MemberMetrics registry (its transport and core collectors included)."""
     from types import SimpleNamespace
 
-    from kdsync.metrics import MemberMetrics
+    from kdsync.observability.metrics import MemberMetrics
 
     peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0)
     m = MemberMetrics(peers=lambda: {"dc2": peer}, cores=lambda: {"t": {"delivered": 1}})

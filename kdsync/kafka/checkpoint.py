@@ -132,7 +132,7 @@ def ensure_checkpoint_topic(conf: dict, global_topic: str, replication_factor: i
     partition, cleanup.policy=compact, the global topic's replication);
     return its name.  Raises KafkaException / TimeoutError when the brokers do
     not answer, FatalError when the cluster refuses the settings."""
-    from kdsync.errors import FatalError
+    from kdsync.fatal import FatalError
     from kdsync.kafka.topic import TopicSettingsError, ensure_topic
 
     name = checkpoint_topic(global_topic)

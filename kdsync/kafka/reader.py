@@ -24,7 +24,7 @@ from itertools import chain
 from typing import NamedTuple
 
 from kdsync.core import Event
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 from kdsync.kafka.checkpoint import Checkpoint, checkpoint_topic, read_checkpoint
 from kdsync.kafka.records import GlobalHeaders, event_from_global, read_global_headers
 from kdsync.kafka.topic import FetchStalledError, consumer, read_to_eof

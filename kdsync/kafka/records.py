@@ -24,7 +24,7 @@ from typing import NamedTuple
 import msgpack
 
 from kdsync.core import Event
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 
 __all__ = [
     "H_OOFF", "H_OPART", "H_ORIGIN", "H_OTS", "H_SEQ", "KDSYNC_HEADERS", "ForeignRecordError", "GlobalHeaders",

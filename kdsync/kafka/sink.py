@@ -34,9 +34,9 @@ from functools import partial
 from typing import Callable, NamedTuple
 
 from kdsync.core import Delivery
-from kdsync.errors import FatalError
+from kdsync.fatal import FatalError
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ, global_partition, unpack_payload
-from kdsync.logs import kv, where
+from kdsync.observability.logs import kv, where
 
 __all__ = ["GlobalWriter", "WrittenDelivery", "ensure_global", "make_producer", "producer_conf", "read_present"]
 

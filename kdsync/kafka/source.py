@@ -36,8 +36,8 @@ from typing import Callable
 
 from kdsync.core import Batch, Event
 from kdsync.kafka.records import pack_payload
-from kdsync.logs import kv
-from kdsync.profiling import profiler
+from kdsync.observability.logs import kv
+from kdsync.observability.profiler import profiler
 
 __all__ = ["MAX_FETCH_WAIT_MS", "MAX_INFLIGHT", "SourceConsumer", "SourceRun", "consumer_conf"]
 
@@ -113,7 +113,7 @@ class SourceConsumer:
         self.stall_s = stall_s
         self.on_restart = on_restart  # (new fetch.wait.max.ms), consumer thread: a stalled fetch was re-asked
         self.restarts = 0
-        self.held_back = True  # paused, back-pressured or not started: not fetching is no stall (kdsync.health)
+        self.held_back = True  # paused, back-pressured or not started: not fetching is no stall (kdsync.observability.stalls)
         self._unfetched: dict[tuple[str, int], int] = {}  # records above the consumed position (last high watermark)
         self._stop = threading.Event()
         self._resume = threading.Event()

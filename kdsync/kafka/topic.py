@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-from kdsync.logs import client_log
+from kdsync.observability.logs import client_log
 
 __all__ = ["FetchStalledError", "PartitionEndError", "TopicSettingsError", "admin_conf", "consumer", "ensure_topic",
            "fetch_wait_ms", "iter_partition",
@@ -74,7 +74,7 @@ def consumer(bootstrap_or_conf: str | dict) -> Consumer:
         "enable.partition.eof": True,
         "auto.offset.reset": "earliest",
         "log_level": conf.get("log_level", 3),
-        "logger": conf.get("logger") or client_log(),  # never raw %3|... lines (kdsync.logs)
+        "logger": conf.get("logger") or client_log(),  # never raw %3|... lines (kdsync.observability.logs)
         "fetch.wait.max.ms": fetch_wait_ms(conf.get("fetch.wait.max.ms", 10)),  # EOF comes after an empty fetch
     })
     return Consumer(conf)

@@ -12,7 +12,7 @@ it the universe of a run is every event any member delivered.
 Everything is computed with joins and aggregations in Spark; only aggregates
 (one row per run and member) and a few examples are collected to the driver.
 
-Definitions (per run), named as `kdsync.checker` names them (the table that
+Definitions (per run), named as `kdsync.invariants` names them (the table that
 holds each is in brackets; `AuditTables.by_anomaly()` maps the names):
   inconsistent-offsets  positions (seq) where members' events differ; a member
                   that lacks a position is a prefix there, not a divergence
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from kdsync import checker
-from kdsync.checker import TRACE_COLUMNS
+from kdsync import invariants as checker
+from kdsync.invariants import TRACE_COLUMNS
 
 ATTRIBUTE_COLUMNS = ["scenario", "protocol", "seed"]
 QUANTILES = [0.5, 0.9, 0.99]
@@ -61,7 +61,7 @@ class AuditTables:
     extra: dict = field(default_factory=dict)
 
     def by_anomaly(self) -> dict[str, DataFrame]:
-        """anomaly name (kdsync.checker) -> the table that lists its occurrences."""
+        """anomaly name (kdsync.invariants) -> the table that lists its occurrences."""
         return {checker.INCONSISTENT_OFFSETS: self.divergent, checker.DUPLICATE: self.duplicates,
                 checker.FOREIGN: self.foreign, checker.LOST_WRITE: self.lost, checker.NONMONOTONIC: self.inversions}
 

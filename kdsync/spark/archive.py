@@ -49,8 +49,8 @@ import uuid
 
 import typer
 
-from kdsync.clikit import UsageError, command, new_app, run_job
-from kdsync.clikit import run as run_cli
+from kdsync.cli_style import UsageError, command, new_app, run_job
+from kdsync.cli_style import run as run_cli
 
 SEGMENT_RE = re.compile(r"^(\d{20})-(\d{20})$")
 CHECKPOINT = "_checkpoint.json"
@@ -319,7 +319,7 @@ def restore(spark, prefix: str, archived: str, brokers: str, topic: str) -> dict
     from pyspark.sql import functions as F
 
     from kdsync.kafka.topic import ensure_topic
-    from kdsync.logs import client_log
+    from kdsync.observability.logs import client_log
 
     df = read_archive(spark, prefix, archived, topic)
     if df is None:

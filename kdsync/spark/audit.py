@@ -32,9 +32,9 @@ from pathlib import Path
 
 import typer
 
-from kdsync import checker
-from kdsync.clikit import UsageError, command, new_app, run_job
-from kdsync.clikit import run as run_cli
+from kdsync import invariants as checker
+from kdsync.cli_style import UsageError, command, new_app, run_job
+from kdsync.cli_style import run as run_cli
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ
 
 MAX_EXAMPLES = 5
@@ -249,7 +249,7 @@ def build_report(tables, mode: str, malformed=None) -> dict:
         mirror = (r["protocol"] or "") == "mirror"
 
         def violation(anomaly: str, detail: str, count: int, member: str | None = None, fails: bool = True) -> None:
-            # kind + anomaly: the simulator's summary.json vocabulary (kdsync.checker)
+            # kind + anomaly: the simulator's summary.json vocabulary (kdsync.invariants)
             v = {"kind": checker.KIND_OF[anomaly], "anomaly": anomaly, "count": count}
             if member is not None:
                 v["member"] = member

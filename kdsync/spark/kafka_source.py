@@ -89,13 +89,13 @@ def kafka_conf(options) -> dict:
 def _consumer(conf: dict):
     from confluent_kafka import Consumer
 
-    from kdsync.logs import client_log
+    from kdsync.observability.logs import client_log
 
     c = dict(conf)
     c.setdefault("group.id", "kdsync-spark")
     c.update({"enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
     c.setdefault("log_level", 3)
-    c.setdefault("logger", client_log())  # never raw %3|... lines (kdsync.logs)
+    c.setdefault("logger", client_log())  # never raw %3|... lines (kdsync.observability.logs)
     c.setdefault("fetch.max.bytes", 52428800)
     return Consumer(c)
 

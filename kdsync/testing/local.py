@@ -35,7 +35,7 @@ from typing import Callable
 from kdsync.kafka.embedded import EmbeddedCluster, S3Store, die_with_parent
 from kdsync.kafka.records import H_SEQ, read_global_headers
 from kdsync.kafka.topic import FetchStalledError, consumer, ensure_topic, iter_partition, read_to_eof
-from kdsync.logs import client_log
+from kdsync.observability.logs import client_log
 
 __all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "Writers", "check_agreement",
            "check_sharded", "child_pids", "free_port_block", "measure", "read_global", "write_events"]
@@ -108,8 +108,8 @@ def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None 
     """Every global topic holds the same events at the same offsets, seq ==
     offset, no duplicate, origin order, the same key and value for an event
     everywhere, and (if given) exactly `expected` records.  Returns (ok, one
-    line: the first violation of `kdsync.checker`, or what holds)."""
-    from kdsync.checker import FOREIGN, LOST_WRITE, Violation, check, gap, runs_from_events
+    line: the first violation of `kdsync.invariants`, or what holds)."""
+    from kdsync.invariants import FOREIGN, LOST_WRITE, Violation, check, gap, runs_from_events
 
     names = sorted(topics)
     found: list[Violation] = []
@@ -594,7 +594,7 @@ class LocalGroup:
             self.assert_no_stall()
 
     def stalls(self) -> list[str]:
-        """Every "stalled" line the members logged (kdsync.health)."""
+        """Every "stalled" line the members logged (kdsync.observability.stalls)."""
         return [f"{self.names[i]}: {line}" for i in range(self.n) for line in self.log_text(i).splitlines()
                 if 'msg="stalled: ' in line]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kdsync.checker import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
+from kdsync.invariants import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.core.batch import read_positions
 
@@ -285,7 +285,7 @@ class InMemoryNetwork:
 
 
 def check_invariants(net: InMemoryNetwork, *, agreement=True, submitted=None, live=None) -> list[str]:
-    """The outside checker (`kdsync.checker`) on the network's members: returns
+    """The outside checker (`kdsync.invariants`) on the network's members: returns
     one line `kind: anomaly: detail` per violation (empty when fine).
 
     `submitted`: set of (origin, partition, offset) acknowledged (None: no

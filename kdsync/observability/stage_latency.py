@@ -21,7 +21,7 @@ every Delivery (own or not) has produced and report.  Samples are taken per
 batch / per Delivery, never per record, so measuring costs a few
 microseconds per batch.  `kdsync_e2e_latency_seconds` still counts every
 record (source timestamp -> its Delivery durable), tallied per Delivery
-(`kdsync.metrics.observe_many`).
+(`kdsync.observability.metrics.observe_many`).
 
 The trace is one JSON line per batch once it is durable: `topic`, `origin`,
 `partition`, `first_offset`, `count`, `seq` (position of its first record),
@@ -38,7 +38,7 @@ import time
 from array import array
 from collections import deque
 
-from kdsync.metrics import observe_many
+from kdsync.observability.metrics import observe_many
 
 __all__ = ["STAGES", "LatencyTrace", "StageClock", "shard_trace_path"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kdsync.logs import kv
+from kdsync.observability.logs import kv
 
 __all__ = ["STAGES", "StallDetector", "Transition", "sample_pipelines"]
 

@@ -9,12 +9,12 @@ Exported (all prefixed `kdsync_`):
   delivered_position{topic}            next position durable in the global topic
   input_lag{topic,partition}           source records not yet durably ordered
   e2e_latency_seconds{topic}           histogram: source timestamp -> written to global topic
-  stage_seconds{topic,stage}           histogram: one stage of a batch's trip (kdsync.stages), per batch
+  stage_seconds{topic,stage}           histogram: one stage of a batch's trip (kdsync.observability.stage_latency), per batch
   events_consumed_total{topic}, events_written_total{topic}
   peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer}
   core_events_total{topic,kind}        kind = submitted|delivered|resubmitted|deduplicated|bad_messages
   bad_peer_messages_total{peer}        malformed messages dropped
-  stalled{topic,stage}                1 while a stage holds records that do not move (kdsync.health)
+  stalled{topic,stage}                1 while a stage holds records that do not move (kdsync.observability.stalls)
   producer_recoveries_total           the global-topic producer failed and was re-created in place (kdsync.kafka.sink)
   source_restarts_total, source_fetch_wait_ms   the source client re-created after a stalled fetch (kdsync.kafka.source)
 """
@@ -94,7 +94,7 @@ class MemberMetrics:
         self.producer_recoveries = Counter("kdsync_producer_recoveries", "failed producers re-created in place "
                                            "(fatal idempotence error or delivery error)", registry=reg)
         self.stalled = Gauge("kdsync_stalled", "1 while a stage holds records and has not moved for [health] "
-                             "stall_after_ms (kdsync.health)", ["topic", "stage"], registry=reg)
+                             "stall_after_ms (kdsync.observability.stalls)", ["topic", "stage"], registry=reg)
         self.source_restarts = Counter("kdsync_source_restarts", "source clients re-created because every fetch "
                                        "came back empty while records waited", registry=reg)
         self.source_fetch_wait = Gauge("kdsync_source_fetch_wait_ms", "fetch.wait.max.ms of the source client",

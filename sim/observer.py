@@ -1,11 +1,11 @@
-"""The simulator's side of the invariant checker (`kdsync.checker`).
+"""The simulator's side of the invariant checker (`kdsync.invariants`).
 
-The checks themselves, and their vocabulary, live in `kdsync.checker`; this
+The checks themselves, and their vocabulary, live in `kdsync.invariants`; this
 module collects what only the simulator can see while a run goes on — views
 each member installed, deliveries a member made while no majority could
 reach it (its two-way-connected component of up members was not larger than
 half the configuration), positions handed over out of turn — and hands the
-final global topics to `kdsync.checker.check` as runs, one per delivered
+final global topics to `kdsync.invariants.check` as runs, one per delivered
 batch, so a run of millions of records is judged per batch.  It never looks
 at a node's own view of itself.  Kinds (docs/scenario.md): `agreement`,
 `integrity`, `loss`, `origin_order`, `split_brain`, plus `expect` for a
@@ -17,7 +17,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Iterable, Mapping, Sequence
 
-from kdsync.checker import (
+from kdsync.invariants import (
     AGREEMENT,
     KINDS,
     SPLIT_BRAIN,
@@ -82,7 +82,7 @@ class Checker(Recorder):
 
 
 class _ContentCheck:
-    """`kdsync.checker.ContentCheck` over the simulated topics: the records at
+    """`kdsync.invariants.ContentCheck` over the simulated topics: the records at
     positions run.seq.. of a member's global topic against the source records
     of the same offsets, batch slice against batch slice (bytes compared in
     C); record by record only where a slice differs."""

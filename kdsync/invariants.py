@@ -1,6 +1,6 @@
 """The invariant checker: one vocabulary and one implementation for every driver.
 
-The simulator (`sim/checkers.py`), the in-memory testing network
+The simulator (`sim/observer.py`), the in-memory testing network
 (`kdsync.testing.network.check_invariants`) and `kdsync demo` judge what the
 members delivered with the functions here; the Spark audit
 (`kdsync.spark.analysis`) computes the same anomalies as DataFrames and
