@@ -1,0 +1,202 @@
+"""The ordering stream of one view of the `clock` protocol (work in progress,
+docs/design/wan-ordering.md): Clock-RSM's order inside a view.
+
+Theory of operation
+-------------------
+*Slots and timestamps.*  Each sender of the view cuts its pending batches
+into slots, numbered 0, 1, ... per sender, and stamps each with a timestamp
+from its hybrid logical clock: ``ts = max(now, clock + 1)``, so one sender's
+timestamps strictly increase whatever its physical clock does.  The agreed
+order is (ts, sender rank).  There are no nulls and no rounds: a sender cuts
+a slot when it has data and its window has room.
+
+*Received vectors.*  As in derecho's stream, every member keeps
+`received[k]`, the number of contiguous slots it holds from sender k, and
+multicasts that vector (cumulative acknowledgements).
+
+*Clock reports.*  Every message a member sends carries `(cut, clock)`: it had
+cut `cut` slots, and every later slot of it will have a timestamp above
+`clock`.  Receiving a slot bumps the receiver's clock past its timestamp, so
+the receiver's next report promises past it even when its physical clock is
+behind.  At a receiver, a report is usable once it holds the sender's first
+`cut` slots (links lose and reorder); the sender's *promise* there is the
+larger of its last usable report and the timestamp of its last contiguous
+slot: every slot of it not held yet has a larger timestamp.
+
+*Delivery.*  The held, undelivered slot with the smallest (ts, rank) is
+delivered once
+
+  C1  a majority of the view's members hold it (received vectors: this
+      member's own, the peers' acknowledgements), and
+  C2  every other sender either has a held undelivered slot (its key is
+      larger: this one is the smallest) or promises at least its ts here.
+
+Then nothing with a smaller key can still arrive, and a majority holds it, so
+the next view's ragged trim (the maximum received prefix per sender over a
+majority of reports) contains it.  Clock skew, drift and jumps change when
+C2 holds, never what is delivered.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Sequence
+
+from kdsync.core.batch import Batch
+from kdsync.core.stream import NULL, Slot, _take
+from kdsync.core.types import View
+
+__all__ = ["ClockStream", "Stamped"]
+
+Stamped = tuple[int, Slot]  # (timestamp, batches)
+
+
+class ClockStream:
+    """The ordering state of one view at one member (see module docstring)."""
+
+    __slots__ = ("n", "my_k", "senders", "majority", "received", "slots", "acks", "next", "reports", "promised", "last_ts",
+                 "clock", "inflight", "cut_upto")
+
+    def __init__(self, view: View, me: str, clock: int = 0) -> None:
+        n = self.n = len(view.senders)
+        self.my_k = view.senders.index(me) if me in view.senders else -1
+        self.senders = view.senders
+        self.majority = len(view.members) // 2 + 1
+        self.received = [0] * n  # contiguous slots held, per sender
+        self.slots: list[dict[int, Stamped]] = [{} for _ in range(n)]  # held, not delivered
+        self.acks: dict[str, list[int]] = {m: [0] * n for m in view.members if m != me}  # peers' received vectors
+        self.next = [0] * n  # per sender: the next slot index to deliver
+        self.reports: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # (cut, clock) not usable yet
+        self.promised = [-1] * n  # per sender: the last usable report's clock
+        self.last_ts = [-1] * n  # per sender: the timestamp of its last contiguous slot
+        self.clock = clock  # own hybrid logical clock: every later own slot has ts > clock
+        self.inflight: deque[int] = deque()  # own slot indices some peer has not acknowledged
+        self.cut_upto = 0
+
+    # ------------------------------------------------------------- the clock
+    def report(self, now: int) -> tuple[int, int]:
+        """The clock report to send now: (own slots cut, promise)."""
+        if now > self.clock:
+            self.clock = now
+        return self.cut_upto, self.clock
+
+    def promise(self, k: int) -> int:
+        """Sender k's promise here: every slot of k not held has ts above it."""
+        q = self.reports[k]
+        while q and q[0][0] <= self.received[k]:  # usable: the slots it counts are all held
+            self.promised[k] = q.popleft()[1]
+        return max(self.promised[k], self.last_ts[k])
+
+    def on_report(self, k: int, cut: int, clock: int) -> None:
+        """Sender k's clock report arrived."""
+        q = self.reports[k]
+        if clock <= (q[-1][1] if q else self.promised[k]):
+            return  # an older report (links reorder)
+        while q and q[-1][0] >= cut:  # one with the same slots and a later clock replaces it
+            q.pop()
+        q.append((cut, clock))
+        if clock > self.clock:
+            self.clock = clock
+
+    # ------------------------------------------------------------- receiving
+    def add(self, k: int, first: int, slots: Sequence[Stamped]) -> bool:
+        """Sender k's slots first.. arrived.  Returns True when received[k] grew."""
+        own = self.acks.get(self.senders[k])  # the sender holds what it sent
+        if own is not None and first + len(slots) > own[k]:
+            own[k] = first + len(slots)
+        have = self.received[k]
+        store = self.slots[k]
+        idx = first
+        for s in slots:
+            if idx >= have and idx not in store:
+                store[idx] = s
+                if s[0] > self.clock:
+                    self.clock = s[0]  # the next report promises past it
+            idx += 1
+        start = have
+        while have in store:
+            have += 1
+        if have == start:
+            return False
+        self.received[k] = have
+        self.last_ts[k] = store[have - 1][0]
+        return True
+
+    def ack(self, peer: str, recv: Iterable[int]) -> bool:
+        """A peer's received vector.  Returns True when any count grew."""
+        cur = self.acks[peer]
+        grew = False
+        for k, v in enumerate(recv):
+            if v > cur[k]:
+                cur[k] = v
+                grew = True
+        if grew and self.inflight:
+            low = min(a[self.my_k] for a in self.acks.values())
+            while self.inflight and self.inflight[0] < low:
+                self.inflight.popleft()
+        return grew
+
+    # -------------------------------------------------------------- cutting
+    def cut(self, pending: list[Batch], now: int, window: int, max_batch: int) -> tuple[int, list[Stamped]]:
+        """Cut own slots from `pending` while the window has room, each
+        stamped above the clock.  Consumes what it cuts; returns (first index,
+        slots)."""
+        k = self.my_k
+        first = count = self.received[k]
+        store = self.slots[k]
+        out: list[Stamped] = []
+        while pending and len(self.inflight) < window:
+            ts = max(now, self.clock + 1)
+            self.clock = ts
+            s = (ts, _take(pending, max_batch))
+            store[count] = s
+            out.append(s)
+            self.inflight.append(count)
+            count += 1
+        self.received[k] = self.cut_upto = count
+        if out:
+            self.last_ts[k] = out[-1][0]
+        return first, out
+
+    def own_slots(self, start: int, stop: int) -> list[Stamped]:
+        """Own slots start..stop-1 still held (a retransmission)."""
+        store = self.slots[self.my_k]
+        return [store[i] for i in range(start, min(stop, self.cut_upto)) if i in store]
+
+    # ------------------------------------------------------------- delivery
+    def _holders(self, k: int, idx: int) -> int:
+        return (self.received[k] > idx) + sum(1 for a in self.acks.values() if a[k] > idx)
+
+    def deliverable(self) -> list[Slot]:
+        """Pop the slots that can be delivered now, in (ts, rank) order."""
+        out: list[Slot] = []
+        n = self.n
+        while True:
+            head, hk = None, -1
+            for k in range(n):
+                s = self.slots[k].get(self.next[k])
+                if s is not None and (head is None or s[0] < head[0]):
+                    head, hk = s, k
+            if head is None:
+                return out
+            ts = head[0]
+            for j in range(n):
+                if j != hk and j != self.my_k and self.next[j] >= self.received[j] and self.promise(j) < ts:
+                    return out  # C2: j may still send something before it
+            if self._holders(hk, self.next[hk]) < self.majority:
+                return out  # C1
+            del self.slots[hk][self.next[hk]]
+            self.next[hk] += 1
+            if head[1] is not NULL:
+                out.append(head[1])
+
+    def undelivered_own(self) -> list[Batch]:
+        """Own batches in slots not delivered here (to resubmit), in order."""
+        if self.my_k < 0:
+            return []
+        store = self.slots[self.my_k]
+        out: list[Batch] = []
+        for idx in sorted(store):
+            out.extend(store[idx][1])
+        store.clear()
+        return out
