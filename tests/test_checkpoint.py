@@ -12,6 +12,7 @@ import json
 import logging
 
 import pytest
+from confluent_kafka import KafkaError
 
 from kdsync.core import Delivery, Event, batches_from_events
 from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter
@@ -19,6 +20,8 @@ from kdsync.kafka.reader import (AFTER_DELETION, ANCHORED, AT_CHECKPOINT, FROM_S
                                  _Keys, _read_partition, decide_start)
 from kdsync.kafka.records import global_headers, pack_payload
 from kdsync.observability.logs import KafkaClientLog
+
+from helpers import FakeMessage
 
 T = "t-global"
 
@@ -299,35 +302,10 @@ def test_tools_readers_never_print_raw_librdkafka_lines():
 
 
 # ---------------------------------------------------------------- reading a partition whose oldest records are gone
-class Msg:
-    def __init__(self, topic, part, offset, seq=None, eof=False):
-        self._t, self._p, self._o, self._eof = topic, part, offset, eof
-        self._h = None if seq is None else global_headers(seq, ("a", "b")[seq % 2], 0, seq // 2, 1)
-
-    def error(self):
-        if not self._eof:
-            return None
-        from confluent_kafka import KafkaError
-
-        return KafkaError(KafkaError._PARTITION_EOF)
-
-    def offset(self):
-        return self._o
-
-    def topic(self):
-        return self._t
-
-    def partition(self):
-        return self._p
-
-    def headers(self):
-        return self._h
-
-    def key(self):
-        return None
-
-    def value(self):
-        return b"v"
+def Msg(topic, part, offset, seq=None, eof=False):
+    headers = None if seq is None else global_headers(seq, ("a", "b")[seq % 2], 0, seq // 2, 1)
+    return FakeMessage(None, b"v", headers, topic, part, offset,
+                       error=KafkaError(KafkaError._PARTITION_EOF) if eof else None)
 
 
 class TruncatedPartition:

@@ -3,6 +3,8 @@
 import socket
 import threading
 
+import pytest
+
 from kdsync.testing.fault_proxy import FaultProxy
 
 
@@ -37,44 +39,54 @@ def _recv(s: socket.socket, n: int) -> bytes:
     return out
 
 
-def test_blackhole_holds_bytes_in_order_and_heal_delivers_them():
+@pytest.fixture
+def proxy():
+    """A FaultProxy in front of an echo server."""
     srv = _echo_server()
-    with FaultProxy(srv.getsockname()) as p:
-        s = socket.create_connection(("127.0.0.1", p.port), timeout=5)
-        s.sendall(b"one")
-        assert _recv(s, 3) == b"one"
-        p.blackhole()
-        s.sendall(b"two")
-        s.sendall(b"three")
-        s.settimeout(0.5)
-        try:
-            got = s.recv(10)
-        except socket.timeout:
-            got = None
-        assert got is None, "nothing may arrive through a black hole, and the socket stays open"
-        s.settimeout(5)
-        held = socket.create_connection(("127.0.0.1", p.port), timeout=5)  # accepted, held until the heal
-        held.sendall(b"new")
-        p.heal()
-        assert _recv(s, 8) == b"twothree"
-        assert _recv(held, 3) == b"new"
-        s.close()
-        held.close()
-    srv.close()
+    try:
+        with FaultProxy(srv.getsockname()) as p:
+            yield p
+    finally:
+        srv.close()
 
 
-def test_cut_resets_connections_and_refuses_until_healed():
-    srv = _echo_server()
-    with FaultProxy(srv.getsockname()) as p:
-        s = socket.create_connection(("127.0.0.1", p.port), timeout=5)
-        s.sendall(b"x")
-        assert _recv(s, 1) == b"x"
-        p.cut()
-        assert _recv(s, 1) == b""  # closed
-        r = socket.create_connection(("127.0.0.1", p.port), timeout=5)
-        assert _recv(r, 1) == b""  # refused: accepted and closed
-        p.heal()
-        t = socket.create_connection(("127.0.0.1", p.port), timeout=5)
-        t.sendall(b"y")
-        assert _recv(t, 1) == b"y"
-    srv.close()
+def _connect(p: FaultProxy) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", p.port), timeout=5)
+
+
+def _echoed(s: socket.socket, data: bytes) -> bytes:
+    """Send data, return as many bytes as came back (fewer if the connection closed)."""
+    s.sendall(data)
+    return _recv(s, len(data))
+
+
+def test_blackhole_holds_bytes_in_order_and_heal_delivers_them(proxy):
+    s = _connect(proxy)
+    assert _echoed(s, b"one") == b"one"
+    proxy.blackhole()
+    s.sendall(b"two")
+    s.sendall(b"three")
+    s.settimeout(0.5)
+    try:
+        got = s.recv(10)
+    except socket.timeout:
+        got = None
+    assert got is None, "nothing may arrive through a black hole, and the socket stays open"
+    s.settimeout(5)
+    held = _connect(proxy)  # accepted, held until the heal
+    held.sendall(b"new")
+    proxy.heal()
+    assert _recv(s, 8) == b"twothree"
+    assert _recv(held, 3) == b"new"
+    s.close()
+    held.close()
+
+
+def test_cut_resets_connections_and_refuses_until_healed(proxy):
+    s = _connect(proxy)
+    assert _echoed(s, b"x") == b"x"
+    proxy.cut()
+    assert _recv(s, 1) == b""  # closed
+    assert _recv(_connect(proxy), 1) == b""  # refused: accepted and closed
+    proxy.heal()
+    assert _echoed(_connect(proxy), b"y") == b"y"

@@ -12,61 +12,23 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, read_global
 from kdsync.kafka.checkpoint import Checkpoint
-from kdsync.kafka.embedded import EmbeddedCluster, free_port
+from kdsync.kafka.embedded import EmbeddedCluster
 from kdsync.kafka.records import read_global_headers
 from kdsync.kafka.topic import ensure_topic, iter_partition, partition_count, read_partition
+
+from helpers import assert_agree, member_logs, refused_start, solo_config, wait_until, write_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CP_TOPIC = "events-global.kdsync"
-
-
-def _wait(cond, timeout: float, what: str, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll)
-
-
-def _write_all(g: LocalGroup, n: int, tag: str, rate: float | None = None, idx=None) -> int:
-    idx = list(range(g.n)) if idx is None else idx
-    errors: list[Exception] = []
-
-    def w(i):
-        try:
-            write_events(g.bootstrap(i), g.topic, n, f"{tag}-{g.names[i]}", rate=rate)
-        except Exception as e:  # re-raised in the test thread below
-            errors.append(e)
-
-    ts = [threading.Thread(target=w, args=(i,)) for i in idx]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
-    return n * len(idx)
-
-
-def _logs(g: LocalGroup) -> str:
-    return "\n".join(f"--- {n}\n" + "\n".join(g.log_text(i).splitlines()[-25:]) for i, n in enumerate(g.names))
-
-
-def _assert_agree(g: LocalGroup, expected: int, timeout: float = 60.0):
-    got = g.wait_for(expected, timeout)
-    ok, detail = check_agreement(got, expected=expected)
-    assert ok, detail + "\n" + _logs(g)
-    return got
 
 
 def checkpoints(bootstrap: str, topic: str = CP_TOPIC) -> list[Checkpoint]:
@@ -98,21 +60,21 @@ def test_restart_reads_only_what_follows_the_checkpoint(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        got = _assert_agree(g, _write_all(g, 200, "a"))
+        got = assert_agree(g, write_all(g, 200, "a"))
         # the checkpoints follow the durable position, with the watermarks of the positions below theirs
-        _wait(lambda: checkpoints(g.bootstrap(0))[-1].seq == 600, 20, "a checkpoint at position 600")
+        wait_until(lambda: checkpoints(g.bootstrap(0))[-1].seq == 600, 20, "a checkpoint at position 600")
         for cp in checkpoints(g.bootstrap(0)):
             assert cp.topic == "events-global" and cp.member == "dc1"
             assert cp.watermarks == watermarks_of(got["dc1"], cp.seq)
             assert cp.offsets[0] <= cp.seq and all(r.seq < cp.seq for r in got["dc1"][:cp.offsets[0]])
         # the metrics follow the confirmed checkpoint: its position, and when it was written
-        _wait(lambda: g.metrics(0).get(("kdsync_checkpoint_position", (("topic", "events"),))) == 600, 20,
-              "kdsync_checkpoint_position 600")
+        wait_until(lambda: g.metrics(0).get(("kdsync_checkpoint_position", (("topic", "events"),))) == 600, 20,
+                   "kdsync_checkpoint_position 600")
         written = g.metrics(0)[("kdsync_checkpoint_timestamp_seconds", (("topic", "events"),))]
         assert written == checkpoints(g.bootstrap(0))[-1].written_ms / 1000.0
         # a clean stop leaves an exact checkpoint: the next start reads the one record before its offset
         g.signal_member(0, signal.SIGTERM)
-        assert g.wait_member(0) == 0, _logs(g)
+        assert g.wait_member(0) == 0, member_logs(g)
         last = checkpoints(g.bootstrap(0))[-1]
         assert (last.seq, last.offsets) == (600, (600,))
         g.start_member(0)
@@ -122,15 +84,15 @@ def test_restart_reads_only_what_follows_the_checkpoint(tmp_path):
         # a restarted member reports the checkpoint it started from at once
         assert g.metrics(0)[("kdsync_checkpoint_position", (("topic", "events"),))] == 600
         # kill -9 mid-stream: the restart reads from the last checkpoint, not from position 0
-        writers = threading.Thread(target=_write_all, args=(g, 300, "k", 100.0))
+        writers = threading.Thread(target=write_all, args=(g, 300, "k", 100.0))
         writers.start()
-        _wait(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 900, 30, "dc2 to write some events")
+        wait_until(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 900, 30, "dc2 to write some events")
         g.signal_member(1, signal.SIGKILL)
         assert g.wait_member(1) == -signal.SIGKILL
         g.start_member(1)
         g.wait_ready(members=[1], timeout=60)
         writers.join()
-        _assert_agree(g, 1500, timeout=90)
+        assert_agree(g, 1500, timeout=90)
         assert len(ready_lines(g, 1)) == 2
         ready = ready_lines(g, 1)[-1]
         assert ready["checkpoint"] != "none" and int(ready["checkpoint"]) >= 600, ready
@@ -147,22 +109,22 @@ def test_upgrade_without_checkpoint_topic_starts_by_scanning(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        got = _assert_agree(g, _write_all(g, 100, "u"))
+        got = assert_agree(g, write_all(g, 100, "u"))
         g.signal_member(0, signal.SIGTERM)
         assert g.wait_member(0) == 0
         admin = AdminClient({"bootstrap.servers": g.bootstrap(0), "log_level": 0})
         admin.delete_topics([CP_TOPIC])[CP_TOPIC].result(10)
-        _wait(lambda: partition_count(g.bootstrap(0), CP_TOPIC) == 0, 10, "the checkpoint topic to be gone")
+        wait_until(lambda: partition_count(g.bootstrap(0), CP_TOPIC) == 0, 10, "the checkpoint topic to be gone")
         g.start_member(0)
         g.wait_ready(members=[0])
         ready = ready_lines(g, 0)[-1]
         assert (ready["start_seq"], ready["checkpoint"], ready["records_read"]) == ("300", "none", "300"), ready
         # the start state is checkpointed at once
-        _wait(lambda: partition_count(g.bootstrap(0), CP_TOPIC) == 1 and checkpoints(g.bootstrap(0)), 20,
-              "a first checkpoint")
+        wait_until(lambda: partition_count(g.bootstrap(0), CP_TOPIC) == 1 and checkpoints(g.bootstrap(0)), 20,
+                   "a first checkpoint")
         cp = checkpoints(g.bootstrap(0))[-1]
         assert (cp.seq, cp.offsets, cp.watermarks) == (300, (300,), watermarks_of(got["dc1"], 300))
-        _assert_agree(g, 300 + _write_all(g, 50, "u2"))
+        assert_agree(g, 300 + write_all(g, 50, "u2"))
     finally:
         g.close()
 
@@ -188,12 +150,12 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        _assert_agree(g, _write_all(g, 100, "r1"))
+        assert_agree(g, write_all(g, 100, "r1"))
         g.signal_member(0, signal.SIGTERM)  # a clean stop: an exact checkpoint at 300
         assert g.wait_member(0) == 0
         g.start_member(0)
         g.wait_ready(members=[0])
-        got = _assert_agree(g, 300 + _write_all(g, 100, "r2", rate=150.0))  # paced: the origins interleave
+        got = assert_agree(g, 300 + write_all(g, 100, "r2", rate=150.0))  # paced: the origins interleave
         g.signal_member(0, signal.SIGKILL)  # no checkpoint at 600: the last one stays at 300
         assert g.wait_member(0) == -signal.SIGKILL
         assert checkpoints(g.bootstrap(0))[-1].seq == 300
@@ -205,7 +167,7 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
         assert len(keep) == 600 - first
         admin = AdminClient({"bootstrap.servers": g.bootstrap(0), "log_level": 0})
         admin.delete_topics([g.global_topic])[g.global_topic].result(10)
-        _wait(lambda: partition_count(g.bootstrap(0), g.global_topic) == 0, 10, "events-global to be gone")
+        wait_until(lambda: partition_count(g.bootstrap(0), g.global_topic) == 0, 10, "events-global to be gone")
         ensure_topic(g.bootstrap(0), g.global_topic)
         prod = Producer({"bootstrap.servers": g.bootstrap(0), "acks": "all", "enable.idempotence": True,
                          "log_level": 3})
@@ -218,19 +180,20 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
         g.start_member(0)
         g.wait_ready(members=[0])
         log0 = g.log_text(0)
-        assert log0.count("before a checkpoint covered them") == 1 and f"lost=300..{first - 1}" in log0, _logs(g)
+        assert log0.count("before a checkpoint covered them") == 1 and f"lost=300..{first - 1}" in log0, (
+            member_logs(g))
         ready = ready_lines(g, 0)[-1]
         assert (ready["start_seq"], ready["checkpoint"], ready["records_read"]) == ("600", "300", str(600 - first))
         # the start state dc1 checkpoints now: position 600 and exactly the other members' watermarks
-        _wait(lambda: checkpoints(g.bootstrap(0))[-1].seq == 600, 20, "dc1's start checkpoint")
+        wait_until(lambda: checkpoints(g.bootstrap(0))[-1].seq == 600, 20, "dc1's start checkpoint")
         cp = checkpoints(g.bootstrap(0))[-1]
         assert cp.offsets == (600 - first,) and cp.watermarks == watermarks_of(got["dc2"], 600)
         # and it goes on in step with the others: same event at every position, nothing twice
-        _write_all(g, 50, "r3")
+        write_all(g, 50, "r3")
         ok, detail = check_agreement(g.wait_for(750, 60, members=[1, 2]), expected=750)
-        assert ok, detail + _logs(g)
+        assert ok, detail + member_logs(g)
         ref = read_global(g.bootstrap(1), g.global_topic)
-        _wait(lambda: len(read_global(g.bootstrap(0), g.global_topic)) == 750 - first, 60, "dc1 to hold F..749")
+        wait_until(lambda: len(read_global(g.bootstrap(0), g.global_topic)) == 750 - first, 60, "dc1 to hold F..749")
         mine = read_global(g.bootstrap(0), g.global_topic)
         assert [r.seq for r in mine] == [r.offset + first for r in mine] == list(range(first, 750))
         for r in mine:
@@ -243,7 +206,6 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
 def test_unprovable_start_is_refused_with_one_line(tmp_path):
     """A checkpoint that says 50 positions are durable next to an empty global
     topic (deleted and created again): exit 1, one line naming what to do."""
-    listen = f"127.0.0.1:{free_port()}"
     with EmbeddedCluster("solo", log_dir=tmp_path) as c:
         ensure_topic(c.bootstrap, "x")
         ensure_topic(c.bootstrap, "x-global")
@@ -252,26 +214,10 @@ def test_unprovable_start_is_refused_with_one_line(tmp_path):
         prod.produce("x-global.kdsync", key=b"x-global",
                      value=Checkpoint("x-global", 50, (50,), {("solo", 0): 49}, "solo").encode())
         assert prod.flush(10) == 0
-        cfg = tmp_path / "solo.toml"
-        cfg.write_text(f"""state_dir = "{tmp_path / 'state'}"
-[member]
-id = "solo"
-listen = "{listen}"
-[peers]
-solo = "{listen}"
-[kafka]
-"bootstrap.servers" = "{c.bootstrap}"
-[topics]
-source = "x"
-""")
-        r = subprocess.run([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg)], capture_output=True,
-                           text=True, timeout=90)
-        assert r.returncode == 1, r.stderr
-        last = r.stderr.strip().splitlines()[-1]
+        last, stderr = refused_start(solo_config(tmp_path / "solo.toml", c.bootstrap, "x"), timeout=90)
         assert last == ("kdsync run: x-global.kdsync says positions below 50 are durable in x-global, but x-global "
                         "does not hold position 0 (was x-global deleted and created again? then delete "
-                        "x-global.kdsync too, or restore x-global), see docs/operations.md"), r.stderr
-        assert "Traceback" not in r.stderr
+                        "x-global.kdsync too, or restore x-global), see docs/operations.md"), stderr
 
 
 def _all_partitions(bootstrap: str, topic: str, parts: int) -> dict[int, list[tuple]]:
@@ -294,26 +240,26 @@ def test_three_global_partitions_kill_9_and_restart_from_checkpoint(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        total = _write_all(g, 150, "p1")
+        total = write_all(g, 150, "p1")
 
         def counts():
             return [sum(len(v) for v in _all_partitions(g.bootstrap(i), g.global_topic, parts).values())
                     for i in range(g.n)]
 
-        _wait(lambda: counts() == [total] * 3, 60, f"{total} records in every cluster", poll=0.3)
-        _wait(lambda: checkpoints(g.bootstrap(0))[-1].seq == total, 20, "dc1's checkpoint to reach the end")
+        wait_until(lambda: counts() == [total] * 3, 60, f"{total} records in every cluster", poll=0.3)
+        wait_until(lambda: checkpoints(g.bootstrap(0))[-1].seq == total, 20, "dc1's checkpoint to reach the end")
         cp = checkpoints(g.bootstrap(0))[-1]
         assert len(cp.offsets) == parts
-        writers = threading.Thread(target=_write_all, args=(g, 300, "p2", 200.0))
+        writers = threading.Thread(target=write_all, args=(g, 300, "p2", 200.0))
         writers.start()
-        _wait(lambda: counts()[0] > total + 150, 30, "dc1 to write more", poll=0.2)
+        wait_until(lambda: counts()[0] > total + 150, 30, "dc1 to write more", poll=0.2)
         g.signal_member(0, signal.SIGKILL)
         assert g.wait_member(0) == -signal.SIGKILL
         g.start_member(0)
         g.wait_ready(members=[0], timeout=60)
         writers.join()
         total += 900
-        _wait(lambda: counts() == [total] * 3, 90, f"{total} records in every cluster", poll=0.3)
+        wait_until(lambda: counts() == [total] * 3, 90, f"{total} records in every cluster", poll=0.3)
         topics = [_all_partitions(g.bootstrap(i), g.global_topic, parts) for i in range(g.n)]
         for p in range(parts):
             assert topics[0][p] == topics[1][p] == topics[2][p], f"partition {p} differs"
@@ -336,11 +282,11 @@ def test_witness_has_no_checkpoint_and_members_do(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        got = g.wait_for(_write_all(g, 100, "w", idx=[0, 1]), 40)
+        got = g.wait_for(write_all(g, 100, "w", idx=[0, 1]), 40)
         ok, detail = check_agreement(got, expected=200)
-        assert ok, detail + _logs(g)
+        assert ok, detail + member_logs(g)
         for i in (0, 1):
-            _wait(lambda i=i: checkpoints(g.bootstrap(i))[-1].seq == 200, 20, f"{g.names[i]}'s checkpoint")
+            wait_until(lambda i=i: checkpoints(g.bootstrap(i))[-1].seq == 200, 20, f"{g.names[i]}'s checkpoint")
             assert checkpoints(g.bootstrap(i))[-1].watermarks == watermarks_of(got[g.names[i]], 200)
         assert "checkpoint" not in g.log_text(2).lower()
         g.signal_member(0, signal.SIGTERM)
@@ -348,9 +294,9 @@ def test_witness_has_no_checkpoint_and_members_do(tmp_path):
         g.start_member(0)
         g.wait_ready(members=[0])
         assert ready_lines(g, 0)[-1]["records_read"] == "1"  # only the record before the checkpoint's offset
-        _write_all(g, 50, "w2", idx=[0, 1])
+        write_all(g, 50, "w2", idx=[0, 1])
         ok, detail = check_agreement(g.wait_for(300, 40), expected=300)
-        assert ok, detail + _logs(g)
+        assert ok, detail + member_logs(g)
     finally:
         g.close()
 

@@ -6,6 +6,7 @@ every cluster, seq == offset, no duplicate, nothing lost.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -15,7 +16,9 @@ import time
 import pytest
 
 from kdsync.testing.fault_proxy import FaultProxy
-from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
+from kdsync.testing.local import LocalGroup, check_agreement, read_global
+
+from helpers import assert_agree, member_logs, wait_until, write_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -31,48 +34,15 @@ def group(tmp_path):
         g.close()
 
 
-def _logs(g: LocalGroup) -> str:
-    return "\n".join(f"--- {n}\n" + "\n".join(g.log_text(i).splitlines()[-25:]) for i, n in enumerate(g.names))
-
-
-def _assert_agree(g: LocalGroup, expected: int, timeout: float = 40.0, members=None):
-    got = g.wait_for(expected, timeout, members=members)
-    ok, detail = check_agreement(got, expected=expected)
-    assert ok, detail + "\n" + _logs(g)
-    return got
-
-
-def _write_all(g: LocalGroup, n: int, tag: str, rate: float | None = None, idx=None) -> int:
-    idx = range(g.n) if idx is None else idx
-    errors: list[Exception] = []
-
-    def w(i):
-        try:
-            write_events(g.bootstrap(i), g.topic, n, f"{tag}-{g.names[i]}", rate=rate)
-        except Exception as e:  # re-raised in the test thread below
-            errors.append(e)
-
-    ts = [threading.Thread(target=w, args=(i,)) for i in idx]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
-    return n * len(list(idx))
-
-
-def _wait(cond, timeout: float, what: str, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll)
+# the groups of this file agree within 40 s unless a test says otherwise
+_assert_agree = functools.partial(assert_agree, timeout=40.0)
 
 
 def test_concurrent_writes_identical_global_topics(group):
     g = group
     g.start_members()
     g.wait_ready()
-    total = _write_all(g, 400, "a")
+    total = write_all(g, 400, "a")
     got = _assert_agree(g, total)
     # every event of every cluster is there once, with its key, value and origin headers
     keys = {r.key for r in got["dc1"]}
@@ -99,9 +69,9 @@ def test_kill_9_mid_stream_then_restart(group):
     g = group
     g.start_members()
     g.wait_ready()
-    writers = threading.Thread(target=_write_all, args=(g, 600, "k", 300.0))
+    writers = threading.Thread(target=write_all, args=(g, 600, "k", 300.0))
     writers.start()
-    _wait(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 150, 20, "dc2 to write some events")
+    wait_until(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 150, 20, "dc2 to write some events")
     g.signal_member(1, signal.SIGKILL)
     assert g.wait_member(1) == -signal.SIGKILL
     time.sleep(0.5)  # let the survivors notice the crash (suspect_ms=300) while writes go on
@@ -122,15 +92,15 @@ def test_isolated_member_delivers_nothing_then_catches_up(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        _assert_agree(g, _write_all(g, 100, "before"))
+        _assert_agree(g, write_all(g, 100, "before"))
         for (i, j), p in proxies.items():  # isolate dc3
             if 2 in (i, j):
                 p.cut()
-        _wait(lambda: not g.is_active(2), 10, "dc3 to notice it is cut off")
-        _write_all(g, 100, "during")
+        wait_until(lambda: not g.is_active(2), 10, "dc3 to notice it is cut off")
+        write_all(g, 100, "during")
         got = g.wait_for(500, 30, members=[0, 1])
         ok, detail = check_agreement(got, expected=500)  # dc1, dc2: their own 200 plus dc3's 100 written before
-        assert ok, detail + _logs(g)
+        assert ok, detail + member_logs(g)
         # the isolated member wrote nothing new: still the 300 ordered before the cut
         time.sleep(0.5)
         assert len(read_global(g.bootstrap(2), g.global_topic)) == 300
@@ -147,7 +117,7 @@ def test_broker_paused_nothing_lost(group):
     g = group
     g.start_members()
     g.wait_ready()
-    writers = threading.Thread(target=_write_all, args=(g, 300, "p", 150.0, [0, 1]))
+    writers = threading.Thread(target=write_all, args=(g, 300, "p", 150.0, [0, 1]))
     writers.start()
     time.sleep(0.5)
     g.clusters[2].pause()
@@ -156,12 +126,12 @@ def test_broker_paused_nothing_lost(group):
     finally:
         g.clusters[2].resume()
     writers.join()
-    _write_all(g, 100, "after")
+    write_all(g, 100, "after")
     _assert_agree(g, 900, timeout=60)
-    assert all(p.poll() is None for p in g.procs), _logs(g)
+    assert all(p.poll() is None for p in g.procs), member_logs(g)
     # librdkafka's own lines come through the members' log format, never raw (%3|...)
     for i in range(g.n):
-        assert not [x for x in g.log_text(i).splitlines() if x.startswith("%")], _logs(g)
+        assert not [x for x in g.log_text(i).splitlines() if x.startswith("%")], member_logs(g)
 
 
 def test_wrong_secret_refused_and_garbage_ignored(group):
@@ -185,14 +155,14 @@ def test_wrong_secret_refused_and_garbage_ignored(group):
             await t.close()
 
     asyncio.run(impostor())
-    _wait(lambda: g.metrics(0).get(("kdsync_peer_refused_total", (("peer", "dc2"),)), 0) >= 1, 10,
-          "dc1 to count the refused impostor")
+    wait_until(lambda: g.metrics(0).get(("kdsync_peer_refused_total", (("peer", "dc2"),)), 0) >= 1, 10,
+               "dc1 to count the refused impostor")
     for _ in range(20):  # garbage on the member port
         with socket.create_connection(("127.0.0.1", g.ports[0])) as s:
             s.sendall(os.urandom(512))
     with socket.create_connection(("127.0.0.1", g.ports[1])) as s:
         s.sendall(b"\x00" * 100_000)
-    _assert_agree(g, _write_all(g, 200, "g"))
+    _assert_agree(g, write_all(g, 200, "g"))
     assert all(g.is_active(i) for i in range(3))
     assert "refused" in g.log_text(0).lower() or "handshake" in g.log_text(0).lower()
 
@@ -201,13 +171,13 @@ def test_sigterm_clean_stop_and_restart(group):
     g = group
     g.start_members()
     g.wait_ready()
-    _assert_agree(g, _write_all(g, 200, "s1"))
+    _assert_agree(g, write_all(g, 200, "s1"))
     g.signal_member(0, signal.SIGTERM)
-    assert g.wait_member(0, timeout=30) == 0, _logs(g)
+    assert g.wait_member(0, timeout=30) == 0, member_logs(g)
     assert "member stopped" in g.log_text(0)
     g.start_member(0)
     g.wait_ready(members=[0], timeout=30)
-    _assert_agree(g, 600 + _write_all(g, 100, "s2"))
+    _assert_agree(g, 600 + write_all(g, 100, "s2"))
 
 
 def _openssl(*args, cwd):
@@ -243,17 +213,17 @@ def test_members_over_mutual_tls(tmp_path):
         for i, name in enumerate(g.names):
             g.start_member(i, transport=tls(name))
         g.wait_ready()
-        _assert_agree(g, _write_all(g, 100, "tls"))
+        _assert_agree(g, write_all(g, 100, "tls"))
         assert "with TLS" in g.log_text(0)
         # dc3 restarts with a certificate the CA did not sign: the others refuse it
         g.stop_member(2)
         g.start_member(2, transport=tls("rogue"))
         time.sleep(2)
         assert not g.is_active(2)
-        _write_all(g, 50, "tls2", idx=[0, 1])
+        write_all(g, 50, "tls2", idx=[0, 1])
         got = g.wait_for(400, 30, members=[0, 1])
         ok, detail = check_agreement(got, expected=400)
-        assert ok, detail + _logs(g)
+        assert ok, detail + member_logs(g)
         assert len(read_global(g.bootstrap(2), g.global_topic)) == 300
     finally:
         g.close()

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -22,24 +21,20 @@ from kdsync.kafka.embedded import EmbeddedCluster, die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, global_headers
 from kdsync.kafka.topic import ensure_topic
 
+from helpers import refused_start, solo_config, wait_until, write_in_parallel
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def _wait(cond, timeout: float, what: str, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll)
-
-
-def _spawn(args, cwd, log_path, env=None):
-    log = open(log_path, "ab")
-    try:
-        return subprocess.Popen([sys.executable, "-m", "kdsync.cli", *args], cwd=cwd, stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+def _spawn(args, cwd, log_path, env=None, stderr_only=False):
+    """`python -m kdsync.cli *args` in a session of its own, dying with this
+    process, in environment `env` (this one's by default): its stdout and
+    stderr go to log_path (only its stderr with stderr_only, stdout dropped)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "kdsync.cli", *args], cwd=cwd,
+                                stdout=subprocess.DEVNULL if stderr_only else log,
+                                stderr=log if stderr_only else subprocess.STDOUT, env=env,
                                 preexec_fn=die_with_parent, start_new_session=True)
-    finally:
-        log.close()
 
 
 def _stop(p: subprocess.Popen) -> int:
@@ -53,74 +48,92 @@ def _stop(p: subprocess.Popen) -> int:
     return p.returncode
 
 
-def test_broker_down_at_start_is_retried(tmp_path):
-    """The member starts before its broker, logs the retries, and works once
-    the broker is up (a one-member group)."""
-    port, listen = free_port(), f"127.0.0.1:{free_port()}"
-    cfg = tmp_path / "m.toml"
-    cfg.write_text(f"""
-state_dir = "{tmp_path / 'state'}"
-[member]
-id = "solo"
-listen = "{listen}"
-[peers]
-solo = "{listen}"
-[kafka]
-"bootstrap.servers" = "127.0.0.1:{port}"
-[topics]
-source = "in"
-[protocol]
-tick_ms = 5
-""")
-    log = tmp_path / "member.log"
-    # SIGTERM while still waiting for the broker: a clean stop, no traceback
-    p = _spawn(["run", "--config", str(cfg)], tmp_path, tmp_path / "first.log")
-    _wait(lambda: "retrying" in (tmp_path / "first.log").read_text(), 30, "a retry to be logged")
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(20) == 0, (tmp_path / "first.log").read_text()
-    assert "Traceback" not in (tmp_path / "first.log").read_text()
-    p = _spawn(["run", "--config", str(cfg)], tmp_path, log)
+def _wait_global(bootstrap: str, topic: str, n: int) -> list:
+    """Wait (40 s at most) for n records in the global topic `topic`; return them."""
+    wait_until(lambda: len(read_global(bootstrap, topic)) == n, 40, f"{n} records in {topic}")
+    return read_global(bootstrap, topic)
+
+
+def _late_broker(tmp_path, port: int, p: subprocess.Popen, log, log_has: str, what: str, n: int, tag: str,
+                 down_s: float = 0.0) -> list:
+    """Member p runs while its broker (to be on `port`) is down: once p's log
+    shows `log_has` (`what`), the broker starts (`down_s` later), n events are
+    written to "in" and ordered into "in-global", p stops with exit 0.
+    Returns in-global's records."""
     broker = EmbeddedCluster("late", port=port, log_dir=tmp_path)
     try:
-        _wait(lambda: "retrying" in log.read_text(), 30, "a retry to be logged")
+        wait_until(lambda: log_has in log.read_text(), 30, what)
         assert p.poll() is None
+        time.sleep(down_s)
         broker.start()
         ensure_topic(broker.bootstrap, "in")
-        write_events(broker.bootstrap, "in", 50, "late")
-        _wait(lambda: len(read_global(broker.bootstrap, "in-global")) == 50, 40, "50 records in in-global")
-        got = read_global(broker.bootstrap, "in-global")
-        assert [r.seq for r in got] == list(range(50)) and [r.origin_offset for r in got] == list(range(50))
+        write_events(broker.bootstrap, "in", n, tag)
+        got = _wait_global(broker.bootstrap, "in-global", n)
         assert _stop(p) == 0
+        return got
     finally:
         _stop(p)
         broker.close()
 
 
-def test_original_positional_form_with_derecho_cfg(tmp_path):
-    """`kdsync run 1 BROKERS TOPIC` with DERECHO_CONF_FILE: member m0, leader = itself."""
+def _derecho_cfg(path, extra: str = "") -> None:
+    """A derecho.cfg of member 0, the leader, on a free GMS port."""
     gms = free_port()
-    (tmp_path / "my.cfg").write_text(f"""[DERECHO]
+    path.write_text(f"""[DERECHO]
 leader_ip = 127.0.0.1
 leader_gms_port = {gms}
 local_id = 0
 local_ip = 127.0.0.1
 gms_port = {gms}
-""")
-    with EmbeddedCluster("legacy", log_dir=tmp_path) as c:
+""" + extra)
+
+
+def _run_legacy(tmp_path, name: str, args, tag: str, log, env=None) -> list:
+    """A broker with 30 events in "test"; `kdsync *args(bootstrap)`, run in
+    tmp_path, orders them into test-global and stops on SIGINT with exit 0.
+    Returns test-global's records."""
+    with EmbeddedCluster(name, log_dir=tmp_path) as c:
         ensure_topic(c.bootstrap, "test")
-        write_events(c.bootstrap, "test", 30, "old")
-        p = _spawn(["run", "1", c.bootstrap, "test"], tmp_path, tmp_path / "m.log",
-                   env={"DERECHO_CONF_FILE": str(tmp_path / "my.cfg")})
+        write_events(c.bootstrap, "test", 30, tag)
+        p = _spawn(args(c.bootstrap), tmp_path, log, env=env)
         try:
-            _wait(lambda: len(read_global(c.bootstrap, "test-global")) == 30, 40, "30 records in test-global")
-            got = read_global(c.bootstrap, "test-global")
-            assert {r.origin for r in got} == {"m0"} and [r.seq for r in got] == list(range(30))
+            got = _wait_global(c.bootstrap, "test-global", 30)
             p.send_signal(signal.SIGINT)
             assert p.wait(20) == 0
+            return got
         finally:
             _stop(p)
-        # the state of the member lives next to the derecho.cfg it was configured by
-        assert (tmp_path / ".kdsync-state" / "m0").is_dir()
+
+
+def test_broker_down_at_start_is_retried(tmp_path):
+    """The member starts before its broker, logs the retries, and works once
+    the broker is up (a one-member group)."""
+    port = free_port()
+    cfg = solo_config(tmp_path / "m.toml", f"127.0.0.1:{port}", "in", """
+        [protocol]
+        tick_ms = 5
+        """)
+    first = tmp_path / "first.log"
+    # SIGTERM while still waiting for the broker: a clean stop, no traceback
+    p = _spawn(["run", "--config", str(cfg)], tmp_path, first)
+    wait_until(lambda: "retrying" in first.read_text(), 30, "a retry to be logged")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == 0, first.read_text()
+    assert "Traceback" not in first.read_text()
+    log = tmp_path / "member.log"
+    p = _spawn(["run", "--config", str(cfg)], tmp_path, log)
+    got = _late_broker(tmp_path, port, p, log, "retrying", "a retry to be logged", 50, "late")
+    assert [r.seq for r in got] == list(range(50)) and [r.origin_offset for r in got] == list(range(50))
+
+
+def test_original_positional_form_with_derecho_cfg(tmp_path):
+    """`kdsync run 1 BROKERS TOPIC` with DERECHO_CONF_FILE: member m0, leader = itself."""
+    _derecho_cfg(tmp_path / "my.cfg")
+    got = _run_legacy(tmp_path, "legacy", lambda bootstrap: ["run", "1", bootstrap, "test"], "old", tmp_path / "m.log",
+                      env={**os.environ, "DERECHO_CONF_FILE": str(tmp_path / "my.cfg")})
+    assert {r.origin for r in got} == {"m0"} and [r.seq for r in got] == list(range(30))
+    # the state of the member lives next to the derecho.cfg it was configured by
+    assert (tmp_path / ".kdsync-state" / "m0").is_dir()
 
 
 def test_several_source_topics_each_get_their_own_order(tmp_path):
@@ -132,12 +145,7 @@ def test_several_source_topics_each_get_their_own_order(tmp_path):
             ensure_topic(g.bootstrap(i), "payments")
         g.start_members()
         g.wait_ready()
-        ts = [threading.Thread(target=write_events, args=(g.bootstrap(i), t, 150, f"{t}-{i}"))
-              for i in g.data for t in ("orders", "payments")]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        write_in_parallel([(g.bootstrap(i), t, 150, f"{t}-{i}") for i in g.data for t in ("orders", "payments")])
         for topic in ("orders-global", "payments-global"):
             deadline = time.monotonic() + 40
             while True:
@@ -153,7 +161,7 @@ def test_several_source_topics_each_get_their_own_order(tmp_path):
         lag = ("kdsync_input_lag", (("partition", "0"), ("topic", "orders")))
         assert lag in m
         # everything written is durably ordered and committed: the lag drains to 0
-        _wait(lambda: g.metrics(1).get(lag) == 0.0, 10, "input lag to reach 0")
+        wait_until(lambda: g.metrics(1).get(lag) == 0.0, 10, "input lag to reach 0")
     finally:
         g.close()
 
@@ -166,11 +174,7 @@ def test_witness_keeps_a_two_cluster_group_going(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        ts = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, 100, f"w{i}")) for i in g.data]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        write_in_parallel([(g.bootstrap(i), g.topic, 100, f"w{i}") for i in g.data])
         got = g.wait_for(200, 30)
         ok, detail = check_agreement(got, expected=200)
         assert ok, detail
@@ -202,11 +206,7 @@ def test_restart_catches_up_through_a_peers_global_topic(tmp_path):
         assert all(len(v) == 50 for v in got.values())
         g.signal_member(2, signal.SIGKILL)
         g.wait_member(2)
-        ts = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, 150, f"b{i}")) for i in (0, 1)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        write_in_parallel([(g.bootstrap(i), g.topic, 150, f"b{i}") for i in (0, 1)])
         assert len(g.wait_for(350, 30, members=[0, 1])["dc1"]) == 350
         # the core trims its in-memory log when it delivers and the trimmed part is
         # durable: a few more single events after the 350 are durable push them out
@@ -231,17 +231,13 @@ def test_global_partitions_by_key_hash_identical_everywhere(tmp_path):
         g.start_brokers()
         g.start_members()
         g.wait_ready()
-        ts = [threading.Thread(target=write_events, args=(g.bootstrap(i), g.topic, 200, f"k{i}")) for i in g.data]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        write_in_parallel([(g.bootstrap(i), g.topic, 200, f"k{i}") for i in g.data])
 
         def parts(i):
             return [[(m.key(), dict(m.headers())[H_SEQ]) for m in read_partition(g.bootstrap(i), g.global_topic, p)]
                     for p in range(3)]
 
-        _wait(lambda: all(sum(map(len, parts(i))) == 400 for i in g.data), 40, "400 records in each global topic")
+        wait_until(lambda: all(sum(map(len, parts(i))) == 400 for i in g.data), 40, "400 records in each global topic")
         a, b = parts(0), parts(1)
         assert partition_count(g.bootstrap(0), g.global_topic) == 3
         assert a == b  # same records in the same partition at the same offset
@@ -255,30 +251,12 @@ def test_global_partitions_by_key_hash_identical_everywhere(tmp_path):
 
 
 def test_foreign_record_in_global_topic_is_fatal_with_one_line(tmp_path):
-    listen = f"127.0.0.1:{free_port()}"
     with EmbeddedCluster("foreign", log_dir=tmp_path) as c:
         ensure_topic(c.bootstrap, "src")
         ensure_topic(c.bootstrap, "src-global")
         write_events(c.bootstrap, "src-global", 1, "intruder")  # not written by kdsync
-        cfg = tmp_path / "m.toml"
-        cfg.write_text(f"""
-state_dir = "{tmp_path / 'state'}"
-[member]
-id = "solo"
-listen = "{listen}"
-[peers]
-solo = "{listen}"
-[kafka]
-"bootstrap.servers" = "{c.bootstrap}"
-[topics]
-source = "src"
-""")
-        r = subprocess.run([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg)], capture_output=True,
-                           text=True, timeout=60)
-        assert r.returncode == 1
-        last = r.stderr.strip().splitlines()[-1]
-        assert last.startswith("kdsync run: src-global[0] offset 0 has no kdsync.seq header"), r.stderr
-        assert "Traceback" not in r.stderr
+        last, stderr = refused_start(solo_config(tmp_path / "m.toml", c.bootstrap, "src"), timeout=60)
+        assert last.startswith("kdsync run: src-global[0] offset 0 has no kdsync.seq header"), stderr
 
 
 def test_restart_scan_stops_at_the_first_gap_across_partitions(tmp_path):
@@ -313,39 +291,16 @@ def test_librdkafka_lines_go_through_the_member_log_format_rate_limited(tmp_path
     kdsync.kafka.client, at most one per kind (facility, level) per
     [log] kafka_interval_ms, with the count of suppressed ones; then the
     broker comes up and the member works."""
-    port, listen = free_port(), f"127.0.0.1:{free_port()}"
-    cfg = tmp_path / "m.toml"
-    cfg.write_text(f"""
-state_dir = "{tmp_path / 'state'}"
-[member]
-id = "solo"
-listen = "{listen}"
-[peers]
-solo = "{listen}"
-[kafka]
-"bootstrap.servers" = "127.0.0.1:{port}"
-[topics]
-source = "in"
-[log]
-format = "json"
-kafka_interval_ms = 2000
-""")
+    port = free_port()
+    cfg = solo_config(tmp_path / "m.toml", f"127.0.0.1:{port}", "in", """
+        [log]
+        format = "json"
+        kafka_interval_ms = 2000
+        """)
     log = tmp_path / "member.log"
-    p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg)], cwd=tmp_path,
-                         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), preexec_fn=die_with_parent,
-                         start_new_session=True)
-    broker = EmbeddedCluster("late", port=port, log_dir=tmp_path)
-    try:
-        _wait(lambda: "kdsync.kafka.client" in log.read_text(), 30, "a librdkafka line")
-        time.sleep(5)  # the broker stays down this long
-        broker.start()
-        ensure_topic(broker.bootstrap, "in")
-        write_events(broker.bootstrap, "in", 20, "up")
-        _wait(lambda: len(read_global(broker.bootstrap, "in-global")) == 20, 40, "20 records in in-global")
-        assert _stop(p) == 0
-    finally:
-        _stop(p)
-        broker.close()
+    p = _spawn(["run", "--config", str(cfg)], tmp_path, log, stderr_only=True)
+    _late_broker(tmp_path, port, p, log, "kdsync.kafka.client", "a librdkafka line", 20, "up",
+                 down_s=5)  # the broker stays down this long
     lines = log.read_text().splitlines()
     assert not [x for x in lines if re.match(r"%\d+\|", x)], "raw librdkafka lines on stderr"
     parsed = [json.loads(x) for x in lines]  # every line is one JSON object
@@ -365,32 +320,14 @@ def test_original_command_line_without_run_and_derecho_cfg_in_the_working_direct
     """`kdsync 1 BROKERS TOPIC`, as the original kdsync was run: derecho.cfg is
     found in the working directory, its [RDMA] provider = sockets gives TCP
     (one log line says so)."""
-    gms = free_port()
-    (tmp_path / "derecho.cfg").write_text(f"""[DERECHO]
-leader_ip = 127.0.0.1
-leader_gms_port = {gms}
-local_id = 0
-local_ip = 127.0.0.1
-gms_port = {gms}
-
+    _derecho_cfg(tmp_path / "derecho.cfg", """
 [RDMA]
 provider = sockets
 """)
     env = {k: v for k, v in os.environ.items() if k != "DERECHO_CONF_FILE"}
-    with EmbeddedCluster("orig", log_dir=tmp_path) as c:
-        ensure_topic(c.bootstrap, "test")
-        write_events(c.bootstrap, "test", 30, "orig")
-        log = tmp_path / "m.log"
-        p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "1", c.bootstrap, "test"], cwd=tmp_path,
-                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                             preexec_fn=die_with_parent, start_new_session=True)
-        try:
-            _wait(lambda: len(read_global(c.bootstrap, "test-global")) == 30, 40, "30 records in test-global")
-            assert [r.seq for r in read_global(c.bootstrap, "test-global")] == list(range(30))
-            p.send_signal(signal.SIGINT)
-            assert p.wait(20) == 0
-        finally:
-            _stop(p)
+    log = tmp_path / "m.log"
+    got = _run_legacy(tmp_path, "orig", lambda bootstrap: ["1", bootstrap, "test"], "orig", log, env=env)
+    assert [r.seq for r in got] == list(range(30))
     text = log.read_text()
     line = [x for x in text.splitlines() if "transport from derecho.cfg" in x]
     assert len(line) == 1 and "provider=sockets" in line[0] and "transport=tcp" in line[0], text

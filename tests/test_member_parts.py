@@ -17,6 +17,8 @@ from kdsync.kafka.source import SourceConsumer
 from kdsync.state import HardStateFile
 from kdsync.transport.channels import frame_channel, split_channel
 
+from helpers import FakeMessage
+
 
 class FakeProducer:
     """Keeps what was produced; the test decides when (and how) each delivery report comes."""
@@ -103,33 +105,8 @@ def test_writer_skips_positions_already_present_and_refuses_gaps_and_failed_writ
     assert w.durable_end == 4
 
 
-class Msg:
-    def __init__(self, topic, partition, offset):
-        self.t, self.p, self.o = topic, partition, offset
-
-    def error(self):
-        return None
-
-    def topic(self):
-        return self.t
-
-    def partition(self):
-        return self.p
-
-    def offset(self):
-        return self.o
-
-    def key(self):
-        return None
-
-    def value(self):
-        return b"v"
-
-    def headers(self):
-        return None
-
-    def timestamp(self):
-        return (1, 5)
+def Msg(topic, partition, offset):
+    return FakeMessage(None, b"v", None, topic, partition, offset, ts=(1, 5))
 
 
 def test_source_cuts_consumed_records_into_runs_in_their_order():

@@ -21,36 +21,7 @@ from kdsync.kafka.records import (
     unpack_payload,
 )
 
-
-class Msg:
-    """The read-only face of a confluent_kafka Message."""
-
-    def __init__(self, key, value, headers, topic="t", partition=0, offset=0, ts=(1, 1234)):
-        self._k, self._v, self._h, self._t, self._p, self._o, self._ts = key, value, headers, topic, partition, offset, ts
-
-    def key(self):
-        return self._k
-
-    def value(self):
-        return self._v
-
-    def headers(self):
-        return self._h
-
-    def topic(self):
-        return self._t
-
-    def partition(self):
-        return self._p
-
-    def offset(self):
-        return self._o
-
-    def timestamp(self):
-        return self._ts
-
-    def error(self):
-        return None
+from helpers import FakeMessage as Msg  # key, value, headers, topic=, partition=, offset=, ts=
 
 
 def test_header_names_are_the_interface():

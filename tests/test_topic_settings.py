@@ -17,15 +17,16 @@ real Kafka cluster would then enforce.
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
 from kdsync.config import ConfigError, config_from_dict
-from kdsync.kafka.embedded import EmbeddedCluster, free_port
+from kdsync.kafka.embedded import EmbeddedCluster
 from kdsync.kafka.topic import ensure_topic, topic_settings, weaker_settings
+
+from helpers import member_command, solo_config
 
 
 def _cfg(topics: dict):
@@ -83,8 +84,7 @@ def test_bad_settings_in_a_file_exit_2(tmp_path):
         [topics.config]
         "retention.ms" = { days = 7 }
     """))
-    r = subprocess.run([sys.executable, "-m", "kdsync.cli", "run", "--config", str(p)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(member_command(p), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip() == ('config error: topics.config."retention.ms": a topic config value must be a string, '
                                 'number or boolean')
@@ -100,27 +100,17 @@ def test_weaker_settings_phrases():
 
 
 # ---------------------------------------------------------------- real broker, real member
-def _solo_config(tmp_path, bootstrap: str, source: str, topics_extra: str) -> str:
-    listen = f"127.0.0.1:{free_port()}"
-    return textwrap.dedent(f"""
-        state_dir = "{tmp_path / ('state-' + source)}"
-        [member]
-        id = "solo"
-        listen = "{listen}"
-        [peers]
-        solo = "{listen}"
-        [kafka]
-        "bootstrap.servers" = "{bootstrap}"
-        [topics]
-        source = "{source}"
-        """) + textwrap.dedent(topics_extra)
-
-
-def _run_until(cfg_path, log_path, what: str, timeout: float = 60.0) -> str:
-    """Run a solo member until its log says `what`, stop it (SIGTERM), return the log."""
+def _run_solo_until_ready(tmp_path, bootstrap: str, source: str, topics_extra: str = "",
+                          timeout: float = 60.0) -> str:
+    """Create `source`, run a solo member on it (its config with `topics_extra`
+    after [topics]) until its log says "topic ready", stop it (SIGTERM),
+    return the log."""
+    ensure_topic(bootstrap, source)
+    cfg = solo_config(tmp_path / f"{source}.toml", bootstrap, source, topics_extra,
+                      state_dir=tmp_path / f"state-{source}")
+    log_path, what = tmp_path / f"{source}.log", "topic ready"
     with open(log_path, "wb") as log:
-        p = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(cfg_path)], stdout=log,
-                             stderr=subprocess.STDOUT)
+        p = subprocess.Popen(member_command(cfg), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
         while what not in log_path.read_text():
@@ -133,21 +123,23 @@ def _run_until(cfg_path, log_path, what: str, timeout: float = 60.0) -> str:
     return log_path.read_text()
 
 
+# what the orders and audit members ask for of their global topics
+ASKED = textwrap.dedent("""\
+    replication_factor = 3
+    min_insync_replicas = 2
+    [topics.config]
+    "retention.ms" = 604800000
+    """)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_member_creates_the_global_topic_with_the_settings_and_warns_about_weaker_ones(tmp_path):
     with EmbeddedCluster("settings", log_dir=tmp_path) as c:
-        ensure_topic(c.bootstrap, "orders")
-        cfg = tmp_path / "orders.toml"
-        cfg.write_text(_solo_config(tmp_path, c.bootstrap, "orders", """
-            replication_factor = 3
-            min_insync_replicas = 2
-            [topics.config]
-            "retention.ms" = 604800000
+        log = _run_solo_until_ready(tmp_path, c.bootstrap, "orders", ASKED + textwrap.dedent("""\
             "cleanup.policy" = "delete"
             "message.timestamp.type" = "LogAppendTime"
             """))
-        log = _run_until(cfg, tmp_path / "orders.log", "topic ready")
         assert "weaker" not in log
         rf, configs = topic_settings(c.bootstrap, "orders-global")
         assert rf == 3
@@ -155,23 +147,12 @@ def test_member_creates_the_global_topic_with_the_settings_and_warns_about_weake
                            "message.timestamp.type": "LogAppendTime"}
 
         # without settings: nothing is sent, the broker's defaults apply (Tansu: one replica, no configs)
-        ensure_topic(c.bootstrap, "plain")
-        cfg = tmp_path / "plain.toml"
-        cfg.write_text(_solo_config(tmp_path, c.bootstrap, "plain", ""))
-        _run_until(cfg, tmp_path / "plain.log", "topic ready")
+        _run_solo_until_ready(tmp_path, c.bootstrap, "plain")
         assert topic_settings(c.bootstrap, "plain-global") == (1, {})
 
         # an existing global topic with weaker settings: kept as it is, one WARNING line says what is weaker
-        ensure_topic(c.bootstrap, "audit")
         ensure_topic(c.bootstrap, "audit-global", replication_factor=1, config={"min.insync.replicas": "1"})
-        cfg = tmp_path / "audit.toml"
-        cfg.write_text(_solo_config(tmp_path, c.bootstrap, "audit", """
-            replication_factor = 3
-            min_insync_replicas = 2
-            [topics.config]
-            "retention.ms" = 604800000
-            """))
-        log = _run_until(cfg, tmp_path / "audit.log", "topic ready")
+        log = _run_solo_until_ready(tmp_path, c.bootstrap, "audit", ASKED)
         warn = [line for line in log.splitlines() if "weaker settings" in line]
         assert len(warn) == 1, log
         assert "level=warning" in warn[0] and "topic=audit-global" in warn[0]
