@@ -43,7 +43,7 @@ from collections import deque
 from typing import Iterable, Sequence
 
 from kdsync.core.batch import Batch
-from kdsync.core.stream import NULL, Slot, _take
+from kdsync.core.stream import NULL, Slot, _take, merge_ack, pop_own
 from kdsync.core.types import View
 
 __all__ = ["ClockStream", "Stamped"]
@@ -124,17 +124,7 @@ class ClockStream:
 
     def ack(self, peer: str, recv: Iterable[int]) -> bool:
         """A peer's received vector.  Returns True when any count grew."""
-        cur = self.acks[peer]
-        grew = False
-        for k, v in enumerate(recv):
-            if v > cur[k]:
-                cur[k] = v
-                grew = True
-        if grew and self.inflight:
-            low = min(a[self.my_k] for a in self.acks.values())
-            while self.inflight and self.inflight[0] < low:
-                self.inflight.popleft()
-        return grew
+        return merge_ack(self.acks, peer, recv, self.inflight, self.my_k)
 
     # -------------------------------------------------------------- cutting
     def cut(self, pending: list[Batch], now: int, window: int, max_batch: int) -> tuple[int, list[Stamped]]:
@@ -192,11 +182,4 @@ class ClockStream:
 
     def undelivered_own(self) -> list[Batch]:
         """Own batches in slots not delivered here (to resubmit), in order."""
-        if self.my_k < 0:
-            return []
-        store = self.slots[self.my_k]
-        out: list[Batch] = []
-        for idx in sorted(store):
-            out.extend(store[idx][1])
-        store.clear()
-        return out
+        return pop_own(self.slots[self.my_k], lambda s: s[1]) if self.my_k >= 0 else []

@@ -119,21 +119,7 @@ class Stream:
 
     def ack(self, peer: str, recv) -> bool:
         """A peer's received vector.  Returns True when any count grew."""
-        cur = self.acks[peer]
-        if tuple(cur) == recv:
-            return False
-        grew = False
-        for k, v in enumerate(recv):
-            if v > cur[k]:
-                cur[k] = v
-                grew = True
-        if grew and self.inflight:
-            k = self.my_k
-            low = min(a[k] for a in self.acks.values())
-            infl = self.inflight
-            while infl and infl[0] < low:
-                infl.popleft()
-        return grew
+        return merge_ack(self.acks, peer, recv, self.inflight, self.my_k)
 
     # -------------------------------------------------------------- cutting
     def must_fill(self) -> bool:
@@ -226,14 +212,34 @@ class Stream:
 
     def undelivered_own(self) -> list[Batch]:
         """Own batches in slots not delivered here (to resubmit), in order."""
-        if self.my_k < 0:
-            return []
-        store = self.slots[self.my_k]
-        out: list[Batch] = []
-        for idx in sorted(store):
-            out.extend(store[idx])
-        store.clear()
-        return out
+        return pop_own(self.slots[self.my_k], lambda s: s) if self.my_k >= 0 else []
+
+
+def merge_ack(acks: dict[str, list[int]], peer: str, recv, inflight: deque[int], my_k: int) -> bool:
+    """Merge `peer`'s received vector into `acks` (element-wise max) and drop
+    the own slots every peer now holds from `inflight`.  True when a count grew."""
+    cur = acks[peer]
+    if tuple(cur) == tuple(recv):
+        return False
+    grew = False
+    for k, v in enumerate(recv):
+        if v > cur[k]:
+            cur[k] = v
+            grew = True
+    if grew and inflight:
+        low = min(a[my_k] for a in acks.values())
+        while inflight and inflight[0] < low:
+            inflight.popleft()
+    return grew
+
+
+def pop_own(store: dict, batches_of) -> list[Batch]:
+    """Empty an own slot store; its batches in slot order (to resubmit)."""
+    out: list[Batch] = []
+    for idx in sorted(store):
+        out.extend(batches_of(store[idx]))
+    store.clear()
+    return out
 
 
 def _take(pending: list[Batch], max_batch: int) -> Slot:
