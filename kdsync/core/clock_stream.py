@@ -43,7 +43,7 @@ from collections import deque
 from typing import Iterable, Sequence
 
 from kdsync.core.batch import Batch
-from kdsync.core.stream import NULL, Slot, _take, merge_ack, pop_own
+from kdsync.core.stream import NULL, Slot, _take, hold, merge_ack, pop_own
 from kdsync.core.types import View
 
 __all__ = ["ClockStream", "Stamped"]
@@ -106,13 +106,9 @@ class ClockStream:
             own[k] = first + len(slots)
         have = self.received[k]
         store = self.slots[k]
-        idx = first
-        for s in slots:
-            if idx >= have and idx not in store:
-                store[idx] = s
-                if s[0] > self.clock:
-                    self.clock = s[0]  # the next report promises past it
-            idx += 1
+        hold(store, have, first, slots)
+        if slots and slots[-1][0] > self.clock:  # one sender's timestamps increase
+            self.clock = slots[-1][0]  # the next report promises past it
         start = have
         while have in store:
             have += 1

@@ -101,11 +101,7 @@ class Stream:
         the first data slot that became contiguous, or -1)."""
         have = self.received[k]
         store = self.slots[k]
-        idx = first
-        for s in slots:
-            if idx >= have and idx not in store:
-                store[idx] = s
-            idx += 1
+        hold(store, have, first, slots)
         data = -1
         start = have
         while have in store:
@@ -213,6 +209,14 @@ class Stream:
     def undelivered_own(self) -> list[Batch]:
         """Own batches in slots not delivered here (to resubmit), in order."""
         return pop_own(self.slots[self.my_k], lambda s: s) if self.my_k >= 0 else []
+
+
+def hold(store: dict, have: int, first: int, slots) -> None:
+    """Keep slots first, first+1, ... in `store`: those at or above `have`
+    (the contiguous count held) and not held yet."""
+    for idx, s in enumerate(slots, first):
+        if idx >= have and idx not in store:
+            store[idx] = s
 
 
 def merge_ack(acks: dict[str, list[int]], peer: str, recv, inflight: deque[int], my_k: int) -> bool:

@@ -130,6 +130,22 @@ class _ChildProcess:
     """A server process we started (`proc`): is it running, SIGSTOP/SIGCONT."""
 
     proc: subprocess.Popen | None = None
+    _tmp: tempfile.TemporaryDirectory | None = None  # a working directory we made
+
+    def start(self, timeout: float):  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the process and remove the working directory we made."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -230,15 +246,7 @@ class S3Store(_ChildProcess):
         proc, self.proc = self.proc, None
         _stop_process(proc, 5.0)
         self.buckets.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> S3Store:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().close()
 
 
 def bucket_name(cluster: str) -> str:
@@ -373,15 +381,7 @@ class EmbeddedCluster(_ChildProcess):
 
     def close(self) -> None:
         self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> EmbeddedCluster:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().close()
 
     def __repr__(self) -> str:
         return f"EmbeddedCluster(name={self.name!r}, bootstrap={self.bootstrap!r}, pid={self.pid})"
