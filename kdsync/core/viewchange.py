@@ -289,14 +289,19 @@ class ViewChangePart:
         self._install(prop)
 
     # ------------------------------------------------------- acceptor side
+    def _of_this_view(self, msg: Collect | Accept) -> bool:
+        """A leader's message about the current view from one of its members
+        (a leader of an older view is told of the current one)."""
+        if msg.view < self.view.view_id:
+            self._stale_reply(msg.sender, msg.view)
+            return False
+        return msg.view == self.view.view_id and msg.sender in self.view.members
+
     def _on_collect(self, msg: Collect) -> None:
+        if not self._of_this_view(msg):
+            return
         v = self.view
         s = msg.sender
-        if msg.view < v.view_id:
-            self._stale_reply(s, msg.view)
-            return
-        if msg.view > v.view_id or s not in v.members:
-            return
         self.last_heard[s] = self.now
         b = msg.ballot
         self.max_round = max(self.max_round, b[0])
@@ -309,13 +314,10 @@ class ViewChangePart:
                              tuple(self.stream.received), self.durable_seq, self.next_seq, acc_b, acc).encode())
 
     def _on_accept(self, msg: Accept) -> None:
+        if not self._of_this_view(msg):
+            return
         v = self.view
         s = msg.sender
-        if msg.view < v.view_id:
-            self._stale_reply(s, msg.view)
-            return
-        if msg.view != v.view_id or s not in v.members:
-            return
         if msg.proposal.old_view != msg.view:
             raise RemoteProtocolError("proposal for another view")
         b = msg.ballot
