@@ -22,6 +22,7 @@ be used on this machine (no device, no pyverbs...) or None when it can.
 from __future__ import annotations
 
 import abc
+import collections
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -79,6 +80,37 @@ class PeerStats:
     dropped: int = 0
 
 
+class PeerQueue:
+    """The send queue of one peer: messages waiting and their bytes."""
+
+    __slots__ = ("peer", "queue", "queued")
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.queued = 0
+
+    def take(self, budget: int) -> list[bytes]:
+        """Messages from the head of the queue that fit one BATCH frame of
+        `budget` bytes (4 length bytes each), at least one."""
+        queue = self.queue
+        if self.queued + 4 * len(queue) <= budget:  # common case: take everything
+            msgs = list(queue)
+            queue.clear()
+            self.queued = 0
+            return msgs
+        msgs = []
+        size = 0
+        while queue:
+            n = len(queue[0]) + 4
+            if msgs and size + n > budget:
+                break
+            msgs.append(queue.popleft())
+            size += n
+        self.queued -= size - 4 * len(msgs)
+        return msgs
+
+
 class Transport(abc.ABC):
     """Abstract transport between the members of one kdsync group.
 
@@ -88,7 +120,12 @@ class Transport(abc.ABC):
     core message received from an authenticated peer.  `secret`: the group
     secret (bytes) every member must prove it knows; None disables the check.
     `tls`: optional TLS certificates.  `max_frame_bytes`: the largest frame
-    accepted or sent; a core message must fit in one frame.
+    accepted or sent; a core message must fit in one frame.  Options every
+    transport has: `max_queue_bytes` (per-peer send queue bound, default =
+    max_frame_bytes), `max_offline_queue_bytes` (the bound while the peer's
+    link is down, 1 MiB: the core retransmits what matters, so no stale
+    backlog piles up), `handshake_timeout`, `connect_timeout`,
+    `backoff_initial` and `backoff_max` (s, reconnect delays).
     """
 
     kind: str = "?"
@@ -104,7 +141,17 @@ class Transport(abc.ABC):
         tls: TLSSettings | None = None,
         max_frame_bytes: int = 64 * 1024 * 1024,
         logger: logging.Logger | None = None,
+        max_queue_bytes: int | None = None,
+        max_offline_queue_bytes: int = 1 << 20,
+        handshake_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
     ) -> None:
+        from kdsync.transport.framing import HEADER_SIZE
+
+        if isinstance(secret, str):
+            raise TypeError("secret must be bytes")
         self.member_id = member_id
         self.listen = (listen[0], int(listen[1]))
         self.peers = {p: (a[0], int(a[1])) for p, a in peers.items() if p != member_id}
@@ -114,6 +161,31 @@ class Transport(abc.ABC):
         self.max_frame_bytes = int(max_frame_bytes)
         self.log = logger or log
         self.stats: dict[str, PeerStats] = {p: PeerStats() for p in sorted(self.peers)}
+        self.max_queue_bytes = int(max_queue_bytes if max_queue_bytes is not None else max_frame_bytes)
+        self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
+        self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4  # the largest message one BATCH frame holds
+        self.handshake_timeout = handshake_timeout
+        self.connect_timeout = connect_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self._closing = False
+
+    def _enqueue(self, q: PeerQueue, data: bytes, up: bool) -> bool:
+        """Queue one message for `q`'s peer, whose link is `up` or not: False
+        (the message dropped and counted) when the queue is full or the
+        transport closing.  Raises TransportError for a message no frame
+        can carry."""
+        size = len(data)
+        if size > self.max_message_bytes:
+            raise TransportError(
+                f"message of {size} bytes does not fit in a frame (max_frame_bytes={self.max_frame_bytes})"
+            )
+        if self._closing or q.queued + size > (self.max_queue_bytes if up else self.max_offline_queue_bytes):
+            self.stats[q.peer].dropped += 1
+            return False
+        q.queue.append(data)
+        q.queued += size
+        return True
 
     @abc.abstractmethod
     async def start(self) -> None:

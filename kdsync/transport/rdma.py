@@ -92,15 +92,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import os
 import random
 import select
 import socket
 import struct
+import sys
 from typing import Any
 
-from kdsync.transport import OnMessage, TLSSettings, Transport, TransportError
+from kdsync.transport import PeerQueue, Transport, TransportError
 from kdsync.transport.framing import (
     BATCH,
     HEADER_SIZE,
@@ -335,6 +335,19 @@ class _Conn:
         return f"<rdma {self.role} {self.peer} qpn={self.qpn} {self.state}>"
 
 
+
+class _Peer(PeerQueue):
+    """One peer as RDMA sees it: its send queue, how it is served (probing,
+    rdma, or tcp once RDMA connects failed) and the RDMA connection we dialed
+    (None while down)."""
+
+    __slots__ = ("mode", "out")
+
+    def __init__(self, peer: str) -> None:
+        super().__init__(peer)
+        self.mode = "probing"
+        self.out: _Conn | None = None
+
 class RdmaTransport(Transport):
     """The Transport over RDMA (RC QPs, rdma_cm); see the module docstring.
 
@@ -355,60 +368,18 @@ class RdmaTransport(Transport):
 
     kind = "rdma"
 
-    def __init__(
-        self,
-        member_id: str,
-        listen: tuple[str, int],
-        peers: dict[str, tuple[str, int]],
-        on_message: OnMessage,
-        *,
-        secret: bytes | None = None,
-        tls: TLSSettings | None = None,
-        max_frame_bytes: int = 64 * 1024 * 1024,
-        logger: logging.Logger | None = None,
-        buf_size: int = 64 * 1024,
-        recv_depth: int = 16,
-        send_depth: int = 16,
-        max_queue_bytes: int | None = None,
-        max_offline_queue_bytes: int = 1 << 20,
-        batch_bytes: int = 1 << 20,
-        handshake_timeout: float = 5.0,
-        connect_timeout: float = 5.0,
-        backoff_initial: float = 0.05,
-        backoff_max: float = 2.0,
-        ack_timeout: int = 16,
-        retry_count: int = 5,
-        rnr_retry: int = 0,
-        tcp_fallback: bool = True,
-        tcp_options: dict | None = None,
-    ) -> None:
-        super().__init__(
-            member_id,
-            listen,
-            peers,
-            on_message,
-            secret=secret,
-            tls=tls,
-            max_frame_bytes=max_frame_bytes,
-            logger=logger,
-        )
-        if isinstance(secret, str):
-            raise TypeError("secret must be bytes")
-        if tls is not None:
+    def __init__(self, *args, buf_size: int = 64 * 1024, recv_depth: int = 16, send_depth: int = 16,
+                 batch_bytes: int = 1 << 20, ack_timeout: int = 16, retry_count: int = 5, rnr_retry: int = 0,
+                 tcp_fallback: bool = True, tcp_options: dict | None = None, **common) -> None:
+        super().__init__(*args, **common)  # Transport's arguments and options
+        if self.tls is not None:
             raise TransportError("TLS is not available over RDMA; set transport = \"tcp\" to use [tls]")
         if buf_size < 256 or recv_depth < 2 or send_depth < 2:
             raise TransportError("rdma buffers too small: need buf_size >= 256, recv_depth >= 2, send_depth >= 2")
         self.buf_size = int(buf_size)
         self.recv_depth = int(recv_depth)
         self.send_depth = int(send_depth)
-        self.max_queue_bytes = int(max_queue_bytes if max_queue_bytes is not None else max_frame_bytes)
-        self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
-        self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
         self.batch_bytes = int(batch_bytes)
-        self.handshake_timeout = handshake_timeout
-        self.connect_timeout = connect_timeout
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
         self.ack_timeout = int(ack_timeout)
         self.retry_count = int(retry_count)
         self.rnr_retry = int(rnr_retry)
@@ -426,17 +397,13 @@ class RdmaTransport(Transport):
         self.device = what
         self.counters: collections.Counter = collections.Counter()
         self.tcp: Transport | None = None
-        self._mode = {p: "probing" for p in self.peers}  # probing | rdma | tcp
-        self._queues: dict[str, collections.deque] = {p: collections.deque() for p in self.peers}
-        self._queued = {p: 0 for p in self.peers}
-        self._out: dict[str, _Conn | None] = {p: None for p in self.peers}
+        self._peers = {p: _Peer(p) for p in self.peers}
         self._in: dict[str, _Conn] = {}
         self._by_qpn: dict[int, _Conn] = {}
         self._conns: set[_Conn] = set()
         self._flush_due: set[str] = set()
         self._flush_handle: asyncio.Handle | None = None
         self._tasks: list[asyncio.Task] = []
-        self._closing = False
         self._started = False
         self._rng = random.Random(os.urandom(16))
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -506,31 +473,18 @@ class RdmaTransport(Transport):
         )
 
     def send(self, peer: str, data: bytes) -> bool:
-        if peer not in self._queues:
+        p = self._peers.get(peer)
+        if p is None:
             raise TransportError(f"cannot send to unknown member {peer!r}")
-        size = len(data)
-        if size > self.max_message_bytes:
-            raise TransportError(
-                f"message of {size} bytes does not fit in a frame (max_frame_bytes={self.max_frame_bytes})"
-            )
-        if self._closing:
-            self.stats[peer].dropped += 1
-            return False
-        conn = self._out[peer]
+        conn = p.out
         rdma_up = conn is not None and conn.state == "up"
-        if not rdma_up and self.tcp is not None:
+        if not rdma_up and self.tcp is not None and not self._closing and len(data) <= self.max_message_bytes:
             # RDMA link down: TCP carries the message if it is up, or if this
             # peer is served by TCP anyway; otherwise wait for RDMA.
-            if self.tcp.stats[peer].connected or self._mode[peer] == "tcp":
+            if self.tcp.stats[peer].connected or p.mode == "tcp":
                 return self.tcp.send(peer, data)
-        # As in TCP: while the link is down keep only a little (the core
-        # retransmits what matters), so no stale backlog piles up.
-        limit = self.max_queue_bytes if rdma_up else self.max_offline_queue_bytes
-        if self._queued[peer] + size > limit:
-            self.stats[peer].dropped += 1
+        if not self._enqueue(p, data, rdma_up):
             return False
-        self._queues[peer].append(data)
-        self._queued[peer] += size
         if rdma_up:
             self._flush_due.add(peer)
             if self._flush_handle is None:
@@ -539,8 +493,8 @@ class RdmaTransport(Transport):
 
     def path(self, peer: str) -> str | None:
         """"rdma" or "tcp": the link `send(peer)` uses now (None: neither is up)."""
-        conn = self._out.get(peer)
-        if conn is not None and conn.state == "up":
+        p = self._peers.get(peer)
+        if p is not None and p.out is not None and p.out.state == "up":
             return "rdma"
         if self.tcp is not None and self.tcp.stats[peer].connected:
             return "tcp"
@@ -548,7 +502,7 @@ class RdmaTransport(Transport):
 
     def queued_bytes(self, peer: str) -> int:
         """Bytes waiting in the RDMA send queue of `peer`."""
-        return self._queued[peer]
+        return self._peers[peer].queued
 
     async def close(self) -> None:
         if self._closing:
@@ -600,7 +554,7 @@ class RdmaTransport(Transport):
                     delay, failures = self.backoff_initial, 0
                 else:
                     failures += 1
-                    if failures == 2 and self._mode[peer] == "probing" and self.tcp is not None:
+                    if failures == 2 and self._peers[peer].mode == "probing" and self.tcp is not None:
                         self._to_tcp(peer, conn.fail_reason)
             else:
                 failures += 1
@@ -609,12 +563,10 @@ class RdmaTransport(Transport):
 
     def _to_tcp(self, peer: str, why: str) -> None:
         """Serve `peer` over TCP from now on (until an RDMA link comes up)."""
-        self._mode[peer] = "tcp"
+        p = self._peers[peer]
+        p.mode = "tcp"
         self.log.info("peer %s: using TCP because RDMA connect failed: %s", peer, why)
-        q = self._queues[peer]
-        while q:
-            m = q.popleft()
-            self._queued[peer] -= len(m)
+        for m in p.take(sys.maxsize):
             self.tcp.send(peer, m)
 
     def _dial(self, peer: str) -> _Conn | None:
@@ -853,7 +805,7 @@ class RdmaTransport(Transport):
         chunk = self.buf_size - _HDR.size
         while True:
             if conn.pending_out == 0:
-                if conn.role == "dialer" and conn.state == "up" and self._queues[conn.peer]:
+                if conn.role == "dialer" and conn.state == "up" and self._peers[conn.peer].queue:
                     self._refill(conn)
                 if conn.pending_out == 0:
                     break
@@ -873,16 +825,7 @@ class RdmaTransport(Transport):
         conn.out.clear()
         conn.out_pos = 0
         peer = conn.peer
-        q = self._queues[peer]
-        batch: list[bytes] = []
-        size = 0
-        limit = min(self.batch_bytes, self.max_frame_bytes - HEADER_SIZE)
-        while q and (not batch or size + 4 + len(q[0]) <= limit):
-            m = q.popleft()
-            batch.append(m)
-            size += 4 + len(m)
-            self._queued[peer] -= len(m)
-        frame = encode_batch_frame(batch)
+        frame = encode_batch_frame(self._peers[peer].take(min(self.batch_bytes, self.max_frame_bytes - HEADER_SIZE)))
         conn.out += frame
         st = self.stats[peer]
         st.frames_out += 1
@@ -892,7 +835,7 @@ class RdmaTransport(Transport):
         self._flush_handle = None
         due, self._flush_due = self._flush_due, set()
         for peer in sorted(due):
-            conn = self._out.get(peer)
+            conn = self._peers[peer].out
             if conn is not None and conn.state == "up":
                 self._pump(conn)
 
@@ -957,11 +900,12 @@ class RdmaTransport(Transport):
             if old is not None and old is not conn:
                 self._fail(old, "replaced by a new connection from the same peer", quiet=True)
             return
-        self._out[peer] = conn
+        p = self._peers[peer]
+        p.out = conn
         self.stats[peer].connected = True
-        if self._mode[peer] != "rdma":
+        if p.mode != "rdma":
             self.log.info("peer %s: RDMA link up via %s", peer, self.device)
-        self._mode[peer] = "rdma"
+        p.mode = "rdma"
         self._pump(conn)
 
     def _up(self, conn: _Conn) -> None:
@@ -1004,8 +948,8 @@ class RdmaTransport(Transport):
         if conn.chan_fd >= 0 and self._loop is not None:
             self._loop.remove_reader(conn.chan_fd)
         peer = conn.peer
-        if conn.role == "dialer" and peer is not None and self._out.get(peer) is conn:
-            self._out[peer] = None
+        if conn.role == "dialer" and peer in self._peers and self._peers[peer].out is conn:
+            self._peers[peer].out = None
             self.stats[peer].connected = False
         if conn.role == "listener" and peer is not None and self._in.get(peer) is conn:
             del self._in[peer]

@@ -82,7 +82,6 @@ Threading.  Everything runs in one asyncio event loop; `send()` and
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import os
@@ -91,7 +90,7 @@ import socket
 import ssl
 from typing import cast
 
-from kdsync.transport import OnMessage, TLSSettings, Transport, TransportError
+from kdsync.transport import PeerQueue, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
     BATCH,
     HEADER_SIZE,
@@ -128,16 +127,14 @@ _parse_json = parse_handshake
 _field = handshake_field
 
 
-class _Link:
+class _Link(PeerQueue):
     """Outgoing side of one peer: its queue and the task that dials it."""
 
-    __slots__ = ("peer", "addr", "queue", "queued", "wakeup", "task", "writer", "last_error", "flush_due")
+    __slots__ = ("addr", "wakeup", "task", "writer", "last_error", "flush_due")
 
     def __init__(self, peer: str, addr: tuple[str, int]) -> None:
-        self.peer = peer
+        super().__init__(peer)
         self.addr = addr
-        self.queue: collections.deque[bytes] = collections.deque()
-        self.queued = 0
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -245,73 +242,29 @@ class _Inbound(asyncio.Protocol):
 class TcpTransport(Transport):
     """The Transport over TCP; see the module docstring for the design.
 
-    Extra keyword options (all optional): `max_queue_bytes` (per-peer send
-    queue bound, default = max_frame_bytes), `handshake_timeout` (s),
-    `ping_interval` (s), `idle_timeout` (s), `backoff_initial` and
-    `backoff_max` (s, reconnect delays), `connect_timeout` (s),
-    `max_batch_bytes` (soft cap of one BATCH frame, default 4 MiB),
-    `max_offline_queue_bytes` (queue bound while the peer's link is down, 1 MiB),
-    `max_pending_handshakes` (incoming connections allowed to be mid-handshake
+    Extra keyword options (all optional), besides those of every Transport:
+    `ping_interval` (s), `idle_timeout` (s), `max_batch_bytes` (soft cap of
+    one BATCH frame, default 4 MiB), `max_pending_handshakes` (incoming connections allowed to be mid-handshake
     at once, 64; more are closed at once, so a connection flood cannot exhaust
     file descriptors).
     """
 
     kind = "tcp"
 
-    def __init__(
-        self,
-        member_id: str,
-        listen: tuple[str, int],
-        peers: dict[str, tuple[str, int]],
-        on_message: OnMessage,
-        *,
-        secret: bytes | None = None,
-        tls: TLSSettings | None = None,
-        max_frame_bytes: int = 64 * 1024 * 1024,
-        logger: logging.Logger | None = None,
-        max_queue_bytes: int | None = None,
-        handshake_timeout: float = 5.0,
-        ping_interval: float = 1.0,
-        idle_timeout: float = 15.0,
-        backoff_initial: float = 0.05,
-        backoff_max: float = 2.0,
-        connect_timeout: float = 5.0,
-        max_batch_bytes: int = 4 << 20,
-        max_offline_queue_bytes: int = 1 << 20,
-        max_pending_handshakes: int = 64,
-    ) -> None:
-        super().__init__(
-            member_id,
-            listen,
-            peers,
-            on_message,
-            secret=secret,
-            tls=tls,
-            max_frame_bytes=max_frame_bytes,
-            logger=logger,
-        )
-        if isinstance(secret, str):
-            raise TypeError("secret must be bytes")
-        self.max_queue_bytes = int(max_queue_bytes if max_queue_bytes is not None else max_frame_bytes)
-        self.handshake_timeout = handshake_timeout
+    def __init__(self, *args, ping_interval: float = 1.0, idle_timeout: float = 15.0,
+                 max_batch_bytes: int = 4 << 20, max_pending_handshakes: int = 64, **common) -> None:
+        super().__init__(*args, **common)  # Transport's arguments and options
         self.ping_interval = ping_interval
         self.idle_timeout = idle_timeout
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.connect_timeout = connect_timeout
         self.max_batch_bytes = int(max_batch_bytes)
-        self.max_offline_queue_bytes = min(int(max_offline_queue_bytes), self.max_queue_bytes)
         self.max_pending_handshakes = int(max_pending_handshakes)
         self._unauthenticated: set[object] = set()
         self._flood_logged = float("-inf")
-        # Largest single message that fits in one BATCH frame.
-        self.max_message_bytes = self.max_frame_bytes - HEADER_SIZE - 4
         self.refused_unknown = 0  # refused connections that named no known member (or failed TLS)
         self._links = {p: _Link(p, a) for p, a in sorted(self.peers.items())}
         self._inbound: dict[str, asyncio.StreamWriter] = {}
         self._conn_tasks: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
-        self._closing = False
         self._rng = random.Random(os.urandom(16))
         self._server_ssl: ssl.SSLContext | None = None
         self._client_ssl: ssl.SSLContext | None = None
@@ -349,17 +302,8 @@ class TcpTransport(Transport):
         link = self._links.get(peer)
         if link is None:
             raise TransportError(f"cannot send to unknown member {peer!r}")
-        size = len(data)
-        if size > self.max_message_bytes:
-            raise TransportError(
-                f"message of {size} bytes does not fit in a frame (max_frame_bytes={self.max_frame_bytes})"
-            )
-        limit = self.max_queue_bytes if link.writer is not None else self.max_offline_queue_bytes
-        if self._closing or link.queued + size > limit:
-            self.stats[peer].dropped += 1
+        if not self._enqueue(link, data, link.writer is not None):
             return False
-        link.queue.append(data)
-        link.queued += size
         if link.writer is None:
             link.wakeup.set()  # the write loop sends the queue once connected
         elif not link.flush_due:
@@ -385,32 +329,12 @@ class TcpTransport(Transport):
         tr = w.transport
         # the kernel took everything so far: at most one frame ever waits in asyncio's buffer
         while link.queue and tr.get_write_buffer_size() == 0:
-            frame = encode_batch_frame(self._take(link, budget))
+            frame = encode_batch_frame(link.take(budget))
             w.write(frame)
             st.frames_out += 1
             st.bytes_out += len(frame)
         if link.queue:
             link.wakeup.set()  # backed up: the write loop waits for drain()
-
-    @staticmethod
-    def _take(link: _Link, budget: int) -> list[bytes]:
-        """Messages from the head of the queue that fit one frame (at least one)."""
-        queue = link.queue
-        if link.queued + 4 * len(queue) <= budget:  # common case: take everything
-            msgs = list(queue)
-            queue.clear()
-            link.queued = 0
-            return msgs
-        msgs = []
-        size = 0
-        while queue:
-            n = len(queue[0]) + 4
-            if msgs and size + n > budget:
-                break
-            msgs.append(queue.popleft())
-            size += n
-        link.queued -= size - 4 * len(msgs)
-        return msgs
 
     def queued_bytes(self, peer: str) -> int:
         """Bytes waiting in the send queue of `peer`."""
@@ -805,7 +729,7 @@ class TcpTransport(Transport):
             await writer.drain()  # _flush may have left a frame in the buffer: at most one waits there
             if not queue:
                 continue
-            frame = encode_batch_frame(self._take(link, budget))
+            frame = encode_batch_frame(link.take(budget))
             writer.write(frame)
             st.frames_out += 1
             st.bytes_out += len(frame)

@@ -106,7 +106,7 @@ def test_credits_exhausted_back_pressure(addr, ports):
         ta, tb, got = _pair(addr, ports, buf_size=4096, recv_depth=4, send_depth=4, max_queue_bytes=64_000)
         try:
             await _up(ta, tb)
-            link = ta._out["b"]
+            link = ta._peers["b"].out
             # Stop the receiver's completion processing (as if its loop were busy).
             tb._loop.remove_reader(tb._cc_fd)
             sends0 = ta.counters["sends"]
@@ -132,7 +132,7 @@ def test_credits_exhausted_back_pressure(addr, ports):
             tb._drain_cq()
             await wait_for(lambda: len(got["b"]) == len(accepted), 60, "the backlog")
             assert [m for _, m in got["b"]] == accepted
-            assert ta._out["b"] is link and link.state == "up"  # no reset on the way
+            assert ta._peers["b"].out is link and link.state == "up"  # no reset on the way
         finally:
             await ta.close()
             await tb.close()
