@@ -74,14 +74,6 @@ def write_csv(table: Table, out: Path) -> Path:
     return path
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of `values`; NaN when empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
-
-
 def mean(values: list[float]) -> float:
     vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.fmean(vals) if vals else math.nan

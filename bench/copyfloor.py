@@ -48,7 +48,7 @@ def copier(own: str, sources: list[str], topic: str, expect: int, timeout_s: flo
     import psutil
     from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-    from bench.load import _thread_cpu
+    from kdsync.testing.load import thread_cpu
     from kdsync.kafka.sink import producer_conf
     from kdsync.kafka.source import POLL_S, consumer_conf
 
@@ -90,10 +90,10 @@ def copier(own: str, sources: list[str], topic: str, expect: int, timeout_s: flo
     while not go.is_set():  # the warm-up records: copied before the measurement starts
         producer.poll(0.05)
     me = psutil.Process()
-    cpu0, t0 = _thread_cpu(me), time.monotonic()
+    cpu0, t0 = thread_cpu(me), time.monotonic()
     while copied[0] < expect and not errors and time.monotonic() - t0 < timeout_s:
         producer.poll(0.05)
-    cpu1, t1 = _thread_cpu(me), time.monotonic()
+    cpu1, t1 = thread_cpu(me), time.monotonic()
     stop.set()
     d = {k: cpu1[k] - cpu0[k] for k in cpu0}  # librdkafka's threads; every other thread is Python
     print(json.dumps({"copied": copied[0], "errors": errors[:3], "seconds": round(t1 - t0, 3),
@@ -110,7 +110,7 @@ def run_copy_floor(rate_eps: float, duration_s: float, *, clusters: int = 3, par
     """One paced run with copiers instead of members; returns cpu_us_per_event
     (mean over copiers), its split (cpu_us_kafka, cpu_us_threads), events,
     loadavg_1m."""
-    from bench.load import _Paced
+    from kdsync.testing.load import PacedWriters
     from kdsync.kafka.embedded import EmbeddedCluster
     from kdsync.kafka.topic import ensure_topic
 
@@ -134,7 +134,7 @@ def run_copy_floor(rate_eps: float, duration_s: float, *, clusters: int = 3, par
             for p in procs:
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"a copier did not start (exit {p.poll()})")
-            writers = _Paced(boots, topic, per, "p", rate_eps / clusters)
+            writers = PacedWriters(boots, topic, per, "p", rate_eps / clusters)
             writers.warm()
             load0 = os.getloadavg()[0]
             for p in procs:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +46,7 @@ def _more_drains(p: MemberParams, rows: list[dict], errors: list[str], progress=
     """Drain the backlog `p.drain_runs - 1` more times per protocol (alternating,
     drain only: a 1 s paced phase, no floor, no idle); each 1 000 events/s row
     then carries the median drain and every run's figure (`drain_eps_runs`)."""
-    from bench.load import run_load
+    from kdsync.testing.load import run_load
 
     samples = {r["protocol"]: [r["drain_eps"]] for r in rows if r["rate_eps"] == 1000.0 and r.get("drain_eps")}
     for _ in range(p.drain_runs - 1):
@@ -72,7 +71,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     try:
         import psutil  # noqa: F401
 
-        from bench.load import run_load
+        from kdsync.testing.load import run_load
         from kdsync.kafka.embedded import EmbeddedCluster  # noqa: F401
     except Exception as e:
         raise NotMeasured(f"bench.load cannot run here ({type(e).__name__}: {e})") from None

@@ -1,12 +1,9 @@
 """Real section: three embedded Tansu clusters on loopback, one `kdsync run`
 member per cluster, derecho vs sequencer vs mirror.
 
-Built from the member engineer's pieces (`kdsync.local.LocalGroup`,
-`write_events`, `check_agreement`).  It does not call `kdsync.local.measure`
-as is: that one starts its throughput clock after `wait_ready()`, by which
-time a small backlog is already ordered (it reported 900 000 events/s for
-900 events); here the span is taken from the global topics' own record
-timestamps (first record written -> last record in the last cluster)."""
+Each protocol is one `kdsync.testing.local.measure`: a backlog's throughput
+(the span of the global topics' own record timestamps) and a paced stream's
+latency."""
 
 from __future__ import annotations
 
@@ -29,74 +26,12 @@ class RealParams:
     timeout_s: float = 150.0
 
 
-def measure_e2e(local, protocol: str, workdir: Path, p: RealParams, clusters: int = 3) -> dict:
-    """Throughput of a backlog, then latency of a paced stream, on `clusters`
-    local clusters.  Raises on a member or broker failure."""
-    import threading
-
-    from bench.common import percentile
-
-    def write_all(per: int, tag: str, rate: float | None) -> None:
-        errors: list[str] = []
-
-        def one(i: int) -> None:
-            try:
-                # paced writers warm up first (a cold idempotent producer holds its first records ~0.5 s)
-                local.write_events(g.bootstrap(i), g.topic, per, f"{tag}{i}", rate=rate,
-                                  warm_topic=local.WARM_TOPIC if rate else None)
-            except Exception as e:
-                errors.append(str(e))
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(clusters)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise RuntimeError(f"writing failed: {errors[0]}")
-
-    out: dict = {"protocol": protocol}
-    with local.LocalGroup(clusters, workdir, protocol=protocol, metrics=True) as g:
-        g.start_brokers()
-        write_all(p.backlog_per_cluster, "b", None)  # members are down: a backlog waits in every source topic
-        g.start_members()
-        g.wait_ready(timeout=90)
-        total = p.backlog_per_cluster * clusters
-        got = g.wait_for(total, p.timeout_s, poll=0.5)
-        short = {n: len(v) for n, v in got.items() if len(v) < total}
-        if short:
-            raise RuntimeError(f"backlog of {total} not delivered in {p.timeout_s:.0f} s: {short}")
-        ts = [r.write_ts for v in got.values() for r in v]
-        span_s = max(1e-3, (max(ts) - min(ts)) / 1000.0)
-        out["throughput_eps"] = total / span_s
-        out["throughput_span_s"] = round(span_s, 3)
-        if protocol == "mirror":
-            out["agreement"], out["detail"] = None, "mirror: counts only (no agreed order)"
-        else:
-            out["agreement"], out["detail"] = local.check_agreement(got, expected=total)
-        per = p.paced_total // clusters
-        write_all(per, "p", p.rate_eps / clusters)
-        got = g.wait_for(total + per * clusters, p.timeout_s, poll=0.5)
-        lat = [max(0, r.write_ts - r.origin_ts) for v in got.values() for r in v if (r.key or b"").startswith(b"p")]
-        out["latency_p50_ms"] = percentile(lat, 50)
-        out["latency_p99_ms"] = percentile(lat, 99)
-        out["latency_samples"] = len(lat)
-        if protocol != "mirror":
-            ok, detail = local.check_agreement(got, expected=total + per * clusters)
-            out["agreement"] = bool(out["agreement"]) and ok
-            out["detail"] = detail
-    return out
-
-
 def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
     sec = Section("real", "Real brokers: three local clusters (embedded Tansu), one `kdsync run` per cluster")
     try:
         from kdsync.testing import local
     except Exception as e:
         raise NotMeasured(f"kdsync.testing.local is not importable ({type(e).__name__}: {e})") from None
-    missing = [n for n in ("LocalGroup", "write_events", "check_agreement", "WARM_TOPIC") if not hasattr(local, n)]
-    if missing:
-        raise NotMeasured(f"kdsync.testing.local lacks {', '.join(missing)} (the member's local-cluster helpers)")
     try:
         from kdsync.kafka.embedded import EmbeddedCluster  # noqa: F401
     except Exception as e:
@@ -106,7 +41,8 @@ def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-real-{proto}-") as d:
             try:
-                r = measure_e2e(local, proto, Path(d), p)
+                r = local.measure(proto, Path(d), backlog=p.backlog_per_cluster, rate=p.rate_eps,
+                                  paced=p.paced_total, timeout=p.timeout_s)
             except Exception as e:  # one protocol failing must not hide the others
                 errors.append(f"{proto}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 r = None

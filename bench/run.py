@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from bench.common import Headline, NotMeasured, Section, Table, fmt, write_csv
+from bench.common import NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "shards", "reliability", "rdma")

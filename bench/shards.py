@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,21 +63,7 @@ def measure_drain(workdir: Path, workers: int, p: ShardParams) -> dict:
     with local.LocalGroup(p.clusters, workdir, shards=p.shards, workers=workers,
                          source_partitions=p.source_partitions, metrics=True, tick_ms=10, suspect_ms=1000) as g:
         g.start_brokers()
-        errors: list[str] = []
-
-        def one(i: int) -> None:
-            try:
-                local.write_events(g.bootstrap(i), g.topic, p.backlog_per_cluster, f"b{i}")
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(str(e))
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(p.clusters)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise RuntimeError(f"writing the backlog failed: {errors[0]}")
+        local.Writers(g, p.backlog_per_cluster, "b", None).join(strict=True)
         g.start_members()
         g.wait_ready(timeout=120)
 

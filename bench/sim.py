@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import Headline, NotMeasured, Section, Table, mean, percentile, ratio
+from bench.common import Headline, NotMeasured, Section, Table, mean, ratio
+from kdsync.testing.stats import percentile
 
 PROTOCOLS = ("derecho", "sequencer", "mirror")
 KINDS = ("agreement", "integrity", "loss", "origin_order", "split_brain")

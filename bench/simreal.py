@@ -26,58 +26,12 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import Headline, NotMeasured, Section, Table, percentile
+from bench.common import Headline, NotMeasured, Section, Table
+from kdsync.testing.stats import percentile
 
 POINTS = ((300.0, 10.0), (300.0, 25.0), (1000.0, 10.0), (1000.0, 25.0))  # (total events/s, one-way delay ms)
 LOOPBACK_MS = 0.05  # one way, on top of the proxy's delay
 GOAL = "within ±20 % (0.8-1.2)"
-
-
-def paced_writers(g, clusters: int, per: int, rate_each: float, tag: str = "p") -> None:
-    """One idempotent producer per cluster (as `kdsync.local.write_events`:
-    linger.ms 2), *warmed up* first — connected, producer id obtained, one
-    record acknowledged — then `per` records at `rate_each`/s.  (A fresh
-    idempotent producer holds its first records ~0.5 s while it starts: that
-    is the writer's start-up, not kdsync, and it would be the whole p99.)"""
-    import threading
-
-    from confluent_kafka import Producer
-
-    producers = []
-    for i in range(clusters):
-        p = Producer({"bootstrap.servers": g.bootstrap(i), "enable.idempotence": True, "linger.ms": 2,
-                      "log_level": 3})
-        p.produce(g.topic, key=f"w{i}".encode(), value=b"warm-up", partition=0)
-        producers.append(p)
-    for p in producers:
-        if p.flush(30):
-            raise RuntimeError("a writer did not start within 30 s")
-    start = threading.Barrier(clusters)
-    errors: list[str] = []
-
-    def one(i: int, p) -> None:
-        def cb(err, msg):
-            if err is not None:
-                errors.append(str(err))
-
-        start.wait()
-        t0 = time.monotonic()
-        for n in range(per):
-            p.produce(g.topic, key=f"{tag}{i}-{n}".encode(), value=f"{tag}{i} event {n}".encode(), on_delivery=cb)
-            p.poll(0)
-            ahead = (n + 1) / rate_each - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
-        if p.flush(60):
-            errors.append("unacknowledged records")
-
-    threads = [threading.Thread(target=one, args=(i, p), daemon=True) for i, p in enumerate(producers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"writing failed: {errors[0]}")
 
 
 def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: str = "derecho",
@@ -88,7 +42,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
 
     import subprocess
 
-    from bench.load import _frames_out, _stage_sums
+    from kdsync.testing.load import PacedWriters, frames_out, stage_sums
     from kdsync.testing import local
     from kdsync.kafka.topic import ensure_topic
 
@@ -117,19 +71,23 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                 g.wait_ready(timeout=90)
                 g.wait_for(0, 5)
                 procs = [psutil.Process(p.pid) for p in g.procs]
-                stages0 = [_stage_sums(g, i) for i in range(clusters)]
-                frames0 = [_frames_out(g, i) for i in range(clusters)]
+                stages0 = [stage_sums(g, i) for i in range(clusters)]
+                frames0 = [frames_out(g, i) for i in range(clusters)]
                 cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
                 load0 = os.getloadavg()[0]
                 t0 = time.monotonic()
                 per = max(1, int(round(rate_eps * duration_s / clusters)))
-                paced_writers(g, clusters, per, rate_eps / clusters)
+                writers = PacedWriters([g.bootstrap(i) for i in range(clusters)], g.topic, per, "p",
+                                       rate_eps / clusters)
+                writers.warm()
+                writers.go()
+                writers.join()
                 total = per * clusters + clusters  # and one warm-up record per cluster
                 got = g.wait_for(total, timeout_s, poll=0.05)
                 t1 = time.monotonic()
                 cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
-                stages1 = [_stage_sums(g, i) for i in range(clusters)]
-                frames = sum(_frames_out(g, i) for i in range(clusters)) - sum(frames0)
+                stages1 = [stage_sums(g, i) for i in range(clusters)]
+                frames = sum(frames_out(g, i) for i in range(clusters)) - sum(frames0)
                 for stage in ("fetch", "handoff", "sent", "delivered", "produced"):  # mean ms per batch
                     tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
                     n = sum(b.get(stage, (0, 0))[1] - a.get(stage, (0, 0))[1] for a, b in zip(stages0, stages1))
@@ -181,7 +139,7 @@ def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_
         "members": [{"id": "dc1"}, {"id": "dc2"}, {"id": "dc3"}],
         "network": {"default": {"latency_ms": delay_ms + LOOPBACK_MS,
                                 **({"extra_quantiles_ms": list(link_late_ms)} if link_late_ms else {})}},
-        # paced, as the real writers (bench.load._Paced): Poisson arrivals gave a p99 ~20 % too high at 300/s
+        # paced, as the real writers (kdsync.testing.load.PacedWriters): Poisson arrivals gave a p99 ~20 % too high at 300/s
         "workload": [{"member": "all", "rate_eps": rate_eps / 3, "partitions": partitions, "payload_bytes": 40,
                       "arrivals": "paced"}],
         **({"kafka": kafka} if kafka else {}),

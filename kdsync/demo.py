@@ -19,8 +19,9 @@ import typer
 from kdsync.cli_style import UsageError, command, new_app
 from kdsync.cli_style import run as run_cli
 from kdsync.testing.local import (
-    DURABLE_LINGER_MS, WARM_TOPIC, LocalGroup, _percentile, check_agreement, check_sharded, write_events,
+    DURABLE_LINGER_MS, WARM_TOPIC, LocalGroup, check_agreement, check_sharded, write_events,
 )
+from kdsync.testing.stats import percentile
 
 __all__ = ["main", "run_demo"]
 
@@ -92,7 +93,7 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
             f"{f', paced at {rate:.0f}/s' if rate else ', as fast as possible'}), "
             f"{' / '.join(str(len(v)) for v in got.values())} in the global topics")
         out(f"agreement   {'YES' if ok else 'NO'}: {detail}")
-        out(f"latency     p50 {_percentile(lat, 50):.1f} ms, p99 {_percentile(lat, 99):.1f} ms "
+        out(f"latency     p50 {percentile(lat, 50):.1f} ms, p99 {percentile(lat, 99):.1f} ms "
             f"(source timestamp -> global topic)")
         out(f"throughput  {events / span:.0f} events/s end to end ({span:.2f} s)")
         if dead:

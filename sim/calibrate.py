@@ -3,7 +3,7 @@ this machine, and write a profile that scenarios name (`profile: FILE`).
 
 Theory of operation
 -------------------
-*Member CPU.*  `bench.load.run_load` starts 3 embedded Tansu clusters and one
+*Member CPU.*  `kdsync.testing.load.run_load` starts 3 embedded Tansu clusters and one
 `kdsync run` per cluster with kdsync's default configuration, and writes a
 paced load.  For each rate, over the paced phase, every member gives one
 row: process CPU seconds (psutil, user + system), peer frames in + out and
@@ -220,8 +220,8 @@ def _snapshot(g) -> list[dict]:
 
 def measure_member(rates: list[float], duration_s: float, protocol: str = "derecho", tick_ms: float | None = None,
                    say=print) -> tuple[list[dict], list[dict]]:
-    """One bench.load run per rate; returns (fit rows, one summary per run)."""
-    from bench.load import run_load
+    """One kdsync.testing.load run per rate; returns (fit rows, one summary per run)."""
+    from kdsync.testing.load import run_load
     from kdsync.config import ProtocolSection
 
     tick_s = (tick_ms or ProtocolSection().tick_ms) / 1000.0
@@ -233,10 +233,10 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
         def on_group(g, snap=snap):
             import threading
 
-            from bench.load import _stage_sums
+            from kdsync.testing.load import stage_sums
 
             snap["before"] = _snapshot(g)
-            snap["stages0"] = [_stage_sums(g, i) for i in range(len(g.procs))]
+            snap["stages0"] = [stage_sums(g, i) for i in range(len(g.procs))]
             snap["box"] = start_box_probe(duration_s)
 
             def broker():  # the broker's latencies while it carries this rate
@@ -250,10 +250,10 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
             snap["broker_thread"].start()
 
         def on_done(g, out, snap=snap):
-            from bench.load import _stage_sums
+            from kdsync.testing.load import stage_sums
 
             snap["after"] = _snapshot(g)
-            s1 = [_stage_sums(g, i) for i in range(len(g.procs))]
+            s1 = [stage_sums(g, i) for i in range(len(g.procs))]
             tot = sum(b.get("fetch", (0, 0))[0] - a.get("fetch", (0, 0))[0] for a, b in zip(snap["stages0"], s1))
             n = sum(b.get("fetch", (0, 0))[1] - a.get("fetch", (0, 0))[1] for a, b in zip(snap["stages0"], s1))
             snap["member_fetch_ms"] = round(1000 * tot / n, 3) if n else None

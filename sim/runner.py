@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
@@ -34,8 +33,11 @@ import simpy
 from simpy.events import Timeout
 
 from kdsync.invariants import TRACE_COLUMNS
+from kdsync.testing.stats import percentiles, weighted_percentile
 from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
 from sim.observer import MIRROR_TOLERATED, Checker, Violation
+from sim.broker_fetch import FetchModel
+from sim.faults import FaultPlayer
 from sim.kafka import Cluster
 from sim.members import SERVICE_RECORDS, SimMember
 from sim.network import SimNetwork
@@ -248,6 +250,8 @@ class Simulation:
         self._flush_scheduled = False
         self._majority_cache: dict[str, bool] | None = None
         self.end_s = scenario.duration_s + scenario.settle_s
+        self.fetches = FetchModel(self)
+        self.faults = FaultPlayer(self)
 
     @property
     def checker(self) -> Checker:
@@ -384,7 +388,7 @@ class Simulation:
         c = self.clusters[origin]
         nodes = self.site_nodes[origin]
         k = self.shards
-        fetching = self.fetch_wait_s > 0.0  # the fetch loops (_fetch) hand batches over
+        fetching = self.fetch_wait_s > 0.0  # the fetch loops (sim.broker_fetch) hand batches over
         lag = self.produce_s + (0.0 if fetching else self.consume_s)
         wake = self.poll_s <= 0.0 and not fetching
         for block, ws in enumerate(writes(self.scenario, self.seed, origin, WORKLOAD_BLOCK_S)):
@@ -408,96 +412,6 @@ class Simulation:
     def acknowledged(self) -> int:
         """Records every source cluster acknowledged so far."""
         return sum(c.acknowledged() for c in self.clusters.values())
-
-    # ---------------------------------------------------------- fetch loops
-    def _fetch(self, m: SimMember, issued: float | None = None) -> None:
-        """kafka.fetch_wait_ms > 0: one fetch of member `m`'s consumer reaches the
-        broker now.  Data already there: the response leaves at once.  Nothing
-        new: the broker holds it, looking every fetch_check_s, and answers at the
-        first look that finds data or at fetch_wait_s.  The response (snapshot at
-        that instant) reaches the member fetch_overhead_s later, and the next
-        fetch goes out then (librdkafka keeps one fetch outstanding per broker)."""
-        now = self.env.now
-        issued = now if issued is None else issued  # a held fetch looked at again (below)
-        last = m.fetched_upto
-        c = m.cluster
-        parts = c.source[m.shard::self.shards] if c is not None else []
-        first = min((p.next_ack_after(last) for p in parts), default=float("inf"))
-        wait, check = self.fetch_wait_s, self.fetch_check_s
-        known = self.written_until.get(m.id, math.inf)  # the workload is written this far ahead
-        if first > known and issued + wait > known:
-            # what arrives after `known` is not written yet: look again once it is
-            self.after(known - now, self._fetch_again, (m, issued))
-            return
-        answer = self._answer(issued, first, wait, check)
-        m.fetched_upto = answer
-        self.after(answer - now + self.fetch_overhead_s, self._fetched, (m, answer))
-
-    def _fetch_again(self, arg) -> None:
-        self._fetch(*arg)
-
-    @staticmethod
-    def _answer(now: float, first: float, wait: float, check: float) -> float:
-        """When the broker answers a fetch that reached it at `now`, the first
-        new batch being acknowledged at `first`."""
-        if first <= now + 1e-12:
-            answer = now
-        elif first >= now + wait:
-            answer = now + wait
-        elif check <= 0.0:
-            answer = first
-        else:
-            answer = min(now + wait, now + check * math.ceil((first - now) / check - 1e-9))
-        return answer
-
-    def _fetched(self, arg) -> None:
-        m, horizon = arg
-        m.poll(horizon)
-        self._fetch(m)
-
-    def _poller(self, ev) -> None:
-        """kafka.poll_ms > 0: each member's consume loop hands over a batch every poll_ms."""
-        m = ev.value
-        Timeout(self.env, self.poll_s, m).callbacks.append(self._poller)
-        m.poll()
-
-    # --------------------------------------------------------------- faults
-    def _faults(self):
-        env = self.env
-        net = self.network
-        for f in sorted(self.scenario.faults, key=lambda f: f.at_s):  # stable: file order on ties
-            if f.at_s > env.now:
-                yield env.timeout(f.at_s - env.now)
-            a = f.action
-            if a == "crash":
-                for n in self.site_nodes[f.crash]:
-                    n.crash()
-            elif a == "restart":
-                for n in self.site_nodes[f.restart]:
-                    n.start()
-            elif a == "partition":
-                token = net.set_partition([list(g) for g in f.partition])
-                if f.until_s is not None:
-                    self.after(f.until_s - env.now, self._end_partition, token)
-            elif a == "heal":
-                net.heal()
-            elif a == "link":
-                lf = f.link
-                token = net.set_link_fault(lf.from_, lf.to, lf)
-                if f.until_s is not None:
-                    self.after(f.until_s - env.now, self._end_link_fault, (lf.from_, lf.to, token))
-            elif a == "clock_pause":
-                for n in self.site_nodes[f.clock_pause]:
-                    n.pause(env.now + f.for_s)
-            self.topology_changed()
-
-    def _end_partition(self, token) -> None:
-        if self.network.end_partition(token):
-            self.topology_changed()
-
-    def _end_link_fault(self, arg) -> None:
-        if self.network.end_link_fault(*arg):
-            self.topology_changed()
 
     def _settle(self):
         yield self.env.timeout(self.scenario.duration_s)
@@ -545,13 +459,13 @@ class Simulation:
             phase = phase_rng.random() * self.tick_s
             Timeout(self.env, phase, m).callbacks.append(self._tick)
             if self.poll_s > 0.0 and m.cluster is not None:
-                Timeout(self.env, phase + self.poll_s, m).callbacks.append(self._poller)
+                Timeout(self.env, phase + self.poll_s, m).callbacks.append(self.fetches.poller)
         self._setup_workload()
         if self.fetch_wait_s > 0.0:  # the first fetches, once the producers wrote their first block
             for m in self.order:
                 if m.cluster is not None:
-                    self.after(0.0, self._fetch_again, (m, 0.0))
-        self.env.process(self._faults())
+                    self.after(0.0, self.fetches.fetch_again, (m, 0.0))
+        self.env.process(self.faults.play())
         self.env.process(self._settle())
         if stop_when_settled:
             self.env.process(self._watch_settle())
@@ -612,25 +526,6 @@ class Simulation:
 _FILL = [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz"]
 
 
-def _weighted_percentile(pairs: list[tuple[float, int]], total: int, q: float) -> float:
-    """Percentile q of the values, each repeated `weight` times (pairs sorted by value),
-    interpolated like _percentile on the expanded list."""
-    if not total:
-        return 0.0
-    pos = (total - 1) * q
-    lo = int(pos)
-    frac = pos - lo
-    seen = 0
-    for i, (v, w) in enumerate(pairs):
-        if seen + w > lo:
-            if frac == 0.0 or seen + w > lo + 1:
-                return v
-            nxt = pairs[i + 1][0] if i + 1 < len(pairs) else v
-            return v + (nxt - v) * frac
-        seen += w
-    return pairs[-1][0]
-
-
 def run_scenario(
     scenario: Scenario,
     seed: int | None = None,
@@ -669,9 +564,9 @@ def run_scenario(
     delivered = {site: sum(t.length for t in c.topics) for site, c in sim.clusters.items()}
     n_sub = sim.acknowledged()
     latency = {
-        "p50": round(_weighted_percentile(lat, n_lat, 0.50), 3),
-        "p90": round(_weighted_percentile(lat, n_lat, 0.90), 3),
-        "p99": round(_weighted_percentile(lat, n_lat, 0.99), 3),
+        "p50": round(weighted_percentile(lat, 50), 3) if n_lat else 0.0,
+        "p90": round(weighted_percentile(lat, 90), 3) if n_lat else 0.0,
+        "p99": round(weighted_percentile(lat, 99), 3) if n_lat else 0.0,
         "max": round(lat[-1][0], 3) if lat else 0.0,
     }
     everywhere = min((delivered[m] for m in live), default=0)
@@ -759,12 +654,9 @@ def _created_summaries(sim: Simulation, ready: float | None) -> tuple[dict, dict
 
 
 def _percentiles(a) -> dict:
-    import numpy as np
-
-    if not len(a):
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p90": round(float(np.percentile(a, 90)), 3),
-            "p99": round(float(np.percentile(a, 99)), 3), "max": round(float(a.max()), 3)}
+    """p50/p90/p99/max (ms, 3 decimals) by the one nearest-rank percentile of
+    kdsync.testing.stats: simulated and real figures are the same statistic."""
+    return {k: round(v, 3) for k, v in percentiles(a).items()}
 
 
 def _site_state(nodes: list[SimMember]) -> dict:

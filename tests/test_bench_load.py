@@ -4,8 +4,8 @@ the harness."""
 
 import pytest
 
-from bench.common import percentile
-from bench.load import run_load
+from kdsync.testing.stats import percentile
+from kdsync.testing.load import run_load
 from kdsync.testing.local import read_global
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from kdsync.config import Config, KafkaSection, PeerEntry, TopicFilter, TopicsSection
+from kdsync.config import Config, KafkaSection, PeerEntry, TopicFilter
 from tool_helpers import kdsync_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,6 @@ kdsync.kafka.topic).
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 from confluent_kafka import ConsumerGroupState, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition

@@ -101,6 +101,21 @@ class Report:
         ]
 
 
+
+def _kill(g, i: int) -> None:
+    g.signal_member(i, signal.SIGKILL)
+    g.wait_member(i)
+
+
+# fault kind -> (inject it on target i, heal target i); links are cut and healed through the proxies
+_ON_TARGET = {
+    "kill_member": (_kill, lambda g, i: g.start_member(i)),
+    "kill_majority": (_kill, lambda g, i: g.start_member(i)),
+    "pause_member": (lambda g, i: g.signal_member(i, signal.SIGSTOP), lambda g, i: g.signal_member(i, signal.SIGCONT)),
+    "pause_broker": (lambda g, i: g.clusters[i].pause(), lambda g, i: g.clusters[i].resume()),
+    "restart_broker": (lambda g, i: g.clusters[i].kill(), lambda g, i: g.clusters[i].start()),
+}
+
 class _Nemesis:
     """Applies and heals faults on a LocalGroup whose links run through `proxies[(i, j)]`."""
 
@@ -121,15 +136,8 @@ class _Nemesis:
                 _until(lambda i=i: g.is_active(i), 60)
             return
         for i in f.targets:
-            if k in ("kill_member", "kill_majority"):
-                g.signal_member(i, signal.SIGKILL)
-                g.wait_member(i)
-            elif k == "pause_member":
-                g.signal_member(i, signal.SIGSTOP)
-            elif k == "pause_broker":
-                g.clusters[i].pause()
-            elif k == "restart_broker":
-                g.clusters[i].kill()
+            if k in _ON_TARGET:
+                _ON_TARGET[k][0](g, i)
             elif k == "isolate_member":
                 for p in self._links(i):
                     p.blackhole()
@@ -141,15 +149,9 @@ class _Nemesis:
 
     def heal(self, f: Fault) -> None:
         g, k = self.g, f.kind
-        for i in f.targets:
-            if k in ("kill_member", "kill_majority"):
-                g.start_member(i)
-            elif k == "pause_member":
-                g.signal_member(i, signal.SIGCONT)
-            elif k == "pause_broker":
-                g.clusters[i].resume()
-            elif k == "restart_broker":
-                g.clusters[i].start()
+        if k in _ON_TARGET:
+            for i in f.targets:
+                _ON_TARGET[k][1](g, i)
         for p in self.proxies.values():
             p.heal()
 

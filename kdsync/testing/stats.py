@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["percentile", "percentiles"]
+__all__ = ["percentile", "percentiles", "weighted_percentile"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -22,6 +22,22 @@ def percentile(values: Sequence[float], q: float) -> float:
 
         return float(np.partition(values, k)[k])
     return float(sorted(values)[k])
+
+
+def weighted_percentile(pairs: Sequence[tuple[float, int]], q: float) -> float:
+    """`percentile` of the values of `pairs` (value, weight), sorted by value,
+    each value counted `weight` times — without expanding them; NaN when the
+    weights sum to 0."""
+    total = sum(w for _, w in pairs)
+    if not total:
+        return math.nan
+    k = min(total - 1, max(0, math.ceil(q / 100 * total) - 1))
+    seen = 0
+    for v, w in pairs:
+        seen += w
+        if seen > k:
+            return float(v)
+    return float(pairs[-1][0])  # pragma: no cover - seen reaches total > k
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
