@@ -105,7 +105,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                             "member_cpu_pct": round(100 * sum(cpu) / clusters / max(1e-3, t1 - t0), 1),
                             "loadavg_1m": round(load0, 2)})
                 if protocol != "mirror":
-                    out["agreement"] = local.check_agreement(got, expected=total)[0]
+                    out["agreement"] = local.check_global_topics(got, expected=total)[0]
         finally:
             if proxy_proc is not None:
                 proxy_proc.stdin.close()

@@ -19,7 +19,7 @@ import typer
 from kdsync.cli_style import UsageError, command, new_app
 from kdsync.cli_style import run as run_cli
 from kdsync.testing.local import (
-    DURABLE_LINGER_MS, WARM_TOPIC, LocalGroup, check_agreement, check_sharded, write_events,
+    DURABLE_LINGER_MS, WARM_TOPIC, LocalGroup, check_global_topics, check_sharded, write_events,
 )
 from kdsync.testing.stats import percentile
 
@@ -83,7 +83,7 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
             else:
                 got = g.wait_for(events, timeout)
         elapsed = time.time() - t0
-        ok, detail = check_sharded(parts, expected=events) if sharded else check_agreement(got, expected=events)
+        ok, detail = check_sharded(parts, expected=events) if sharded else check_global_topics(got, expected=events)
         recs = [r for rs in got.values() for r in rs]
         lat = [max(0, r.write_ts - r.origin_ts) for r in recs]
         last = max((r.write_ts for r in recs), default=0) / 1000.0

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from kdsync.kafka.embedded import free_port
-from kdsync.testing.local import LocalGroup, check_agreement, write_events
+from kdsync.testing.local import LocalGroup, check_global_topics, write_events
 
 
 class FakeMessage:
@@ -77,7 +77,7 @@ def member_logs(g: LocalGroup) -> str:
 
 def assert_agree(g: LocalGroup, expected: int, timeout: float = 60.0, members=None):
     got = g.wait_for(expected, timeout, members=members)
-    ok, detail = check_agreement(got, expected=expected)
+    ok, detail = check_global_topics(got, expected=expected)
     assert ok, detail + "\n" + member_logs(g)
     return got
 

@@ -9,7 +9,7 @@ taking writes, then both restarted on the same data); and a crash of every
 broker and every member at once, then a restart of all.  Writers are paced
 idempotent producers that retry until acknowledged, so every event is
 acknowledged; afterwards every global topic must be identical, every event in
-it exactly once, each origin partition in order (`check_agreement`).
+it exactly once, each origin partition in order (`check_global_topics`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import pytest
 
 from kdsync.testing import local
-from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_agreement
+from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, check_global_topics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -58,7 +58,7 @@ def _assert_agree(g: LocalGroup, acked: int, timeout: float = 240.0):
     present = sum(len(v) for v in src.values())
     assert present == acked, f"{present} source records for {acked} acknowledged writes\n" + _logs(g)
     got = g.wait_for(present, timeout, poll=0.5)
-    ok, detail = check_agreement(got, expected=present)
+    ok, detail = check_global_topics(got, expected=present)
     assert ok, detail + "\n" + _logs(g)
     keys = {k for v in src.values() for (_, _, k) in v}
     assert {r.key for r in got[g.names[0]]} == keys, "the global topics do not hold exactly the source records"

@@ -18,7 +18,7 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kdsync.testing.local import LocalGroup, check_agreement, read_global
+from kdsync.testing.local import LocalGroup, check_global_topics, read_global
 from kdsync.kafka.checkpoint import Checkpoint
 from kdsync.kafka.embedded import EmbeddedCluster
 from kdsync.kafka.records import read_global_headers
@@ -190,7 +190,7 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
         assert cp.offsets == (600 - first,) and cp.watermarks == watermarks_of(got["dc2"], 600)
         # and it goes on in step with the others: same event at every position, nothing twice
         write_all(g, 50, "r3")
-        ok, detail = check_agreement(g.wait_for(750, 60, members=[1, 2]), expected=750)
+        ok, detail = check_global_topics(g.wait_for(750, 60, members=[1, 2]), expected=750)
         assert ok, detail + member_logs(g)
         ref = read_global(g.bootstrap(1), g.global_topic)
         wait_until(lambda: len(read_global(g.bootstrap(0), g.global_topic)) == 750 - first, 60, "dc1 to hold F..749")
@@ -283,7 +283,7 @@ def test_witness_has_no_checkpoint_and_members_do(tmp_path):
         g.start_members()
         g.wait_ready()
         got = g.wait_for(write_all(g, 100, "w", idx=[0, 1]), 40)
-        ok, detail = check_agreement(got, expected=200)
+        ok, detail = check_global_topics(got, expected=200)
         assert ok, detail + member_logs(g)
         for i in (0, 1):
             wait_until(lambda i=i: checkpoints(g.bootstrap(i))[-1].seq == 200, 20, f"{g.names[i]}'s checkpoint")
@@ -295,7 +295,7 @@ def test_witness_has_no_checkpoint_and_members_do(tmp_path):
         g.wait_ready(members=[0])
         assert ready_lines(g, 0)[-1]["records_read"] == "1"  # only the record before the checkpoint's offset
         write_all(g, 50, "w2", idx=[0, 1])
-        ok, detail = check_agreement(g.wait_for(300, 40), expected=300)
+        ok, detail = check_global_topics(g.wait_for(300, 40), expected=300)
         assert ok, detail + member_logs(g)
     finally:
         g.close()

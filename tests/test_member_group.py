@@ -1,6 +1,6 @@
 """`kdsync run` end to end: three Tansu brokers and three member processes,
 all real processes started here.  Every test checks the global topics offset
-by offset (kdsync.testing.local.check_agreement): same event at the same offset in
+by offset (kdsync.testing.local.check_global_topics): same event at the same offset in
 every cluster, seq == offset, no duplicate, nothing lost.
 """
 
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kdsync.testing.fault_proxy import FaultProxy
-from kdsync.testing.local import LocalGroup, check_agreement, read_global
+from kdsync.testing.local import LocalGroup, check_global_topics, read_global
 
 from helpers import assert_agree, member_logs, wait_until, write_all
 
@@ -99,7 +99,7 @@ def test_isolated_member_delivers_nothing_then_catches_up(tmp_path):
         wait_until(lambda: not g.is_active(2), 10, "dc3 to notice it is cut off")
         write_all(g, 100, "during")
         got = g.wait_for(500, 30, members=[0, 1])
-        ok, detail = check_agreement(got, expected=500)  # dc1, dc2: their own 200 plus dc3's 100 written before
+        ok, detail = check_global_topics(got, expected=500)  # dc1, dc2: their own 200 plus dc3's 100 written before
         assert ok, detail + member_logs(g)
         # the isolated member wrote nothing new: still the 300 ordered before the cut
         time.sleep(0.5)
@@ -222,7 +222,7 @@ def test_members_over_mutual_tls(tmp_path):
         assert not g.is_active(2)
         write_all(g, 50, "tls2", idx=[0, 1])
         got = g.wait_for(400, 30, members=[0, 1])
-        ok, detail = check_agreement(got, expected=400)
+        ok, detail = check_global_topics(got, expected=400)
         assert ok, detail + member_logs(g)
         assert len(read_global(g.bootstrap(2), g.global_topic)) == 300
     finally:

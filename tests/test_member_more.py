@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from kdsync.testing.local import LocalGroup, check_agreement, read_global, write_events
+from kdsync.testing.local import LocalGroup, check_global_topics, read_global, write_events
 from kdsync.kafka.embedded import EmbeddedCluster, die_with_parent, free_port
 from kdsync.kafka.records import H_SEQ, global_headers
 from kdsync.kafka.topic import ensure_topic
@@ -153,7 +153,7 @@ def test_several_source_topics_each_get_their_own_order(tmp_path):
                 if all(len(v) >= 300 for v in got.values()) or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-            ok, detail = check_agreement(got, expected=300)
+            ok, detail = check_global_topics(got, expected=300)
             assert ok, f"{topic}: {detail}"
             assert all(r.key.decode().startswith(topic.split("-")[0]) for r in got["dc1"])
         m = g.metrics(0)
@@ -176,7 +176,7 @@ def test_witness_keeps_a_two_cluster_group_going(tmp_path):
         g.wait_ready()
         write_in_parallel([(g.bootstrap(i), g.topic, 100, f"w{i}") for i in g.data])
         got = g.wait_for(200, 30)
-        ok, detail = check_agreement(got, expected=200)
+        ok, detail = check_global_topics(got, expected=200)
         assert ok, detail
         assert not (tmp_path / "tansu-arb.log").exists()  # the witness has no cluster
         g.signal_member(1, signal.SIGKILL)
@@ -186,7 +186,7 @@ def test_witness_keeps_a_two_cluster_group_going(tmp_path):
         assert len(got["dc1"]) == 300, g.log_text(0)[-3000:]
         g.start_member(1)
         got = g.wait_for(300, 40)
-        ok, detail = check_agreement(got, expected=300)
+        ok, detail = check_global_topics(got, expected=300)
         assert ok, detail
     finally:
         g.close()
@@ -215,7 +215,7 @@ def test_restart_catches_up_through_a_peers_global_topic(tmp_path):
             assert len(g.wait_for(351 + i, 30, members=[0, 1])["dc1"]) == 351 + i
         g.start_member(2)
         got = g.wait_for(355, 40)
-        ok, detail = check_agreement(got, expected=355)
+        ok, detail = check_global_topics(got, expected=355)
         assert ok, detail + g.log_text(2)[-2000:]
         assert "served a read from the global topic" in g.log_text(0) + g.log_text(1)
     finally:

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kdsync.testing.local import LocalGroup, check_agreement, write_events
+from kdsync.testing.local import LocalGroup, check_global_topics, write_events
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +33,7 @@ def test_trace_and_stage_histograms_account_for_every_record(tmp_path):
         for t in threads:
             t.join()
         got = g.wait_for(3 * PER, 60)
-        ok, detail = check_agreement(got, expected=3 * PER)
+        ok, detail = check_global_topics(got, expected=3 * PER)
         assert ok, detail
         m = g.metrics(0)
         g.signal_member(0, signal.SIGTERM)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kdsync.testing.local import LocalGroup, check_agreement, write_events
+from kdsync.testing.local import LocalGroup, check_global_topics, write_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -60,7 +60,7 @@ def test_a_frozen_broker_is_reported_as_a_stalled_delivery_report_stage_then_rec
             g.clusters[1].resume()
         writer.join(60)
         got = g.wait_for(250, 90)
-        ok, detail = check_agreement(got, expected=250)
+        ok, detail = check_global_topics(got, expected=250)
         assert ok, detail
         _until(lambda: 'msg="stall over"' in g.log_text(1) and 'stage="delivery report"' in g.log_text(1), 30,
                "dc2's stall-over line")

@@ -326,7 +326,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 out[f"cpu_us_{kind}"] = round(sum((b[kind] - a[kind]) / max(1, n) * 1e6 for a, b, n in
                                                   zip(split0, split1, ordered)) / clusters, 1)
             if protocol != "mirror":
-                ok, detail = local.check_agreement(got, expected=total)
+                ok, detail = local.check_global_topics(got, expected=total)
                 out["agreement"], out["agreement_detail"] = ok, detail
             if fl:
                 if fl.error or not fl.lat:

@@ -10,7 +10,7 @@
   when every one is acknowledged.
 * `read_global(bootstrap, topic)` — a global topic read to partition EOF,
   as `GlobalRecord`s; `GlobalTail` follows one.
-* `check_agreement({member: records})` — (ok, one-line detail).
+* `check_global_topics({member: records})` — (ok, one-line detail).
 * sharded groups (`LocalGroup(..., shards=K, workers=W, source_partitions=P)`):
   `read_partitions()`, `wait_for_partitions(n)` and `check_sharded(...)`
   (every partition identical in every cluster, every event once, each
@@ -38,7 +38,7 @@ from kdsync.kafka.topic import FetchStalledError, consumer, ensure_topic, iter_p
 from kdsync.observability.logs import client_log
 from kdsync.testing.stats import percentile
 
-__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "Writers", "check_agreement",
+__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "Writers", "check_global_topics",
            "check_sharded", "child_pids", "free_port_block", "measure", "read_global", "write_events"]
 
 WARM_TOPIC = "kdsync-demo-warmup"  # the writers' warm-up records go here, never into an ordered topic
@@ -81,7 +81,7 @@ class GlobalTail:
     def __init__(self, bootstrap: str, topic: str, partition: int = 0):
         self.bootstrap, self.topic, self.partition = bootstrap, topic, partition
         self.records: list[GlobalRecord] = []
-        self.next = 0  # next offset to read (above len(records) after a hole: check_agreement reports it)
+        self.next = 0  # next offset to read (above len(records) after a hole: check_global_topics reports it)
         self._c = None
 
     def read(self, timeout: float = 30.0) -> list[GlobalRecord]:
@@ -105,7 +105,7 @@ class GlobalTail:
             self._c = None
 
 
-def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None = None) -> tuple[bool, str]:
+def check_global_topics(topics: dict[str, list[GlobalRecord]], expected: int | None = None) -> tuple[bool, str]:
     """Every global topic holds the same events at the same offsets, seq ==
     offset, no duplicate, origin order, the same key and value for an event
     everywhere, and (if given) exactly `expected` records.  Returns (ok, one
@@ -152,14 +152,14 @@ def check_agreement(topics: dict[str, list[GlobalRecord]], expected: int | None 
 def check_sharded(parts: dict[str, list[list[GlobalRecord]]], expected: int | None = None) -> tuple[bool, str]:
     """A sharded global topic ({cluster: records of each partition}): each
     partition holds the same events at the same offsets in every cluster
-    (`check_agreement` per partition), every source event is in exactly one
+    (`check_global_topics` per partition), every source event is in exactly one
     partition once (and `expected` of them, if given), in the partition of its
     shard (source partition mod K), and each source partition's events are in
     source-offset order.  Returns (ok, one line)."""
     names = sorted(parts)
     k = len(parts[names[0]]) if names else 0
     for s in range(k):
-        ok, detail = check_agreement({n: parts[n][s] for n in names})
+        ok, detail = check_global_topics({n: parts[n][s] for n in names})
         if not ok:
             return False, f"partition {s}: {detail}"
     for n in names:
@@ -659,7 +659,7 @@ def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000
         if protocol == "mirror":
             ok, detail = True, "mirror: counts only (no agreed order)"
         else:
-            ok, detail = check_agreement(got, expected=total)
+            ok, detail = check_global_topics(got, expected=total)
         per = paced // clusters
         Writers(g, per, "p", rate / clusters, warm_topic=WARM_TOPIC).join(strict=True)
         got = g.wait_for(total + per * clusters, timeout, poll=0.5)
@@ -668,7 +668,7 @@ def measure(protocol: str, workdir: Path, clusters: int = 3, backlog: int = 5000
         out["latency_p99_ms"] = percentile(lat, 99)
         out["latency_samples"] = len(lat)
         if protocol != "mirror":
-            ok2, detail = check_agreement(got, expected=total + per * clusters)
+            ok2, detail = check_global_topics(got, expected=total + per * clusters)
             ok = ok and ok2
         out["agreement"] = None if protocol == "mirror" else ok
         out["detail"] = detail

@@ -17,7 +17,7 @@ Then everything is healed and the run waits for convergence: every global
 topic holding every record of every source topic.  It reports the faults by
 kind, the events (acknowledged, in the source topics, ordered), the time to
 converge after the last heal, and the anomalies: any violation of agreement,
-exactly-once or origin order (`check_agreement`), a source record missing
+exactly-once or origin order (`check_global_topics`), a source record missing
 from the global topics or one there that no source holds, a member that
 exited on its own, an acknowledged write missing from its source topic (the
 embedded brokers recover their logs before a restart, as Kafka does:
@@ -166,7 +166,7 @@ def _until(cond, timeout: float) -> bool:
 
 
 def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print) -> Report:
-    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, Writers, check_agreement
+    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, Writers, check_global_topics
     from kdsync.testing.fault_proxy import FaultProxy
 
     faults = schedule(seed, minutes * 60)
@@ -211,7 +211,7 @@ def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print)
         report.ordered = {n: len(v) for n, v in got.items()}
         if all(len(v) >= report.in_sources for v in got.values()):
             report.converge_s = time.monotonic() - healed
-        ok, detail = check_agreement(got, expected=report.in_sources)
+        ok, detail = check_global_topics(got, expected=report.in_sources)
         if not ok:
             report.anomalies.append(detail)
         keys = {k for v in src.values() for (_, _, k) in v}
