@@ -38,13 +38,17 @@ class ProducerRecovery:
     def __init__(self, m: Member):
         self.m = m
         self.active = False  # the producer is being re-created
+        self._again: str | None = None  # it failed again while being recovered: recover once more after
         self._starts: list[float] = []  # when recent recoveries began
 
     def failed(self, why: str) -> None:
         """The producer failed (a fatal error, or a delivery error): recover
         it in place unless recoveries repeat."""
         m = self.m
-        if self.active or m.stopping:
+        if m.stopping:
+            return
+        if self.active:
+            self._again = why
             return
         now = time.monotonic()
         self._starts = [t for t in self._starts if now - t < RECOVERY_WINDOW_S] + [now]
@@ -91,4 +95,8 @@ class ProducerRecovery:
             return
         finally:
             self.active = False
+        if self._again is not None:  # the new producer failed while the writers resumed
+            why, self._again = self._again, None
+            self.failed(why)
+            return
         m.poll_reports_soon()

@@ -564,9 +564,9 @@ def run_scenario(
     delivered = {site: sum(t.length for t in c.topics) for site, c in sim.clusters.items()}
     n_sub = sim.acknowledged()
     latency = {
-        "p50": round(weighted_percentile(lat, 50), 3) if n_lat else 0.0,
-        "p90": round(weighted_percentile(lat, 90), 3) if n_lat else 0.0,
-        "p99": round(weighted_percentile(lat, 99), 3) if n_lat else 0.0,
+        "p50": round(weighted_percentile(lat, 50, linear=True), 3) if n_lat else 0.0,
+        "p90": round(weighted_percentile(lat, 90, linear=True), 3) if n_lat else 0.0,
+        "p99": round(weighted_percentile(lat, 99, linear=True), 3) if n_lat else 0.0,
         "max": round(lat[-1][0], 3) if lat else 0.0,
     }
     everywhere = min((delivered[m] for m in live), default=0)

@@ -223,6 +223,37 @@ def test_a_failed_producer_is_recovered_in_place_writing_exactly_the_missing_pos
     assert got["done"][-1] == (16, 18, False)
 
 
+def test_a_producer_that_refuses_a_record_is_recovered_and_the_delivery_written_again():
+    """produce() itself raising (a producer already fatal whose error callback
+    has not been served yet) is a producer failure like a failed report: the
+    writer suspends, asks for a recovery once, and the delivery it was
+    writing is produced again, whole and in order, by the next producer."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    class Refusing(FakeProducer):
+        def produce(self, *a, **kw):
+            if len(self.records) == 2:
+                raise KafkaException(KafkaError(KafkaError._FATAL, "Unable to produce message: Local: Fatal error"))
+            super().produce(*a, **kw)
+
+    old = Refusing()
+    failed = []
+    w, got = writer(old, start=0)
+    w.on_failed = failed.append
+    w.write(delivery(0, tuple(ev("me", 0, o) for o in range(4))))  # positions 0..3: the third is refused
+    assert len(failed) == 1 and failed[0].startswith("writing position 2 to t-global failed") and got["fatal"] == []
+    assert w.suspended and w.outstanding == 0
+    w.write(delivery(4, (ev("dc2", 0, 7),)))  # queued while suspended
+    assert len(old.records) == 2
+    new = FakeProducer()
+    w.resume(new, present={0})  # the tail read found position 0 only
+    assert [int(dict(r[3])[H_SEQ]) for r in new.records] == [1, 2, 3, 4]
+    for i in range(len(new.records)):
+        new.report(i)
+    run_scheduled(got)
+    assert w.durable_end == 5 and w.outstanding == 0 and got["fatal"] == []
+
+
 def test_read_present_and_floors_come_from_reports():
     """The writer's floors (where a tail read starts) advance with the offsets
     of durable reports, never past a record whose position is not durable."""

@@ -11,7 +11,9 @@ offsets of this member's own events below it, which may now be committed.
 
 A failed producer (a fatal idempotence error: out-of-order sequence, fenced
 epoch, unknown producer id after a broker lost its state; or a delivery
-error) is recovered in place (the member's `_recover_producer`): every writer
+error; or produce() itself refusing a record, as it does once the producer
+is fatal and before its error callback has been served) is recovered in
+place (kdsync.producer_recovery): every writer
 is `suspend`ed (reports of the failed producer are ignored from then on, new
 deliveries are only queued), the failed producer's in-flight requests are
 drained, a new producer is made, each global topic's tail above the durable
@@ -32,6 +34,8 @@ import time
 from collections import deque
 from functools import partial
 from typing import Callable, NamedTuple
+
+from confluent_kafka import KafkaException
 
 from kdsync.core import Delivery
 from kdsync.fatal import FatalError
@@ -190,12 +194,27 @@ class GlobalWriter:
                             break
                         except BufferError:  # local queue full: serve reports, then retry
                             self.producer.poll(0.05)
+                        except KafkaException as e:  # the producer is fatal (or refuses this record)
+                            self._refused(seq, e)
+                            return
                 seq += 1
                 off += 1
             if b.origin == self.origin:
                 self._own.append((seq - 1, b.partition, off - 1))
         self.produced_end = seq
         self._done.append(WrittenDelivery(d.first_seq, seq, first_ts, d.catchup, t0, self.clock()))
+
+    def _refused(self, seq: int, e: KafkaException) -> None:
+        """produce() raised for position `seq`: the producer failed.  Recover
+        (`on_failed`: every writer is suspended and `resume` produces this
+        delivery again, it is still pending) or stop (`on_fatal`)."""
+        err = e.args[0] if e.args else None
+        why = f"writing position {seq} to {self.global_topic} failed: {err.str() if err is not None else e}"
+        self.suspend()
+        if self.on_failed is not None:
+            self.on_failed(why)
+        else:
+            self.on_fatal(f"{why} (restart the member once the cluster accepts writes; it resumes from the global topic)")
 
     def _on_delivery(self, gen: int, seq: int, err, msg) -> None:
         # a callback of producer.poll(): an exception escaping it leaves confluent-kafka's

@@ -24,13 +24,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(sorted(values)[k])
 
 
-def weighted_percentile(pairs: Sequence[tuple[float, int]], q: float) -> float:
+def weighted_percentile(pairs: Sequence[tuple[float, int]], q: float, *, linear: bool = False) -> float:
     """`percentile` of the values of `pairs` (value, weight), sorted by value,
     each value counted `weight` times — without expanding them; NaN when the
-    weights sum to 0."""
+    weights sum to 0.  `linear`: interpolated between the two nearest ranks
+    instead (Spark's exact `percentile`, which `kdsync audit` reports: the
+    simulator's `latency_ms` must equal the audit of its own trace)."""
     total = sum(w for _, w in pairs)
     if not total:
         return math.nan
+    if linear:
+        return _interpolated(pairs, (total - 1) * q / 100)
     k = min(total - 1, max(0, math.ceil(q / 100 * total) - 1))
     seen = 0
     for v, w in pairs:
@@ -38,6 +42,20 @@ def weighted_percentile(pairs: Sequence[tuple[float, int]], q: float) -> float:
         if seen > k:
             return float(v)
     return float(pairs[-1][0])  # pragma: no cover - seen reaches total > k
+
+
+def _interpolated(pairs: Sequence[tuple[float, int]], pos: float) -> float:
+    lo = int(pos)
+    frac = pos - lo
+    seen = 0
+    for i, (v, w) in enumerate(pairs):
+        if seen + w > lo:
+            if frac == 0.0 or seen + w > lo + 1:
+                return float(v)
+            nxt = pairs[i + 1][0] if i + 1 < len(pairs) else v
+            return float(v + (nxt - v) * frac)
+        seen += w
+    return float(pairs[-1][0])
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
