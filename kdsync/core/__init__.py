@@ -10,6 +10,7 @@ package and enforces it).  Every adapter drives a node the same way::
     node.step(LogChunk(...))       # answer to a ReadRequest
     node.durable(seq_end)          # positions < seq_end are in our global topic
     node.tick()                    # time passes; timeouts are counted in ticks
+    node.clock(now_us)             # the host's wall clock, before inputs (the clock protocol stamps with it)
     if node.has_ready():
         rd = node.ready()          # Ready: hard_state, messages, deliveries, views, reads
         ...                        # do the I/O in the order Ready documents
@@ -23,7 +24,8 @@ dict of counters with the keys "submitted", "delivered", "deduplicated",
 "resubmitted" and "bad_messages".
 
 `make_node` picks the variant named by `config.protocol`: "derecho" (the
-product), "sequencer" (one leader per view assigns positions and fails over
+product), "clock" (derecho's views with Clock-RSM's timestamp order inside
+them, for clusters across regions: docs/wan.md), "sequencer" (one leader per view assigns positions and fails over
 through the same view change) or "mirror" (no agreement; the
 MirrorMaker-style baseline).
 
@@ -80,10 +82,12 @@ def make_node(config: NodeConfig, **kwargs) -> OrderingNode:
     """
     if config.protocol == "derecho":
         from kdsync.core.derecho import DerechoNode as cls
+    elif config.protocol == "clock":
+        from kdsync.core.clock import ClockNode as cls
     elif config.protocol == "sequencer":
         from kdsync.core.sequencer import SequencerNode as cls
     elif config.protocol == "mirror":
         from kdsync.core.mirror import MirrorNode as cls
     else:
-        raise LocalProtocolError(f"unknown protocol {config.protocol!r} (expected derecho, sequencer or mirror)")
+        raise LocalProtocolError(f"unknown protocol {config.protocol!r} (expected derecho, clock, sequencer or mirror)")
     return cls(config, **kwargs)

@@ -72,6 +72,7 @@ class NodeBase:
         self.hard = hard_state or HardState()
         self.incarnation = (self.hard.incarnation + 1) if hard_state is not None else rng.randrange(1, 2**31)
         self.now = 0  # ticks since start
+        self._now_us: int | None = None  # the adapter's clock, when it gives one (see clock())
         # delivery state
         self.next_seq = start_seq
         self.watermarks: dict[tuple[str, int], int] = dict(watermarks or {})
@@ -118,6 +119,20 @@ class NodeBase:
 
     def tick(self) -> None:
         self.now += 1
+
+    def clock(self, now_us: int) -> None:
+        """The adapter's clock (microseconds, wall time on this member's host):
+        given before inputs by drivers of protocols that stamp with physical
+        time; others ignore it.  Never read for safety: a clock that is skewed,
+        drifts or jumps only delays delivery."""
+        self._now_us = now_us
+
+    @property
+    def now_us(self) -> int:
+        """The last clock given, or the ticks counted as milliseconds when the
+        adapter never gives one."""
+        t = self._now_us
+        return self.now * 1000 if t is None else t
 
     def quiet(self) -> bool:
         """True when, until the next input (receive, submit, durable), a

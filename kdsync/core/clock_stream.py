@@ -55,7 +55,7 @@ class ClockStream:
     """The ordering state of one view at one member (see module docstring)."""
 
     __slots__ = ("n", "my_k", "senders", "majority", "received", "slots", "acks", "next", "reports", "promised", "last_ts",
-                 "clock", "inflight", "cut_upto")
+                 "clock", "inflight", "cut_upto", "low")
 
     def __init__(self, view: View, me: str, clock: int = 0) -> None:
         n = self.n = len(view.senders)
@@ -72,6 +72,7 @@ class ClockStream:
         self.clock = clock  # own hybrid logical clock: every later own slot has ts > clock
         self.inflight: deque[int] = deque()  # own slot indices some peer has not acknowledged
         self.cut_upto = 0
+        self.low = [0] * n  # per sender: slots below it are forgotten (delivered and held by every member)
 
     # ------------------------------------------------------------- the clock
     def report(self, now: int) -> tuple[int, int]:
@@ -123,6 +124,10 @@ class ClockStream:
         return merge_ack(self.acks, peer, recv, self.inflight, self.my_k)
 
     # -------------------------------------------------------------- cutting
+    def may_cut(self, window: int) -> bool:
+        """Fewer than `window` own slots are unacknowledged by some peer."""
+        return self.my_k >= 0 and len(self.inflight) < window
+
     def cut(self, pending: list[Batch], now: int, window: int, max_batch: int) -> tuple[int, list[Stamped]]:
         """Cut own slots from `pending` while the window has room, each
         stamped above the clock.  Consumes what it cuts; returns (first index,
@@ -146,8 +151,19 @@ class ClockStream:
 
     def own_slots(self, start: int, stop: int) -> list[Stamped]:
         """Own slots start..stop-1 still held (a retransmission)."""
-        store = self.slots[self.my_k]
-        return [store[i] for i in range(start, min(stop, self.cut_upto)) if i in store]
+        return self.held_run(self.my_k, start, stop)
+
+    def held_run(self, k: int, start: int, stop: int) -> list[Stamped]:
+        """Sender k's slots start.. held here, contiguous, below `stop`
+        (delivered slots are held until every member holds them)."""
+        store = self.slots[k]
+        out: list[Stamped] = []
+        for i in range(start, stop):
+            s = store.get(i)
+            if s is None:
+                break
+            out.append(s)
+        return out
 
     # ------------------------------------------------------------- delivery
     def _holders(self, k: int, idx: int) -> int:
@@ -171,11 +187,54 @@ class ClockStream:
                     return out  # C2: j may still send something before it
             if self._holders(hk, self.next[hk]) < self.majority:
                 return out  # C1
-            del self.slots[hk][self.next[hk]]
             self.next[hk] += 1
             if head[1] is not NULL:
                 out.append(head[1])
 
+    def waiting(self) -> bool:
+        """Some held slot is not delivered here yet (clock reports are due)."""
+        nxt, rcv = self.next, self.received
+        return any(nxt[k] < rcv[k] for k in range(self.n))
+
+    def forget_stable(self) -> None:
+        """Drop delivered slots every member holds: no view change can need
+        them (its trim extras start at the holders' smallest received count)."""
+        acks = tuple(self.acks.values())
+        for k in range(self.n):
+            upto = min(self.next[k], self.received[k], *(a[k] for a in acks)) if acks else self.next[k]
+            lo = self.low[k]
+            if upto > lo:
+                store = self.slots[k]
+                for i in range(lo, upto):
+                    store.pop(i, None)
+                self.low[k] = upto
+
+    def take_trim(self, trim: Sequence[int]) -> list[Slot] | None:
+        """Pop every slot below the trim not delivered yet, in (ts, rank)
+        order; None when this member lacks one (it must catch up instead)."""
+        if len(trim) != self.n or any(have < t for have, t in zip(self.received, trim)):
+            return None
+        if any(nx > t for nx, t in zip(self.next, trim)):
+            return None  # delivered past the trim: cannot happen (C1); never deliver twice
+        keyed: list[tuple[int, int, Slot]] = []
+        for k in range(self.n):
+            store = self.slots[k]
+            for i in range(self.next[k], trim[k]):
+                s = store.get(i)
+                if s is None:
+                    return None  # pragma: no cover - received[k] > i means it is held
+                keyed.append((s[0], k, s[1]))
+            self.next[k] = trim[k]
+        keyed.sort(key=lambda x: (x[0], x[1]))
+        return [s for _, _, s in keyed if s is not NULL]
+
     def undelivered_own(self) -> list[Batch]:
         """Own batches in slots not delivered here (to resubmit), in order."""
-        return pop_own(self.slots[self.my_k], lambda s: s[1]) if self.my_k >= 0 else []
+        k = self.my_k
+        if k < 0:
+            return []
+        store = self.slots[k]
+        done = [i for i in store if i < self.next[k]]
+        for i in done:
+            del store[i]
+        return pop_own(store, lambda s: s[1])

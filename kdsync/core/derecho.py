@@ -246,13 +246,17 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self._views.append(self.view)
         self.joined_views += 1
 
+    def _new_stream(self, view: View):
+        """The in-view ordering state (a hook: the clock protocol has its own)."""
+        return Stream(view, self.me)
+
     def _senders_of(self, members) -> tuple[str, ...]:
         return tuple(m for m in members if self.cfg.roles.get(m, "member") == "member")
 
     def _reset_view_state(self) -> None:
         v = self.view
         now = self.now
-        self.stream = Stream(v, self.me)
+        self.stream = self._new_stream(v)
         self.ack_progress = {m: now for m in v.members}  # last tick a peer's ack of our slots grew
         self.last_heard = {m: now for m in v.members}
         self.last_sent = {m: -10**9 for m in v.members}

@@ -119,6 +119,17 @@ def _watermarks(v, name, ids=None):
     return out
 
 
+def _stamped(v, name, ids=None):
+    if type(v) is not list:
+        _bad(name)
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 2 or type(item[1]) is not list:
+            _bad(name)
+        out.append((_int(item[0], "timestamp"), tuple(map(Batch.from_fields, item[1]))))
+    return tuple(out)
+
+
 def _proposal(v, name, ids):
     return Proposal.decode(_bytes(v, name), ids)
 
@@ -141,6 +152,7 @@ BALLOT = (list, _ballot)
 BATCHES = (lambda v: [b.fields() for b in v], _batches)
 SLOTS = (lambda v: [[b.fields() for b in s] for s in v], _slots)
 WATERMARKS = (lambda v: [[o, p, off] for (o, p), off in sorted(v.items())], _watermarks)
+STAMPED = (lambda v: [[ts, [b.fields() for b in s]] for ts, s in v], _stamped)
 PROPOSAL = (lambda p: p.data, _proposal)
 MAYBE_PROPOSAL = (lambda p: p.data if p is not None else b"", _maybe_proposal)
 
@@ -258,23 +270,30 @@ class Proposal:
     `trim[k]` is how many slots of the old view's sender k every member
     delivers (the ragged trim); `source` serves catch-up; `base_seq` >= 0 when
     nobody held the old view's data (the new view starts there), else -1.
-    Encoded once and compared by bytes.
+    `extra` (the clock protocol only; empty for derecho, whose bytes it does
+    not change) carries trimmed slots some holders lack: per sender index k,
+    (k, first index, stamped slots).  Encoded once and compared by bytes.
     """
 
-    __slots__ = ("old_view", "new_view", "members", "incs", "trim", "source", "base_seq", "data")
+    __slots__ = ("old_view", "new_view", "members", "incs", "trim", "source", "base_seq", "extra", "data")
 
-    def __init__(self, old_view, new_view, members, incs, trim, source, base_seq):
+    def __init__(self, old_view, new_view, members, incs, trim, source, base_seq, extra=()):
         self.old_view, self.new_view = old_view, new_view
         self.members, self.incs = tuple(members), tuple(incs)
         self.trim, self.source, self.base_seq = tuple(trim), source, base_seq
-        self.data = pack([old_view, new_view, list(members), list(incs), list(trim), source, base_seq])
+        self.extra = tuple(extra)
+        fields = [old_view, new_view, list(members), list(incs), list(trim), source, base_seq]
+        if self.extra:
+            fields.append([[k, first, STAMPED[0](slots)] for k, first, slots in self.extra])
+        self.data = pack(fields)
 
     @classmethod
     def decode(cls, data: bytes, member_ids) -> "Proposal":
         """Raises RemoteProtocolError on anything malformed."""
         f = unpack_raw(data)
-        if type(f) is not list or len(f) != 7:
+        if type(f) is not list or len(f) not in (7, 8):
             raise RemoteProtocolError("undecodable proposal")
+        extra = _extra(f.pop(), len(f[4]) if type(f[4]) is list else 0) if len(f) == 8 else ()
         old, new, members, incs, trim, source, base = f
         _int(old, "old view")
         if type(new) is not int or new != old + 1:
@@ -285,7 +304,7 @@ class Proposal:
         if not members or len(incs) != len(members) or len(set(members)) != len(members) or source not in members:
             raise RemoteProtocolError("bad proposal membership")
         _int_m1(base, "base position")
-        return cls(old, new, members, incs, trim, source, base)
+        return cls(old, new, members, incs, trim, source, base, extra)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Proposal) and self.data == other.data
@@ -295,6 +314,21 @@ class Proposal:
     def __repr__(self) -> str:
         return (f"Proposal({self.old_view}->{self.new_view} {list(self.members)} trim={list(self.trim)} "
                 f"source={self.source} base={self.base_seq})")
+
+
+def _extra(v, senders: int) -> tuple:
+    """A proposal's trim extras: [[sender index, first, stamped slots], ...]."""
+    if type(v) is not list or not v:
+        raise RemoteProtocolError("bad proposal extras")
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 3:
+            raise RemoteProtocolError("bad proposal extras")
+        k = _int(item[0], "extra sender")
+        if k >= senders:
+            raise RemoteProtocolError("proposal extras name no sender")
+        out.append((k, _int(item[1], "extra first"), _stamped(item[2], "extra slots")))
+    return tuple(out)
 
 
 def _message(type_code: int, name: str, doc: str, *fields, check: Callable[[Message], None] | None = None) -> type:
@@ -358,6 +392,70 @@ LogData = _message(15, "LogData", "Positions start.. of the sender's durable glo
 DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
                     Snapshot, Hint, LogReq, LogData)
 SEQUENCER_MESSAGES = DERECHO_MESSAGES + (Forward,)
+
+# -------------------------------------------------------------------- clock
+# The clock protocol (kdsync/core/clock.py) keeps derecho's view change
+# messages and replaces the stream's: slots carry timestamps, every stream
+# message carries a clock report (`cut`, `clock`: "I had cut `cut` slots, and
+# every later slot of mine is stamped above `clock`").
+class ClockAppend(Message):
+    """Own stamped slots first..first+len(slots)-1 of a view, the received
+    vector and a clock report."""
+
+    __slots__ = ("view", "first", "slots", "recv", "cut", "clock")
+    TYPE = 16
+    FIELDS = (("view", INT), ("first", INT), ("slots", STAMPED), ("recv", INTS), ("cut", INT), ("clock", INT))
+    view: int
+    first: int
+    slots: tuple
+    recv: tuple
+    cut: int
+    clock: int
+
+
+class ClockAck(Message):
+    """Derecho's ACK (heartbeat, received vector, suspicions, ballot round,
+    wedged) with a clock report."""
+
+    __slots__ = ("view", "recv", "suspected", "round", "wedged", "cut", "clock")
+    TYPE = 17
+    FIELDS = (("view", INT), ("recv", INTS), ("suspected", MEMBERS), ("round", INT), ("wedged", BOOL),
+              ("cut", INT), ("clock", INT))
+    view: int
+    recv: tuple
+    suspected: tuple
+    round: int
+    wedged: bool
+    cut: int
+    clock: int
+
+
+class SlotReq(Message):
+    """A view change leader asks for slots first..stop-1 of sender index `k` of `view`."""
+
+    __slots__ = ("view", "k", "first", "stop")
+    TYPE = 18
+    FIELDS = (("view", INT), ("k", INT), ("first", INT), ("stop", INT))
+    view: int
+    k: int
+    first: int
+    stop: int
+
+
+class SlotData(Message):
+    """Sender index k's stamped slots first.. of `view` (an answer to SlotReq)."""
+
+    __slots__ = ("view", "k", "first", "slots")
+    TYPE = 19
+    FIELDS = (("view", INT), ("k", INT), ("first", INT), ("slots", STAMPED))
+    view: int
+    k: int
+    first: int
+    slots: tuple
+
+
+CLOCK_MESSAGES = (ClockAppend, ClockAck, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
+                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData)
 
 # ------------------------------------------------------------------- mirror
 MirrorData = _message(1, "MirrorData", "Own stream entries first.. as batches; `base` = where the sender "

@@ -48,6 +48,11 @@ class OrderingNode(Protocol):
     def tick(self) -> None:
         """One unit of time passed (the adapter decides how long)."""
 
+    def clock(self, now_us: int) -> None:
+        """The host's wall clock in microseconds (the `clock` protocol stamps
+        with it; the others ignore it).  Skew, drift and jumps never cost
+        safety, only latency."""
+
     def has_ready(self) -> bool:
         """True when ready() would hand over something to do."""
 

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 Role = Literal["member", "witness"]
-ProtocolName = Literal["derecho", "sequencer", "mirror"]
+ProtocolName = Literal["derecho", "clock", "sequencer", "mirror"]
 
 
 class Delivery:

@@ -232,7 +232,7 @@ class ViewChangePart:
         nobody holds the old view's data and some member of it, or some cluster
         of the configuration, has not reported or asked to join."""
         v = self.view
-        holders = [m for m in live if reps[m][1]]
+        holders = self._trim_holders(live, reps)
         if not holders:
             # every durable prefix must be known before a start is chosen: those of
             # the old view's members, and of every cluster, since a member excluded
@@ -244,8 +244,12 @@ class ViewChangePart:
                 return None
         members = sorted(set(live) | set(self.joiners), key=self.rank_of.__getitem__)
         incs = [reps[m][0] if m in reps else self.joiners[m][0] for m in members]
+        extra: tuple = ()
         if holders:
-            trim = ragged_trim(reps[m][2] for m in holders)
+            got = self._trim(live, holders, reps)
+            if got is None:
+                return None  # the leader is still fetching slots of the trim
+            trim, extra = got
             # catch-up is served best by a holder with a global topic (a witness
             # holds only what it ordered since its own last catch-up)
             keepers = [m for m in holders if self.cfg.roles.get(m, "member") == "member"] or holders
@@ -258,7 +262,17 @@ class ViewChangePart:
             nexts.update({m: j[2] for m, j in self.joiners.items() if m not in nexts})
             base = max(nexts.values())
             source = min((m for m in members if nexts.get(m, -1) == base), key=self.rank_of.__getitem__)
-        return Proposal(v.view_id, v.view_id + 1, members, incs, trim, source, base)
+        return Proposal(v.view_id, v.view_id + 1, members, incs, trim, source, base, extra)
+
+    def _trim_holders(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
+        """The reporters whose data the trim is taken from (none: the new view
+        starts at a base position instead)."""
+        return [m for m in live if reps[m][1]]
+
+    def _trim(self, live: list[str], holders: list[str], reps: dict[str, tuple]) -> tuple[list[int], tuple] | None:
+        """(ragged trim, proposal extras), or None while not known yet.
+        Derecho: the element-wise min over the holders (see module docstring)."""
+        return ragged_trim(reps[m][2] for m in holders), ()
 
     def _accept_local(self, b: Ballot, prop: Proposal) -> None:
         if self._promise(b):
@@ -347,7 +361,10 @@ class ViewChangePart:
     def _install(self, prop: Proposal) -> None:
         """Install the chosen next view (see module docstring)."""
         trimmed = None
-        if prop.old_view == self.view.view_id and self._holds_view_data():
+        # a base position (nobody held the old view's data when it was chosen)
+        # starts the view there: a holder that did not report must not deliver
+        # a trim of its own
+        if prop.old_view == self.view.view_id and self._holds_view_data() and prop.base_seq < 0:
             trimmed = self.stream.take_trim(prop.trim)
             if trimmed:
                 self._deliver([b for s in trimmed for b in s])

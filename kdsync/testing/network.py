@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kdsync.invariants import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.core.batch import read_positions
+from kdsync.testing.clocks import PERFECT, ClockFault
 
 
 @dataclass
@@ -47,11 +48,16 @@ class NetworkMember:
 
 
 class InMemoryNetwork:
-    def __init__(self, ids, *, protocol="derecho", seed=0, witnesses=(), **cfg):
+    DEFAULT_PROTOCOL = "derecho"  # a test module may run its tests on another protocol
+    TICK_US = 1000  # true time per tick, for the members' clocks
+
+    def __init__(self, ids, *, protocol=None, seed=0, witnesses=(), clocks=None, **cfg):
         self.ids = tuple(ids)
         self.rng = random.Random(seed)
         self.cfg_base = dict(cfg)
-        self.protocol = protocol
+        self.protocol = protocol or self.DEFAULT_PROTOCOL
+        self.time = 0  # true time, µs (advances with ticks)
+        self.clocks: dict[str, ClockFault] = dict(clocks or {})  # member -> its clock's faults
         self.roles = {w: "witness" for w in witnesses}
         self.members: dict[str, NetworkMember] = {}
         self.queue: list[tuple[str, str, bytes]] = []  # (from, to, data)
@@ -87,6 +93,7 @@ class InMemoryNetwork:
             hard_state=m.hard,
         )
         m.up = True
+        self._clock(i)
 
     def crash(self, i: str) -> None:
         m = self.members[i]
@@ -129,8 +136,7 @@ class InMemoryNetwork:
     def submit(self, i: str, n: int = 1, partition: int = 0) -> list[Event]:
         """n new source records at member i, submitted as one batch; returns them."""
         evs = self.make_events(i, n, partition)
-        if self.before_input is not None:
-            self.before_input(i)
+        self._input(i)
         self.node(i).submit([Batch.from_events(evs)])
         return evs
 
@@ -200,6 +206,17 @@ class InMemoryNetwork:
         """Report everything written as durable (when durable_lag is set)."""
         self.node(i).durable(self.members[i].length)
 
+    def _clock(self, i: str) -> None:
+        n = self.members[i].node
+        if n is not None:
+            n.clock(self.clocks.get(i, PERFECT).read(self.time))
+
+    def _input(self, i: str) -> None:
+        """Before an input reaches member i's node: the test's hook, its clock."""
+        if self.before_input is not None:
+            self.before_input(i)
+        self._clock(i)
+
     def _enqueue(self, a: str, b: str, data: bytes) -> None:
         t = data[1]  # a msgpack array of < 16 items: the type code is its second byte
         self.sent_by_type[t] = self.sent_by_type.get(t, 0) + 1
@@ -220,8 +237,7 @@ class InMemoryNetwork:
             n = self.members[b].node
             if n is None or (a, b) in self.cut_links:
                 continue
-            if self.before_input is not None:
-                self.before_input(b)
+            self._input(b)
             try:
                 n.receive(a, data)
             except Exception as exc:  # RemoteProtocolError is logged and survived
@@ -236,8 +252,10 @@ class InMemoryNetwork:
         """n ticks at every live member; after each, run to quiescence (at most
         50 rounds) unless `settle` is False (then step() drives the rounds)."""
         for _ in range(n):
+            self.time += self.TICK_US
             for i in self.ids:
                 if self.members[i].node is not None:
+                    self._clock(i)
                     self.members[i].node.tick()
             if settle:
                 self.stabilize(max_rounds=50)

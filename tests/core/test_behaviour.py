@@ -1,5 +1,7 @@
-"""Focused fault-driven tests of the derecho core, each checked by the outside
-checker (agreement, integrity, origin order, no loss)."""
+"""Focused fault-driven tests of the ordering core, each checked by the outside
+checker (agreement, integrity, origin order, no loss).  Every test runs on
+both view-based protocols: derecho and clock (a test that names its protocol
+runs that one)."""
 
 import random
 
@@ -9,6 +11,13 @@ from kdsync.core import Batch, Event, LocalProtocolError, NodeConfig, RemoteProt
 from kdsync.testing.network import InMemoryNetwork, check_invariants
 
 FAST = dict(suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
+
+
+@pytest.fixture(autouse=True, params=["derecho", "clock"])
+def view_protocol(request, monkeypatch):
+    """Networks built without a protocol run this one."""
+    monkeypatch.setattr(InMemoryNetwork, "DEFAULT_PROTOCOL", request.param)
+    return request.param
 
 
 def keys(evs):

@@ -1,0 +1,267 @@
+"""The `clock` variant: derecho's views with Clock-RSM's order inside them,
+for members in different regions (docs/wan.md; the design and its safety
+argument: docs/design/wan-ordering.md).
+
+Theory of operation
+-------------------
+*Inside a view* (`ClockStream`): each sender stamps its own slots with a
+hybrid logical clock and multicasts them; every member acknowledges a slot
+the moment it arrives, with a clock report ("I had cut `cut` slots; every
+later slot of mine is stamped above `clock`"), and reports again every tick
+while some slot is undelivered here.  A slot is delivered in (timestamp,
+sender rank) order once a majority of the view holds it (C1) and every
+sender's promise here has passed its timestamp (C2).  Nothing waits for the
+farthest member's acknowledgement or for a round-robin turn: a slot costs
+about one one-way delay from the farthest sender (C2) or the round trip to
+the origin's nearest majority (C1), whichever is larger.
+
+*Clocks.*  The adapter hands the node its host's wall clock (`clock()`)
+before inputs.  Skew, drift and jumps change when C2 holds, never what is
+delivered: timestamps of one sender strictly increase (the hybrid clock), and
+links are FIFO per view once gaps are filled.
+
+*View change* — derecho's Paxos, suspicion, joining and catch-up, with two
+rules of the trim changed (see `_trim_holders`, `_trim`):
+
+* a slot may have been delivered anywhere once a majority held it (C1), not
+  once everyone did, so the trim is the element-wise **maximum** received
+  count over the reporters, and the leader puts the trimmed slots some
+  holders lack into the proposal (`Proposal.extra`), fetching any it lacks
+  itself from a reporter that holds them (SlotReq / SlotData) first;
+* the maximum is only sound over reports from members that remember this
+  view: a restarted process (a new incarnation) forgot what it acknowledged.
+  Unless the reporters with the view's incarnations are a majority of the
+  view (then they meet every C1 majority), the leader takes derecho's base
+  path (every member and cluster reports its next position; the view starts
+  after the highest).
+
+Delivered slots stay held until every member of the view holds them
+(`ClockStream.forget_stable`): the trim's extras start at the holders'
+smallest received count, so a slot any reporter may be asked for is never
+forgotten.
+"""
+
+from __future__ import annotations
+
+from kdsync.core.clock_stream import ClockStream
+from kdsync.core.derecho import DerechoNode
+from kdsync.core.messages import CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, SlotData, SlotReq
+from kdsync.core.types import RemoteProtocolError, View
+
+__all__ = ["ClockNode"]
+
+# own slots some peer has not acknowledged, at most: across a WAN an
+# acknowledgement takes a round trip, and a small window would cost one per slot
+IN_FLIGHT = 64
+FETCH_CHUNK = 64  # slots per SlotReq
+
+
+class ClockNode(DerechoNode):
+    protocol = "clock"
+    MESSAGES = CLOCK_MESSAGES
+
+    def __init__(self, config, **kw) -> None:
+        self._ack_due = False  # a slot arrived since our last acknowledgement
+        self._fetch_sent: dict[tuple[int, int], int] = {}  # (sender index, first) -> tick asked
+        super().__init__(config, **kw)
+        h = self._handlers
+        del h[Append], h[Ack]  # not in this protocol's codec
+        h[ClockAppend] = self._on_clock_append
+        h[ClockAck] = self._on_clock_ack
+        h[SlotReq] = self._on_slot_req
+        h[SlotData] = self._on_slot_data
+
+    def _new_stream(self, view: View) -> ClockStream:
+        old = getattr(self, "stream", None)
+        clock = old.clock if isinstance(old, ClockStream) else 0
+        self._fetch_sent = {}
+        return ClockStream(view, self.me, clock)  # the hybrid clock never goes back
+
+    # ------------------------------------------------------------- stream
+    def _on_clock_append(self, msg: ClockAppend) -> None:
+        if not self._in_current_view(msg):
+            return
+        s = msg.sender
+        self._on_ack_vector(s, msg.recv)
+        senders = self.view.senders
+        if self.wedged or s not in senders:
+            return
+        st = self.stream
+        k = senders.index(s)
+        if st.add(k, msg.first, msg.slots):
+            self._ack_due = True
+        st.on_report(k, msg.cut, msg.clock)
+        self._try_deliver()
+
+    def _on_clock_ack(self, msg: ClockAck) -> None:
+        if not self._in_current_view(msg):
+            return
+        senders = self.view.senders
+        if not self.wedged and msg.sender in senders:
+            self.stream.on_report(senders.index(msg.sender), msg.cut, msg.clock)
+        self._on_ack(msg)  # derecho's: acknowledgements, suspicions, wedging (same field names)
+        self._try_deliver()
+
+    def _try_deliver(self) -> None:
+        if self.wedged or not self._caught_up():
+            return
+        st = self.stream
+        slots = st.deliverable()
+        if slots:
+            self._deliver(slots[0] if len(slots) == 1 else [b for s in slots for b in s])
+        st.forget_stable()
+
+    def _send_ack(self, p: str) -> None:
+        self.last_sent[p] = self.now
+        st = self.stream
+        cur = tuple(st.received)
+        cut, clock = st.report(self.now_us)
+        self._send(p, ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
+                               self.promised[0], self.wedged, cut, clock).encode())
+        self.acked_sent[p] = cur
+
+    def _send_slots(self, p: str, start: int, stop: int) -> None:
+        st = self.stream
+        slots = st.own_slots(start, stop)
+        if not slots:
+            return
+        cur = tuple(st.received)
+        cut, clock = st.report(self.now_us)
+        self.last_sent[p] = self.now
+        self.acked_sent[p] = cur
+        self._send(p, ClockAppend(self.me, self.incarnation, self.view.view_id, start, tuple(slots), cur,
+                                  cut, clock).encode())
+
+    # ------------------------------------------------------------- ticks
+    def tick(self) -> None:
+        super().tick()
+        if not self.wedged and self._is_member() and self.stream.waiting():
+            self._ack_due = True  # a clock report per tick while something waits for C2
+
+    def quiet(self) -> bool:
+        return not self._ack_due and not self.stream.waiting() and super().quiet()
+
+    # -------------------------------------------------------------- output
+    def _may_cut(self) -> bool:
+        return bool(self.pending) and not self.wedged and self.stream.may_cut(IN_FLIGHT)
+
+    def has_ready(self) -> bool:
+        return self._ack_due or self._may_cut() or super(DerechoNode, self).has_ready()
+
+    def _before_ready(self) -> None:
+        st = self.stream
+        if self._may_cut():
+            first, slots = st.cut(self.pending, self.now_us, IN_FLIGHT, self.cfg.max_batch)
+            cur = tuple(st.received)
+            cut, clock = st.report(self.now_us)
+            data = ClockAppend(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur,
+                               cut, clock).encode()
+            k = st.my_k
+            now = self.now
+            for p, acks in st.acks.items():
+                if p not in self.suspected:
+                    if acks[k] == first:
+                        self.ack_progress[p] = now
+                    self.last_sent[p] = now
+                    self.acked_sent[p] = cur
+                    self._send(p, data)
+            self._ack_due = False  # that message acknowledges and reports
+            self._try_deliver()
+        if self._ack_due:
+            self._ack_due = False
+            if self._is_member() and not self.wedged:
+                for p in self.view.members:
+                    if p != self.me and p not in self.suspected:
+                        self._send_ack(p)
+
+    # -------------------------------------------------------- view change
+    def _sure(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
+        """The reporters that remember this view: the incarnation it names
+        (0 is unknown: a view read from disk)."""
+        v = self.view
+        incs = dict(zip(v.members, v.incarnations))
+        return [m for m in live if incs[m] != 0 and reps[m][0] == incs[m]]
+
+    def _trim_holders(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
+        """Holders, when the reporters that remember this view are a majority
+        of it (then they meet every majority that held a delivered slot);
+        else none: the base path."""
+        sure = self._sure(live, reps)
+        if not self._majority(len(sure)):
+            return []
+        return [m for m in sure if reps[m][1]]
+
+    def _trim(self, live: list[str], holders: list[str], reps: dict[str, tuple]):
+        """The maximum received count over the reporters that remember the
+        view, and the slots from the holders' minimum up to it (fetched first
+        when the leader lacks some)."""
+        sure = self._sure(live, reps)
+        n = len(self.view.senders)
+        trim = [max(reps[m][2][k] for m in sure) for k in range(n)]
+        low = [min(reps[m][2][k] for m in holders) for k in range(n)]
+        st = self.stream
+        extra = []
+        missing = False
+        for k in range(n):
+            if trim[k] <= low[k]:
+                continue
+            run = st.held_run(k, low[k], trim[k])
+            if len(run) < trim[k] - low[k]:
+                missing = True
+                self._fetch(k, low[k] + len(run), trim[k], sure, reps)
+            else:
+                extra.append((k, low[k], tuple(run)))
+        return None if missing else (trim, tuple(extra))
+
+    def _fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, tuple]) -> None:
+        """Ask a reporter holding sender k's slots first..stop-1 for them
+        (at most once per retransmission period)."""
+        key = (k, first)
+        if self.now - self._fetch_sent.get(key, -10**9) < self.cfg.retransmit_ticks:
+            return
+        self._fetch_sent[key] = self.now
+        have = [m for m in sure if m != self.me and reps[m][2][k] >= stop] or \
+               [m for m in sure if m != self.me and reps[m][2][k] > first]
+        if not have:
+            return
+        to = min(have, key=self.rank_of.__getitem__)
+        self._send(to, SlotReq(self.me, self.incarnation, self.view.view_id, k, first,
+                               min(stop, first + FETCH_CHUNK)).encode())
+
+    def _on_slot_req(self, msg: SlotReq) -> None:
+        v = self.view
+        if msg.view != v.view_id or msg.sender not in v.members:
+            return
+        st = self.stream
+        if msg.k >= st.n or msg.stop <= msg.first:
+            raise RemoteProtocolError("bad slot request")
+        run = st.held_run(msg.k, msg.first, min(msg.stop, msg.first + FETCH_CHUNK))
+        if run:
+            self._send(msg.sender, SlotData(self.me, self.incarnation, v.view_id, msg.k, msg.first,
+                                            tuple(run)).encode())
+
+    def _on_slot_data(self, msg: SlotData) -> None:
+        lr = self.lead_round
+        v = self.view
+        if msg.view != v.view_id or lr is None or lr.phase != lr.COLLECT:
+            return
+        st = self.stream
+        if msg.k >= st.n:
+            raise RemoteProtocolError("slot data names no sender")
+        st.add(msg.k, msg.first, msg.slots)
+        self._fetch_sent.pop((msg.k, msg.first), None)
+        self._leader_progress()
+
+    def _install(self, prop) -> None:
+        if prop.extra and prop.base_seq < 0 and prop.old_view == self.view.view_id and self._holds_view_data():
+            st = self.stream
+            for k, first, slots in prop.extra:
+                if k < st.n:
+                    st.add(k, first, slots)
+        super()._install(prop)
+
+    def snapshot(self) -> dict:
+        snap = super().snapshot()
+        snap["clock"] = self.stream.clock
+        return snap
+

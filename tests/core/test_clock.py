@@ -1,0 +1,99 @@
+"""The clock protocol's own rules, each driven into the case where getting it
+wrong breaks an invariant (kdsync/core/clock.py): a slot is delivered only
+once a majority holds it (C1), the view change trims at the maximum received
+count and hands the slots some members lack to them (fetching what the
+leader lacks), and a restarted member's report never counts for that
+maximum."""
+
+from kdsync.testing.clocks import ClockFault
+from kdsync.testing.network import InMemoryNetwork, check_invariants
+
+FAST = dict(suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
+
+
+def formed(ids=("a", "b", "c"), **kw):
+    net = InMemoryNetwork(list(ids), protocol="clock", seed=kw.pop("seed", 3), **{**FAST, **kw})
+    net.run_until(lambda: all(net.node(i).status == "active" for i in ids), 100)
+    return net
+
+
+def all_active(net, ids, n):
+    return lambda: all(net.node(i) is not None and net.node(i).status == "active"
+                       and len(net.node(i).view.members) == n for i in ids)
+
+
+def test_a_slot_held_by_a_minority_is_not_delivered():
+    net = formed(("a", "b", "c", "d", "e"))
+    for p in ("c", "d", "e"):
+        net.cut_one_way("a", p)  # a's slot reaches b only: 2 of 5 hold it
+    net.submit("a", 3)
+    net.tick(3)
+    assert [len(net.topic(i)) for i in net.ids] == [0] * 5
+    net.recover()
+    net.run_until(lambda: all(len(net.topic(i)) == 3 for i in net.ids), 100)
+    assert not check_invariants(net)
+
+
+def test_the_trim_is_the_maximum_and_the_leader_fetches_what_it_lacks():
+    # a's slot reaches c, not b: a and c hold it (a majority) and deliver it;
+    # a dies; b leads the view change and lacks the slot: it must fetch it from
+    # c and deliver it at the same position (a trim at the minimum drops it)
+    net = formed()
+    net.cut_one_way("a", "b")
+    sub = net.submit("a", 4)
+    net.tick(4)  # b's heartbeat carries its clock past the slot (C2 at c)
+    assert len(net.topic("c")) == 4 and len(net.topic("b")) == 0
+    net.crash("a")
+    sub += net.submit("b", 2)
+    net.run_until(all_active(net, ("b", "c"), 2), 200)
+    net.run_until(lambda: len(net.topic("b")) == 6 and len(net.topic("c")) == 6, 100)
+    assert net.topic("b") == net.topic("c")
+    assert not check_invariants(net, live=("b", "c"))
+
+
+def test_a_restarted_members_report_does_not_count_for_the_trim():
+    # a and b hold a's slot and deliver it, c never sees it; b restarts (it forgot
+    # what it acknowledged) and a dies: b (new) and c alone must not start the
+    # next view below the delivered slot — they wait for a, then catch up from it
+    net = formed()
+    net.cut_one_way("a", "c")
+    net.submit("a", 3)
+    net.tick(4)
+    assert len(net.topic("a")) == 3 and len(net.topic("b")) == 3 and len(net.topic("c")) == 0
+    for m in ("a", "b"):
+        net.members[m].durable_lag = True  # nothing of it is durable at b: b's restart forgets it
+    net.flush("a")
+    net.crash("b")
+    net.crash("a")
+    net.restart("b")
+    net.recover()
+    net.submit("c", 2)
+    net.tick(60)
+    assert len(net.topic("c")) == 0  # no view of b and c without a: a's delivered slot would be lost
+    net.restart("a")
+    net.run_until(all_active(net, net.ids, 3), 300)
+    net.run_until(lambda: all(len(net.topic(i)) == 5 for i in net.ids), 200)
+    assert not check_invariants(net)
+
+
+def test_skewed_drifting_jumping_clocks_cost_no_safety():
+    clocks = {"a": ClockFault(offset_us=40_000, drift_ppm=500),
+              "b": ClockFault(offset_us=-30_000, jumps=((20_000, -50_000), (60_000, 90_000))),
+              "c": ClockFault(drift_ppm=-800, jumps=((40_000, 70_000),))}
+    net = InMemoryNetwork(["a", "b", "c"], protocol="clock", seed=9, clocks=clocks, **FAST)
+    net.run_until(all_active(net, net.ids, 3), 100)
+    net.reorder = True
+    net.dup_prob = 0.1
+    sub = []
+    for t in range(120):
+        for m in net.ids:
+            if (t + ord(m)) % 3 == 0 and net.node(m) is not None:
+                sub += net.submit(m, 2)
+        if t == 50:
+            net.crash("c")
+        if t == 80:
+            net.restart("c")
+        net.tick()
+    net.recover()
+    net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 300)
+    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
