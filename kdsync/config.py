@@ -80,6 +80,8 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
+from kdsync.core.types import ProtocolName
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kdsync.kafka.checkpoint import CHECKPOINT_SUFFIX
@@ -282,7 +284,7 @@ class TransportSection(_Model):
 
 
 class ProtocolSection(_Model):
-    name: Literal["derecho", "sequencer", "mirror"] = "derecho"
+    name: ProtocolName = "derecho"
     tick_ms: Annotated[float, Field(gt=0, le=10_000)] = 50
     heartbeat_ms: Annotated[float, Field(gt=0)] = 100
     suspect_ms: Annotated[float, Field(gt=0)] = 500

@@ -12,7 +12,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Literal
+
+from kdsync.core.types import ProtocolName
 
 import typer
 
@@ -124,7 +125,7 @@ app = new_app()
 def _demo(
     clusters: int = typer.Option(3, help="number of clusters / members (1 to 16)"),
     events: int = typer.Option(3000, help="events written in total"),
-    protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
+    protocol: ProtocolName = typer.Option("derecho", help="ordering protocol"),
     rate: float | None = typer.Option(None, show_default="1000 (300 with --durable: one local S3 store for all)",
                                       help="total write rate in events/s (0 = as fast as possible, a burst)"),
     shards: int = typer.Option(1, help="[topics] shards: K ordering groups per topic (source topic of 2K "

@@ -62,7 +62,7 @@ from kdsync.pipeline import TopicPipeline, discover_topics, open_pipeline, serve
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
-from kdsync.ticks import TickClock
+from kdsync.ticks import TickClock, wall_us
 from kdsync.transport.channels import frame_channel, split_channel
 
 log = logging.getLogger("kdsync.member")
@@ -175,7 +175,7 @@ class Member:
             try:
                 await self._stop.wait()
             finally:
-                self._stop_ticks()
+                self.clock.stop()
         except asyncio.CancelledError:
             if not self._stop.is_set():
                 raise
@@ -297,9 +297,6 @@ class Member:
         self._last_refresh = self.loop.time()
         self.clock.start()
 
-    def _stop_ticks(self) -> None:
-        self.clock.stop()
-
     def _all_quiet(self) -> bool:
         nodes = self.pipelines.values()
         return bool(nodes) and all(p.node.quiet() for p in nodes)
@@ -310,6 +307,7 @@ class Member:
 
     def _on_ticks(self, n: int, now: float) -> None:
         for p in list(self.pipelines.values()):
+            p.node.clock(wall_us())
             for _ in range(n):
                 p.node.tick()
             self.process(p)
@@ -345,6 +343,7 @@ class Member:
                     asyncio.ensure_future(self._start_pipeline(topic))
                 return
             self.clock.due()
+            p.node.clock(wall_us())
             p.node.receive(peer, body)
             if not p.process_scheduled:
                 # every message of this loop iteration first, then one ready(): peer
@@ -390,6 +389,7 @@ class Member:
 
     def process(self, p: TopicPipeline) -> None:
         node = p.node
+        node.clock(wall_us())
         while node.has_ready():
             rd = node.ready()
             if rd.hard_state is not None:

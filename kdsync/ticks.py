@@ -13,11 +13,18 @@ faults on the in-memory network.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
-__all__ = ["TickClock"]
+__all__ = ["TickClock", "wall_us"]
 
 MAX_CATCH_UP = 5  # a stalled loop catches up a few ticks, not hundreds
+
+
+def wall_us() -> int:
+    """The host's wall clock in µs: what the `clock` protocol stamps with
+    (NTP-synchronised hosts keep its delivery short; skew never costs safety)."""
+    return time.time_ns() // 1000
 
 
 class TickClock:

@@ -14,7 +14,9 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
+
+from kdsync.core.types import ProtocolName
 
 import typer
 
@@ -131,7 +133,7 @@ def _cmd_run(
 def _cmd_swarm(
     seeds: int = typer.Option(..., metavar="N", help="how many seeds"),
     first: int = typer.Option(0, metavar="S", help="first seed"),
-    protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
+    protocol: ProtocolName = typer.Option("derecho", help="ordering protocol"),
     out: str = typer.Option("swarm-failures", metavar="DIR", help="where failing runs' scenarios are written"),
     master: str | None = typer.Option(None, metavar="URL", show_default="local[*]",
                                       help="Spark master that runs the seeds as tasks"),
@@ -170,7 +172,7 @@ def _cmd_calibrate(
     out: str = typer.Option("results/calibration.yaml", metavar="FILE", help="profile to write"),
     rates: str = typer.Option("20,300,1000", metavar="R1,R2,...", help="total events/s of each paced run (a low one pins the idle cost)"),
     duration: float = typer.Option(5.0, metavar="S", help="seconds of paced load per rate"),
-    protocol: Literal["derecho", "sequencer", "mirror"] = typer.Option("derecho", help="ordering protocol"),
+    protocol: ProtocolName = typer.Option("derecho", help="ordering protocol"),
 ) -> int:
     from sim.calibrate import calibrate
 

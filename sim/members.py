@@ -55,6 +55,7 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
+from kdsync.testing.clocks import ClockFault
 from sim.kafka import Cluster
 from sim.quantiles import inverse_cdf
 from sim.scenario import MemberCostSpec
@@ -105,6 +106,9 @@ class Host(Protocol):
     def cpu_acquire(self, node: "SimMember") -> None:
         """Call node._serve(epoch) when one of its site's cores is free."""
 
+    def clock_fault(self, member: str) -> ClockFault:
+        """The member's wall clock (scenario `clocks:`; exact by default)."""
+
     def cpu_release(self, node: "SimMember") -> None:
         """The node's service is over: its core is free."""
 
@@ -143,6 +147,7 @@ class SimMember:
         self._wakeup_rng = random.Random(f"{host.seed}/wakeup/{member_id}/{shard}")
         self.fetched_upto = -1.0  # kafka.fetch_wait_ms: the snapshot time of the last fetch (the broker side)
         self._sink_batch: list | None = None
+        self.clock_fault = host.clock_fault(member_id)
         self.stages: dict | None = None  # (partition, first offset) -> [fetched, handed] of own batches (bench)  # the member's producer batch while it lingers: [(deliveries, handed)]
 
     # ------------------------------------------------------------ life cycle
@@ -236,7 +241,12 @@ class SimMember:
             return  # a dead process receives nothing
         self._input(lambda: self._receive(src, data), msgs=1)
 
+    def _clock(self) -> None:
+        """The node's wall clock reading now (before every input)."""
+        self.node.clock(self.clock_fault.read(int(self.host.now * 1e6)))
+
     def _receive(self, src: str, data: bytes) -> None:
+        self._clock()
         try:
             self.node.receive(src, data)
         except RemoteProtocolError:
@@ -250,10 +260,11 @@ class SimMember:
         if self.cost is not None:
             self._input(self._tick_node, ticks=1)
             return
-        self.node.tick()
+        self._tick_node()
         self.flush()
 
     def _tick_node(self) -> None:
+        self._clock()
         self.node.tick()
 
     def wake(self, _arg: Any = None) -> None:
@@ -323,6 +334,7 @@ class SimMember:
         """Drain the node's Ready records; returns them (with hard state
         already recorded on the node side: the disk is written on emit)."""
         node = self.node
+        self._clock()
         out = []
         rounds = 0
         while node.has_ready() and rounds < 16:

@@ -34,6 +34,7 @@ from simpy.events import Timeout
 
 from kdsync.invariants import TRACE_COLUMNS
 from kdsync.testing.stats import percentiles, weighted_percentile
+from kdsync.testing.clocks import PERFECT, ClockFault
 from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
 from sim.observer import MIRROR_TOLERATED, Checker, Violation
 from sim.broker_fetch import FetchModel
@@ -328,6 +329,12 @@ class Simulation:
         if any(w not in self.first_view_s for w in want):
             return None
         return max(self.first_view_s[w] for w in want)
+
+    def clock_fault(self, member: str) -> ClockFault:
+        for c in self.scenario.clocks:
+            if c.member == member:
+                return c.fault()
+        return PERFECT
 
     def cpu_acquire(self, node: SimMember) -> None:
         self.cpu[node.id].acquire(node)

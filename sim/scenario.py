@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kdsync.core.types import ProtocolName
 from sim.quantiles import check_quantiles
 
 
@@ -217,6 +218,28 @@ class TimingSpec(_Strict):
                 for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}
 
 
+class ClockJumpSpec(_Strict):
+    at_s: float = Field(ge=0)
+    by_ms: float = Field(ge=-3_600_000, le=3_600_000)
+
+
+class ClockSpec(_Strict):
+    """One member's faulty wall clock (extension): the `clock` protocol stamps
+    with it; skew, drift and jumps may cost latency, never safety.  Other
+    protocols ignore clocks."""
+
+    member: str
+    offset_ms: float = Field(default=0.0, ge=-3_600_000, le=3_600_000)
+    drift_ppm: float = Field(default=0.0, ge=-100_000, le=100_000)
+    jumps: list[ClockJumpSpec] = []
+
+    def fault(self):
+        from kdsync.testing.clocks import ClockFault
+
+        return ClockFault(int(self.offset_ms * 1000), self.drift_ppm,
+                          tuple((int(j.at_s * 1e6), int(j.by_ms * 1000)) for j in self.jumps))
+
+
 class ExpectSpec(_Strict):
     max_p99_ms: float | None = Field(default=None, gt=0)
     min_delivered_fraction: float | None = Field(default=None, ge=0, le=1)
@@ -225,7 +248,7 @@ class ExpectSpec(_Strict):
 class Scenario(_Strict):
     name: str = Field(min_length=1)
     seed: int = 0
-    protocol: Literal["derecho", "sequencer", "mirror"] = "derecho"
+    protocol: ProtocolName = "derecho"
     duration_s: float = Field(gt=0, le=86_400)
     settle_s: float = Field(default=10.0, ge=0, le=86_400)
     members: list[MemberSpec] = Field(min_length=1)
@@ -238,6 +261,7 @@ class Scenario(_Strict):
     timing: TimingSpec | None = None  # extension: the real member's timers (default: the simulator's own)
     profile: str | None = None  # extension: the calibration profile merged in (parse_scenario)
     shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
+    clocks: list[ClockSpec] = []  # extension: members' faulty wall clocks (default: every clock exact)
 
     @property
     def member_ids(self) -> tuple[str, ...]:
@@ -409,6 +433,13 @@ def _cross_check(s: Scenario) -> tuple[tuple, str] | None:
                 return ("workload", i, "start_s"), "must be before stop_s"
         elif w.at_s is not None and w.at_s >= s.duration_s:
             return ("workload", i, "at_s"), f"must be before duration_s ({s.duration_s})"
+    clocked: set[str] = set()
+    for i, c in enumerate(s.clocks):
+        if c.member not in seen:
+            return ("clocks", i, "member"), unknown(c.member)
+        if c.member in clocked:
+            return ("clocks", i, "member"), f"{c.member!r} has two clocks"
+        clocked.add(c.member)
     for i, f in enumerate(s.faults):
         if f.at_s >= s.duration_s:
             return ("faults", i, "at_s"), f"must be before duration_s ({s.duration_s}); everything heals then"

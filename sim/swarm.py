@@ -247,6 +247,8 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
         f.episode(kind)
     faults = sorted(f.out, key=lambda x: x["at_s"])  # stable: a restart stays after its crash
 
+    clocks = _draw_clocks(seed, ids, duration) if protocol == "clock" else []
+    kinds = f.kinds + (["clock-faults"] if clocks else [])
     return (
         {
             "name": f"swarm-{seed}",
@@ -264,9 +266,30 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
             },
             "workload": workload,
             "faults": faults,
+            **({"clocks": clocks} if clocks else {}),
         },
-        f.kinds,
+        kinds,
     )
+
+
+def _draw_clocks(seed: int, ids: list[str], duration: float) -> list[dict]:
+    """Faulty wall clocks for the clock protocol: offsets up to 0.3 s, drift up
+    to 0.2 %, jumps forward and back up to 0.5 s.  Their own random stream,
+    so a seed draws the same scenario otherwise whatever the protocol."""
+    rng = random.Random(f"swarm2/{seed}/clocks")
+    if rng.random() < 0.2:
+        return []
+    out = []
+    for m in ids:
+        if rng.random() < 0.3:
+            continue
+        c: dict = {"member": m, "offset_ms": round(rng.uniform(-300, 300), 3),
+                   "drift_ppm": round(rng.uniform(-2000, 2000), 1)}
+        if rng.random() < 0.4:
+            c["jumps"] = [{"at_s": round(rng.random() * duration, 3), "by_ms": round(rng.uniform(-500, 500), 3)}
+                          for _ in range(rng.randint(1, 2))]
+        out.append(c)
+    return out
 
 
 def swarm_episodes(seed: int) -> list[str]:

@@ -22,10 +22,11 @@ def test_at_least_the_required_scenarios_ship():
         "steady-3dc-wan", "concurrent-bursts", "follower-crash-restart", "leader-crash",
         "minority-partition-heal", "asymmetric-partition", "lossy-links", "two-dc-witness",
         "five-rolling-restarts", "protocol-derecho", "protocol-sequencer", "protocol-mirror",
+        "protocol-clock", "wan-five-regions", "wan-one-far-region", "clock-faults",
     }
     assert required <= names
     protocols = {load_scenario(p).protocol for p in SHIPPED}
-    assert protocols == {"derecho", "sequencer", "mirror"}
+    assert protocols == {"derecho", "clock", "sequencer", "mirror"}
 
 
 @pytest.mark.timeout(120)
@@ -45,10 +46,20 @@ def test_shipped_scenario_holds_every_invariant(path):
         assert s["violations"] == []
 
 
-def test_protocol_trio_shares_one_workload():
-    trio = [load_scenario(SCENARIOS / f"protocol-{p}.yaml") for p in ("derecho", "sequencer", "mirror")]
-    dumps = [s.model_dump(exclude={"name", "protocol"}) for s in trio]
-    assert dumps[0] == dumps[1] == dumps[2]
+def test_protocol_comparison_shares_one_workload():
+    runs = [load_scenario(SCENARIOS / f"protocol-{p}.yaml") for p in ("derecho", "clock", "sequencer", "mirror")]
+    dumps = [s.model_dump(exclude={"name", "protocol"}) for s in runs]
+    assert all(d == dumps[0] for d in dumps[1:])
+
+
+def test_wan_regions_cite_their_source_and_are_asymmetric_like_it():
+    text = (SCENARIOS / "wan-five-regions.yaml").read_text()
+    assert "acomputerscientistlearnsaws.blogspot.com" in text
+    s = load_scenario(SCENARIOS / "wan-five-regions.yaml")
+    assert len(s.members) == 5
+    one_way = {(link.from_, link.to): link.latency_ms for link in s.network.links}
+    assert one_way[("fra", "tyo")] == 118.25 and one_way[("tyo", "fra")] == 118.3  # 236.5 / 236.6 ms round trips
+    assert all((b, a) in one_way for a, b in one_way)  # every pair both ways
 
 
 @pytest.mark.timeout(120)

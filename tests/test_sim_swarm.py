@@ -91,6 +91,34 @@ def test_swarm_sequencer_has_no_violations():
     assert not bad, "\n".join(bad)
 
 
+CLOCK_SEEDS = 200  # the clock protocol, clock faults included (10 000 seeds: kdsync-sim swarm --protocol clock)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("chunk", range(0, CLOCK_SEEDS, 50))
+def test_swarm_clock_has_no_violations(chunk):
+    need_protocol("clock")
+    bad = []
+    for seed in range(chunk, chunk + 50):
+        o = run_seed(seed, "clock")
+        if o.failed:
+            bad.append(f"seed {seed}: " + "; ".join(o.problems) + f"\n  members at the end: {o.states}"
+                       + f"\n  repro: kdsync-sim swarm --seeds 1 --first {seed} --protocol clock --local")
+    assert not bad, "\n".join(bad)
+
+
+def test_swarm_draws_clock_faults_for_clock_only():
+    drawn = [swarm_scenario(seed, "clock") for seed in range(40)]
+    faulty = [s for s in drawn if s.clocks]
+    assert len(faulty) > 20
+    assert any(c.jumps for s in faulty for c in s.clocks)
+    assert any(c.offset_ms < 0 for s in faulty for c in s.clocks) and any(c.offset_ms > 0 for s in faulty for c in s.clocks)
+    for seed in range(40):  # the rest of the scenario is the derecho seed's
+        d = swarm_scenario(seed, "derecho")
+        assert not d.clocks
+        assert drawn[seed].model_dump(exclude={"protocol", "clocks"}) == d.model_dump(exclude={"protocol", "clocks"})
+
+
 @pytest.mark.timeout(120)
 def test_swarm_command_in_process(capsys, tmp_path):
     need_protocol("derecho")
