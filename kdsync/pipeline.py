@@ -96,7 +96,8 @@ def node_config(cfg: Config) -> NodeConfig:
     return NodeConfig(member_id=cfg.member.id, members=cfg.member_ids(), roles=cfg.roles(), protocol=p.name,
                       heartbeat_ticks=p.ticks(p.heartbeat_ms), suspect_ticks=p.ticks(p.suspect_ms),
                       retransmit_ticks=p.ticks(p.retransmit_ms), max_batch=p.max_batch,
-                      log_retention=p.log_retention, catchup_chunk=p.catchup_chunk)
+                      log_retention=p.log_retention, catchup_chunk=p.catchup_chunk,
+                      clock_lead_us=int(p.clock_lead_ms * 1000), commit_quorum=p.commit_quorum)
 
 
 async def open_pipeline(m: Member, topic: str) -> tuple[TopicPipeline, GlobalStart | None, HardState | None]:

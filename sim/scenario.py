@@ -29,6 +29,7 @@ class _Strict(BaseModel):
 class MemberSpec(_Strict):
     id: str = Field(min_length=1)
     role: Literal["member", "witness"] = "member"
+    clock_lead_ms: float = Field(default=0.0, ge=0, le=60_000)  # extension: kdsync run's protocol.clock_lead_ms
 
 
 class LinkSpec(_Strict):
@@ -262,6 +263,7 @@ class Scenario(_Strict):
     profile: str | None = None  # extension: the calibration profile merged in (parse_scenario)
     shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
     clocks: list[ClockSpec] = []  # extension: members' faulty wall clocks (default: every clock exact)
+    commit_quorum: int = Field(default=0, ge=0, le=1000)  # extension: kdsync run's protocol.commit_quorum
 
     @property
     def member_ids(self) -> tuple[str, ...]:

@@ -247,8 +247,9 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
         f.episode(kind)
     faults = sorted(f.out, key=lambda x: x["at_s"])  # stable: a restart stays after its crash
 
-    clocks = _draw_clocks(seed, ids, duration) if protocol == "clock" else []
+    clocks = _draw_clocks(seed, ids, duration, members) if protocol == "clock" else []
     kinds = f.kinds + (["clock-faults"] if clocks else [])
+    quorum = random.Random(f"swarm2/{seed}/quorum").choice([0, 0, 1, 2]) if protocol == "clock" else 0
     return (
         {
             "name": f"swarm-{seed}",
@@ -267,16 +268,20 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
             "workload": workload,
             "faults": faults,
             **({"clocks": clocks} if clocks else {}),
+            **({"commit_quorum": quorum} if quorum else {}),
         },
         kinds,
     )
 
 
-def _draw_clocks(seed: int, ids: list[str], duration: float) -> list[dict]:
+def _draw_clocks(seed: int, ids: list[str], duration: float, members: list[dict]) -> list[dict]:
     """Faulty wall clocks for the clock protocol: offsets up to 0.3 s, drift up
-    to 0.2 %, jumps forward and back up to 0.5 s.  Their own random stream,
-    so a seed draws the same scenario otherwise whatever the protocol."""
+    to 0.2 %, jumps forward and back up to 0.5 s; and clock leads (set on
+    `members`).  Their own random stream, so a seed draws the same scenario
+    otherwise whatever the protocol."""
     rng = random.Random(f"swarm2/{seed}/clocks")
+    if rng.random() < 0.3:
+        rng.choice(members)["clock_lead_ms"] = round(rng.uniform(0, 200), 3)
     if rng.random() < 0.2:
         return []
     out = []

@@ -20,6 +20,20 @@ before inputs.  Skew, drift and jumps change when C2 holds, never what is
 delivered: timestamps of one sender strictly increase (the hybrid clock), and
 links are FIFO per view once gaps are filled.
 
+*Lead.*  `clock_lead_us` runs a member's stamps and promises that far ahead
+of its clock: a deliberate clock offset, so as safe as any skew.  A member
+far from every other one then holds the others back by its distance minus
+its lead (its promises arrive that much "earlier"), and its own events wait
+its lead longer: docs/wan.md says how to choose it.
+
+*Commit quorum.*  C1 needs a majority of the view by default: learning that
+costs two one-way delays (origin -> holder -> here).  `commit_quorum` q
+smaller than a majority (2: the origin and this member, so one delay) is
+paid for at the view change: the trim needs reports from n - q + 1 members
+that remember the view (to meet every q holders), so only q - 1 members may
+be lost without a restart.  The view change itself stays a majority Paxos,
+so a minority still never installs a view.
+
 *View change* — derecho's Paxos, suspicion, joining and catch-up, with two
 rules of the trim changed (see `_trim_holders`, `_trim`):
 
@@ -30,10 +44,10 @@ rules of the trim changed (see `_trim_holders`, `_trim`):
   itself from a reporter that holds them (SlotReq / SlotData) first;
 * the maximum is only sound over reports from members that remember this
   view: a restarted process (a new incarnation) forgot what it acknowledged.
-  Unless the reporters with the view's incarnations are a majority of the
-  view (then they meet every C1 majority), the leader takes derecho's base
-  path (every member and cluster reports its next position; the view starts
-  after the highest).
+  Unless the reporters with the view's incarnations meet every commit
+  quorum (n - q + 1 of them), the leader takes derecho's base path (every
+  member and cluster reports its next position; the view starts after the
+  highest).
 
 Delivered slots stay held until every member of the view holds them
 (`ClockStream.forget_stable`): the trim's extras start at the holders'
@@ -71,11 +85,22 @@ class ClockNode(DerechoNode):
         h[SlotReq] = self._on_slot_req
         h[SlotData] = self._on_slot_data
 
+    @property
+    def _stamp_now(self) -> int:
+        """The time own stamps and promises start from: the clock plus the lead."""
+        return self.now_us + self.cfg.clock_lead_us
+
     def _new_stream(self, view: View) -> ClockStream:
         old = getattr(self, "stream", None)
         clock = old.clock if isinstance(old, ClockStream) else 0
         self._fetch_sent = {}
-        return ClockStream(view, self.me, clock)  # the hybrid clock never goes back
+        return ClockStream(view, self.me, clock, self._quorum(view))  # the hybrid clock never goes back
+
+    def _quorum(self, view: View) -> int:
+        """C1's commit quorum in `view`: the configured one, at most a majority."""
+        majority = len(view.members) // 2 + 1
+        q = self.cfg.commit_quorum
+        return majority if q <= 0 else min(q, majority)
 
     # ------------------------------------------------------------- stream
     def _on_clock_append(self, msg: ClockAppend) -> None:
@@ -115,7 +140,7 @@ class ClockNode(DerechoNode):
         self.last_sent[p] = self.now
         st = self.stream
         cur = tuple(st.received)
-        cut, clock = st.report(self.now_us)
+        cut, clock = st.report(self._stamp_now)
         self._send(p, ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
                                self.promised[0], self.wedged, cut, clock).encode())
         self.acked_sent[p] = cur
@@ -126,7 +151,7 @@ class ClockNode(DerechoNode):
         if not slots:
             return
         cur = tuple(st.received)
-        cut, clock = st.report(self.now_us)
+        cut, clock = st.report(self._stamp_now)
         self.last_sent[p] = self.now
         self.acked_sent[p] = cur
         self._send(p, ClockAppend(self.me, self.incarnation, self.view.view_id, start, tuple(slots), cur,
@@ -151,9 +176,9 @@ class ClockNode(DerechoNode):
     def _before_ready(self) -> None:
         st = self.stream
         if self._may_cut():
-            first, slots = st.cut(self.pending, self.now_us, IN_FLIGHT, self.cfg.max_batch)
+            first, slots = st.cut(self.pending, self._stamp_now, IN_FLIGHT, self.cfg.max_batch)
             cur = tuple(st.received)
-            cut, clock = st.report(self.now_us)
+            cut, clock = st.report(self._stamp_now)
             data = ClockAppend(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur,
                                cut, clock).encode()
             k = st.my_k
@@ -183,11 +208,12 @@ class ClockNode(DerechoNode):
         return [m for m in live if incs[m] != 0 and reps[m][0] == incs[m]]
 
     def _trim_holders(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
-        """Holders, when the reporters that remember this view are a majority
-        of it (then they meet every majority that held a delivered slot);
+        """Holders, when the reporters that remember this view meet every
+        commit quorum that may have held a delivered slot (n - q + 1 of them);
         else none: the base path."""
         sure = self._sure(live, reps)
-        if not self._majority(len(sure)):
+        v = self.view
+        if len(sure) < len(v.members) - self._quorum(v) + 1:
             return []
         return [m for m in sure if reps[m][1]]
 

@@ -26,14 +26,15 @@ slot: every slot of it not held yet has a larger timestamp.
 *Delivery.*  The held, undelivered slot with the smallest (ts, rank) is
 delivered once
 
-  C1  a majority of the view's members hold it (received vectors: this
-      member's own, the peers' acknowledgements), and
+  C1  a commit quorum of the view's members hold it (a majority unless
+      configured smaller; received vectors: this member's own, the peers'
+      acknowledgements), and
   C2  every other sender either has a held undelivered slot (its key is
       larger: this one is the smallest) or promises at least its ts here.
 
-Then nothing with a smaller key can still arrive, and a majority holds it, so
-the next view's ragged trim (the maximum received prefix per sender over a
-majority of reports) contains it.  Clock skew, drift and jumps change when
+Then nothing with a smaller key can still arrive, and a quorum holds it, so
+the next view's ragged trim (the maximum received prefix per sender over
+reports from enough members to meet every quorum) contains it.  Clock skew, drift and jumps change when
 C2 holds, never what is delivered.
 """
 
@@ -54,14 +55,14 @@ Stamped = tuple[int, Slot]  # (timestamp, batches)
 class ClockStream:
     """The ordering state of one view at one member (see module docstring)."""
 
-    __slots__ = ("n", "my_k", "senders", "majority", "received", "slots", "acks", "next", "reports", "promised", "last_ts",
+    __slots__ = ("n", "my_k", "senders", "quorum", "received", "slots", "acks", "next", "reports", "promised", "last_ts",
                  "clock", "inflight", "cut_upto", "low")
 
-    def __init__(self, view: View, me: str, clock: int = 0) -> None:
+    def __init__(self, view: View, me: str, clock: int = 0, quorum: int = 0) -> None:
         n = self.n = len(view.senders)
         self.my_k = view.senders.index(me) if me in view.senders else -1
         self.senders = view.senders
-        self.majority = len(view.members) // 2 + 1
+        self.quorum = quorum or len(view.members) // 2 + 1  # C1: holders needed (default a majority)
         self.received = [0] * n  # contiguous slots held, per sender
         self.slots: list[dict[int, Stamped]] = [{} for _ in range(n)]  # held, not delivered
         self.acks: dict[str, list[int]] = {m: [0] * n for m in view.members if m != me}  # peers' received vectors
@@ -185,7 +186,7 @@ class ClockStream:
             for j in range(n):
                 if j != hk and j != self.my_k and self.next[j] >= self.received[j] and self.promise(j) < ts:
                     return out  # C2: j may still send something before it
-            if self._holders(hk, self.next[hk]) < self.majority:
+            if self._holders(hk, self.next[hk]) < self.quorum:
                 return out  # C1
             self.next[hk] += 1
             if head[1] is not NULL:

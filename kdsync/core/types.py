@@ -161,3 +161,5 @@ class NodeConfig:
     window: int = 2  # own data slots in flight (cut, not yet acknowledged by every peer)
     log_retention: int = 1_000_000  # delivered events kept in memory for catch-up
     catchup_chunk: int = 5_000  # events per catch-up message
+    clock_lead_us: int = 0  # clock protocol: own stamps run this far ahead of the clock (a far member's lead)
+    commit_quorum: int = 0  # clock protocol: members that must hold a slot before delivery (0: a majority)

@@ -97,3 +97,42 @@ def test_skewed_drifting_jumping_clocks_cost_no_safety():
     net.recover()
     net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 300)
     assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
+
+
+def test_a_smaller_commit_quorum_makes_the_view_change_wait_for_more_reports():
+    # commit_quorum 2 of 5: a's slot held by a and b is delivered there; a and b
+    # die; c, d, e are a majority but cannot tell what a and b delivered (3 < 5 - 2
+    # + 1 reports): they must not start a view below it, and wait for a restart
+    net = formed(("a", "b", "c", "d", "e"), commit_quorum=2)
+    for p in ("c", "d", "e"):
+        net.cut_one_way("a", p)
+    net.submit("a", 3)
+    net.tick(4)
+    assert len(net.topic("a")) == 3 and len(net.topic("b")) == 3
+    assert all(len(net.topic(m)) == 0 for m in ("c", "d", "e"))
+    net.crash("a")
+    net.crash("b")
+    net.recover()
+    net.submit("c", 2)
+    net.tick(60)
+    assert all(len(net.topic(m)) == 0 for m in ("c", "d", "e"))
+    net.restart("b")  # amnesiac: its report cannot count for the trim either; a's topic may hold more
+    net.tick(60)
+    assert all(len(net.topic(m)) == 0 for m in ("c", "d", "e"))
+    net.restart("a")  # everyone has reported: the base path starts after the highest position
+    net.run_until(lambda: all(len(net.topic(m)) == 5 for m in net.ids), 400)
+    assert not check_invariants(net)
+
+
+def test_a_lead_is_a_clock_offset_and_costs_no_safety():
+    net = InMemoryNetwork(["a", "b", "c"], protocol="clock", seed=4, **{**FAST, "clock_lead_us": 30_000})
+    net.run_until(all_active(net, net.ids, 3), 100)
+    sub = []
+    for t in range(60):
+        for m in net.ids:
+            sub += net.submit(m, 1)
+        net.tick()
+    stamps = [net.node(m).stream.clock for m in net.ids]
+    assert min(stamps) >= net.time + 30_000 + 10**12 - 1000  # stamps run a lead ahead of the clocks
+    net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 200)
+    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
