@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"derecho": "#1f77b4", "sequencer": "#ff7f0e", "mirror": "#7f7f7f"}
+COLORS = {"derecho": "#1f77b4", "clock": "#2ca02c", "sequencer": "#ff7f0e", "mirror": "#7f7f7f"}
 PROTOCOLS = ("derecho", "sequencer", "mirror")
 
 
@@ -125,3 +125,24 @@ def shard_scaling(rows: list[dict], out: Path) -> list[tuple[str, str]]:
     ax.legend()
     return [(_save(fig, out, "scale_shards.png"),
              "Simulated drain throughput of a backlog against the number of shards, with the member CPU model")]
+
+
+def wan_regions(rows: list[dict], labels: list[str], out: Path) -> list[tuple[str, str]]:
+    """p50 per origin region, one bar per protocol, the clock bound as a mark."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(rows))]
+        proto = label.split()[0]
+        ax.bar(xs, [r.get(f"{label} p50") or 0 for r in rows], width, label=label,
+               color=COLORS.get(proto, "#2ca02c"), alpha=1.0 if label != "clock" else 0.6)
+    ax.scatter(range(len(rows)), [r["model clock q=2 p50"] for r in rows], marker="_", s=600, color="k",
+               label="clock q=2 model (bench/wan.py)", zorder=3)
+    ax.set_xticks(range(len(rows)), [r["origin"] for r in rows])
+    ax.set_xlabel("origin region")
+    ax.set_ylabel("p50 latency, ms")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3)
+    title = "Five regions: p50 per origin region (simulated)"
+    ax.set_title(title)
+    return [(_save(fig, out, "wan_regions.png"), title)]

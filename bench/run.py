@@ -7,6 +7,7 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   core      ordering-core throughput (pytest-benchmark of tests/core)
   scale     simulator speed at 100 K events/s, messages per event, fifty sites, sequencer fail-over
   sim       the same workload under the three protocols, RTT x loss x seeds
+  wan       WAN regions: five AWS regions, one far region, three sites (mirror / derecho / sequencer / clock)
   audit     the sim traces through the PySpark `kdsync audit` vs summary.json
   real      three embedded Tansu clusters + `kdsync run` members, end to end
   member    one member under paced load (bench.load): CPU per event, latency vs the Kafka floor, drain, idle
@@ -37,7 +38,7 @@ from typing import Callable, Iterator
 from bench.common import NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "audit", "real", "member", "simreal", "shards", "reliability", "rdma")
+SECTIONS = ("core", "scale", "sim", "wan", "audit", "real", "member", "simreal", "shards", "reliability", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
                "member": "skipped by --quick (six paced loads on real brokers take minutes)",
@@ -45,12 +46,13 @@ QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of 
                "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)",
                "reliability": "skipped by --quick (minutes of faults per seed on durable clusters)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
+          "wan": "WAN regions: ordering across regions (clock vs derecho vs the baselines)",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
           "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
           "simreal": "Simulator vs real: the four calibration points",
           "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP",
           "reliability": "Reliability: the nemesis suite on durable clusters"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "wan_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
                       "summary")
 
 
@@ -313,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                                        lambda: sweep_section(jobs, results, params, out, plot,
                                                              yardstick_rows(yjobs, yres)), prog))
                 prog.step("sim")
+            if "wan" in wanted:
+                from bench.wan import wan_section
+
+                sections.append(_guard("wan", TITLES["wan"],
+                                       lambda: wan_section(work, plot, out, args.jobs), prog))
+                prog.step("wan")
             if "audit" in wanted:
                 if args.quick and args.sections is None:
                     skipped["audit"] = QUICK_SKIPS["audit"]
