@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 @pytest.fixture
-def group(tmp_path):
-    g = LocalGroup(3, tmp_path, topic="events", protocol="derecho", metrics=True, tick_ms=5,
+def group(tmp_path, request):
+    protocol = getattr(request, "param", "derecho")  # a test may ask for another protocol (indirect)
+    g = LocalGroup(3, tmp_path, topic="events", protocol=protocol, metrics=True, tick_ms=5,
                    heartbeat_ms=20, suspect_ms=300, retransmit_ms=30)
     try:
         g.start_brokers()
@@ -38,6 +39,7 @@ def group(tmp_path):
 _assert_agree = functools.partial(assert_agree, timeout=40.0)
 
 
+@pytest.mark.parametrize("group", ["derecho", "clock"], indirect=True)
 def test_concurrent_writes_identical_global_topics(group):
     g = group
     g.start_members()
@@ -65,6 +67,7 @@ def test_concurrent_writes_identical_global_topics(group):
     assert m[("kdsync_view_id", (("topic", "events"),))] >= 1
 
 
+@pytest.mark.parametrize("group", ["derecho", "clock"], indirect=True)
 def test_kill_9_mid_stream_then_restart(group):
     g = group
     g.start_members()
