@@ -61,6 +61,7 @@ from kdsync.core.clock_stream import ClockStream
 from kdsync.core.derecho import DerechoNode
 from kdsync.core.messages import CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, SlotData, SlotReq
 from kdsync.core.types import RemoteProtocolError, View
+from kdsync.core.viewchange import Reported
 
 __all__ = ["ClockNode"]
 
@@ -200,14 +201,14 @@ class ClockNode(DerechoNode):
                         self._send_ack(p)
 
     # -------------------------------------------------------- view change
-    def _sure(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
+    def _sure(self, live: list[str], reps: dict[str, Reported]) -> list[str]:
         """The reporters that remember this view: the incarnation it names
         (0 is unknown: a view read from disk)."""
         v = self.view
         incs = dict(zip(v.members, v.incarnations))
-        return [m for m in live if incs[m] != 0 and reps[m][0] == incs[m]]
+        return [m for m in live if incs[m] != 0 and reps[m].inc == incs[m]]
 
-    def _trim_holders(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
+    def _trim_holders(self, live: list[str], reps: dict[str, Reported]) -> list[str]:
         """Holders, when the reporters that remember this view meet every
         commit quorum that may have held a delivered slot (n - q + 1 of them);
         else none: the base path."""
@@ -215,16 +216,16 @@ class ClockNode(DerechoNode):
         v = self.view
         if len(sure) < len(v.members) - self._quorum(v) + 1:
             return []
-        return [m for m in sure if reps[m][1]]
+        return [m for m in sure if reps[m].has_data]
 
-    def _trim(self, live: list[str], holders: list[str], reps: dict[str, tuple]):
+    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Reported]):
         """The maximum received count over the reporters that remember the
         view, and the slots from the holders' minimum up to it (fetched first
         when the leader lacks some)."""
         sure = self._sure(live, reps)
         n = len(self.view.senders)
-        trim = [max(reps[m][2][k] for m in sure) for k in range(n)]
-        low = [min(reps[m][2][k] for m in holders) for k in range(n)]
+        trim = [max(reps[m].recv[k] for m in sure) for k in range(n)]
+        low = [min(reps[m].recv[k] for m in holders) for k in range(n)]
         st = self.stream
         extra = []
         missing = False
@@ -239,15 +240,15 @@ class ClockNode(DerechoNode):
                 extra.append((k, low[k], tuple(run)))
         return None if missing else (trim, tuple(extra))
 
-    def _fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, tuple]) -> None:
+    def _fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Reported]) -> None:
         """Ask a reporter holding sender k's slots first..stop-1 for them
         (at most once per retransmission period)."""
         key = (k, first)
         if self.now - self._fetch_sent.get(key, -10**9) < self.cfg.retransmit_ticks:
             return
         self._fetch_sent[key] = self.now
-        have = [m for m in sure if m != self.me and reps[m][2][k] >= stop] or \
-               [m for m in sure if m != self.me and reps[m][2][k] > first]
+        have = [m for m in sure if m != self.me and reps[m].recv[k] >= stop] or \
+               [m for m in sure if m != self.me and reps[m].recv[k] > first]
         if not have:
             return
         to = min(have, key=self.rank_of.__getitem__)

@@ -17,7 +17,7 @@ thousand records is a handful of msgpack items, not thousands.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -331,63 +331,192 @@ def _extra(v, senders: int) -> tuple:
     return tuple(out)
 
 
-def _message(type_code: int, name: str, doc: str, *fields, check: Callable[[Message], None] | None = None) -> type:
-    """A Message subclass with these fields; `check` sees a decoded message
-    (cross-field rules) and raises RemoteProtocolError."""
-    ns: dict[str, Any] = {"__slots__": tuple(f for f, _ in fields), "TYPE": type_code, "FIELDS": tuple(fields),
-                          "__doc__": doc, "__module__": __name__}
-    if check is not None:
-        def from_wire(cls, sender, inc, rest, ids):
-            msg = Message.from_wire.__func__(cls, sender, inc, rest, ids)
-            check(msg)
-            return msg
-
-        ns["from_wire"] = classmethod(from_wire)
-    return type(name, (Message,), ns)
-
-
-def _same_length(a: str, b: str) -> Callable[[Message], None]:
-    def check(msg: Message) -> None:
-        if len(getattr(msg, a)) != len(getattr(msg, b)):
-            raise RemoteProtocolError(f"{type(msg).__name__}: {a} and {b} differ in length")
-
-    return check
-
-
 # ------------------------------------------------------- derecho (and sequencer)
 # `view` is the sender's view id; `recv` a received vector (slots held per sender
 # of that view); a ballot is (round, leader rank).
-Append = _message(1, "Append", "Own slots first..first+len(slots)-1 of a view, with the received vector.",
-                  ("view", INT), ("first", INT), ("slots", SLOTS), ("recv", INTS))
-Ack = _message(2, "Ack", "Heartbeat and cumulative acknowledgement: received vector, suspicions, "
-               "highest ballot round seen, whether the sender is wedged.",
-               ("view", INT), ("recv", INTS), ("suspected", MEMBERS), ("round", INT), ("wedged", BOOL))
-Collect = _message(3, "Collect", "Paxos phase 1a of the view change out of `view`.",
-                   ("view", INT), ("ballot", BALLOT))
-Report = _message(4, "Report", "Paxos phase 1b: what the reporter holds of `view` and any vote it cast.",
-                  ("view", INT), ("ballot", BALLOT), ("has_data", BOOL), ("recv", INTS), ("durable", INT),
-                  ("next", INT), ("acc_ballot", BALLOT), ("accepted", MAYBE_PROPOSAL))
-Accept = _message(5, "Accept", "Paxos phase 2a.", ("view", INT), ("ballot", BALLOT), ("proposal", PROPOSAL))
-Accepted = _message(6, "Accepted", "Paxos phase 2b.", ("view", INT), ("ballot", BALLOT))
-Install = _message(7, "Install", "The chosen next view of `old_view`.", ("old_view", INT), ("proposal", PROPOSAL))
-Join = _message(8, "Join", "A restarted or excluded member asks to be taken in (its durable and next position).",
-                ("durable", INT), ("next", INT))
-CatchupReq = _message(9, "CatchupReq", "Ask the catch-up source for positions from `start` of view `view`.",
-                      ("view", INT), ("start", INT), ("snapshot_ok", BOOL))
-CatchupData = _message(10, "CatchupData", "Positions first.. as batches; the view starts at view_start.",
-                       ("view", INT), ("first", INT), ("batches", BATCHES), ("view_start", INT))
-Snapshot = _message(11, "Snapshot", "For a witness: the view start and the origin watermarks there.",
-                    ("view", INT), ("view_start", INT), ("watermarks", WATERMARKS))
-Hint = _message(12, "Hint", "A newer view exists (its id, members and incarnations).",
-                ("view", INT), ("members", MEMBERS), ("incs", INTS), check=_same_length("members", "incs"))
-Forward = _message(13, "Forward", "Sequencer variant: a member's own batches, numbered from `first` within the "
-                   "view, for the view's sequencer to order; every number below `done` is delivered already.",
-                   ("view", INT), ("done", INT), ("first", INT), ("batches", BATCHES))
+class Append(Message):
+    """Own slots first..first+len(slots)-1 of a view, with the received vector."""
 
-LogReq = _message(14, "LogReq", "Ask a member for positions start..stop-1 of its durable global topic (catch-up "
-                  "of what the catch-up source no longer holds).", ("start", INT), ("stop", INT))
-LogData = _message(15, "LogData", "Positions start.. of the sender's durable global topic (none: not here).",
-                   ("start", INT), ("batches", BATCHES))
+    __slots__ = ("view", "first", "slots", "recv")
+    TYPE = 1
+    FIELDS = (("view", INT), ("first", INT), ("slots", SLOTS), ("recv", INTS))
+    view: int
+    first: int
+    slots: tuple[tuple[Batch, ...], ...]
+    recv: tuple[int, ...]
+
+
+class Ack(Message):
+    """Heartbeat and cumulative acknowledgement: received vector, suspicions,
+    highest ballot round seen, whether the sender is wedged."""
+
+    __slots__ = ("view", "recv", "suspected", "round", "wedged")
+    TYPE = 2
+    FIELDS = (("view", INT), ("recv", INTS), ("suspected", MEMBERS), ("round", INT), ("wedged", BOOL))
+    view: int
+    recv: tuple[int, ...]
+    suspected: tuple[str, ...]
+    round: int
+    wedged: bool
+
+
+class Collect(Message):
+    """Paxos phase 1a of the view change out of `view`."""
+
+    __slots__ = ("view", "ballot")
+    TYPE = 3
+    FIELDS = (("view", INT), ("ballot", BALLOT))
+    view: int
+    ballot: tuple[int, int]
+
+
+class Report(Message):
+    """Paxos phase 1b: what the reporter holds of `view` and any vote it cast."""
+
+    __slots__ = ("view", "ballot", "has_data", "recv", "durable", "next", "acc_ballot", "accepted")
+    TYPE = 4
+    FIELDS = (("view", INT), ("ballot", BALLOT), ("has_data", BOOL), ("recv", INTS), ("durable", INT),
+              ("next", INT), ("acc_ballot", BALLOT), ("accepted", MAYBE_PROPOSAL))
+    view: int
+    ballot: tuple[int, int]
+    has_data: bool
+    recv: tuple[int, ...]
+    durable: int
+    next: int
+    acc_ballot: tuple[int, int]
+    accepted: Proposal | None
+
+
+class Accept(Message):
+    """Paxos phase 2a."""
+
+    __slots__ = ("view", "ballot", "proposal")
+    TYPE = 5
+    FIELDS = (("view", INT), ("ballot", BALLOT), ("proposal", PROPOSAL))
+    view: int
+    ballot: tuple[int, int]
+    proposal: Proposal
+
+
+class Accepted(Message):
+    """Paxos phase 2b."""
+
+    __slots__ = ("view", "ballot")
+    TYPE = 6
+    FIELDS = (("view", INT), ("ballot", BALLOT))
+    view: int
+    ballot: tuple[int, int]
+
+
+class Install(Message):
+    """The chosen next view of `old_view`."""
+
+    __slots__ = ("old_view", "proposal")
+    TYPE = 7
+    FIELDS = (("old_view", INT), ("proposal", PROPOSAL))
+    old_view: int
+    proposal: Proposal
+
+
+class Join(Message):
+    """A restarted or excluded member asks to be taken in (its durable and next
+    position)."""
+
+    __slots__ = ("durable", "next")
+    TYPE = 8
+    FIELDS = (("durable", INT), ("next", INT))
+    durable: int
+    next: int
+
+
+class CatchupReq(Message):
+    """Ask the catch-up source for positions from `start` of view `view`."""
+
+    __slots__ = ("view", "start", "snapshot_ok")
+    TYPE = 9
+    FIELDS = (("view", INT), ("start", INT), ("snapshot_ok", BOOL))
+    view: int
+    start: int
+    snapshot_ok: bool
+
+
+class CatchupData(Message):
+    """Positions first.. as batches; the view starts at view_start."""
+
+    __slots__ = ("view", "first", "batches", "view_start")
+    TYPE = 10
+    FIELDS = (("view", INT), ("first", INT), ("batches", BATCHES), ("view_start", INT))
+    view: int
+    first: int
+    batches: tuple[Batch, ...]
+    view_start: int
+
+
+class Snapshot(Message):
+    """For a witness: the view start and the origin watermarks there."""
+
+    __slots__ = ("view", "view_start", "watermarks")
+    TYPE = 11
+    FIELDS = (("view", INT), ("view_start", INT), ("watermarks", WATERMARKS))
+    view: int
+    view_start: int
+    watermarks: dict[tuple[str, int], int]
+
+
+class Hint(Message):
+    """A newer view exists (its id, members and incarnations)."""
+
+    __slots__ = ("view", "members", "incs")
+    TYPE = 12
+    FIELDS = (("view", INT), ("members", MEMBERS), ("incs", INTS))
+    view: int
+    members: tuple[str, ...]
+    incs: tuple[int, ...]
+
+    @classmethod
+    def from_wire(cls, sender, inc, rest, ids):
+        msg = super().from_wire(sender, inc, rest, ids)
+        if len(msg.members) != len(msg.incs):
+            raise RemoteProtocolError("Hint: members and incs differ in length")
+        return msg
+
+
+class Forward(Message):
+    """Sequencer variant: a member's own batches, numbered from `first` within
+    the view, for the view's sequencer to order; every number below `done`
+    is delivered already."""
+
+    __slots__ = ("view", "done", "first", "batches")
+    TYPE = 13
+    FIELDS = (("view", INT), ("done", INT), ("first", INT), ("batches", BATCHES))
+    view: int
+    done: int
+    first: int
+    batches: tuple[Batch, ...]
+
+
+
+class LogReq(Message):
+    """Ask a member for positions start..stop-1 of its durable global topic
+    (catch-up of what the catch-up source no longer holds)."""
+
+    __slots__ = ("start", "stop")
+    TYPE = 14
+    FIELDS = (("start", INT), ("stop", INT))
+    start: int
+    stop: int
+
+
+class LogData(Message):
+    """Positions start.. of the sender's durable global topic (none: not here)."""
+
+    __slots__ = ("start", "batches")
+    TYPE = 15
+    FIELDS = (("start", INT), ("batches", BATCHES))
+    start: int
+    batches: tuple[Batch, ...]
+
+
 
 DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
                     Snapshot, Hint, LogReq, LogData)
@@ -458,8 +587,27 @@ CLOCK_MESSAGES = (ClockAppend, ClockAck, Collect, Report, Accept, Accepted, Inst
                   Snapshot, Hint, LogReq, LogData, SlotReq, SlotData)
 
 # ------------------------------------------------------------------- mirror
-MirrorData = _message(1, "MirrorData", "Own stream entries first.. as batches; `base` = where the sender "
-                      "believes the receiver is durable.", ("first", INT), ("batches", BATCHES), ("base", INT))
-MirrorAck = _message(2, "MirrorAck", "The receiver made the stream of incarnation `stream_inc` durable up to `upto`.",
-                     ("stream_inc", INT), ("upto", INT))
+class MirrorData(Message):
+    """Own stream entries first.. as batches; `base` = where the sender
+    believes the receiver is durable."""
+
+    __slots__ = ("first", "batches", "base")
+    TYPE = 1
+    FIELDS = (("first", INT), ("batches", BATCHES), ("base", INT))
+    first: int
+    batches: tuple[Batch, ...]
+    base: int
+
+
+class MirrorAck(Message):
+    """The receiver made the stream of incarnation `stream_inc` durable up to
+    `upto`."""
+
+    __slots__ = ("stream_inc", "upto")
+    TYPE = 2
+    FIELDS = (("stream_inc", INT), ("upto", INT))
+    stream_inc: int
+    upto: int
+
+
 MIRROR_MESSAGES = (MirrorData, MirrorAck)

@@ -50,6 +50,8 @@ vote for another value of the same instance (two views with one id).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kdsync.core.messages import (
     Accept,
     Accepted,
@@ -69,6 +71,21 @@ Ballot = tuple[int, int]
 NO_BALLOT: Ballot = (0, -1)
 
 
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """What one member reported to the leader's COLLECT: its incarnation,
+    whether it holds the view's data, its received vector, its durable and
+    next positions, and the vote it cast in this view's instance."""
+
+    inc: int
+    has_data: bool
+    recv: tuple[int, ...]
+    durable: int
+    next: int
+    acc_ballot: tuple[int, int]
+    accepted: Proposal | None
+
+
 class LeaderRound:
     """The leader's side of one ballot: COLLECT, then ACCEPT (exists only while
     this member leads a view change)."""
@@ -81,7 +98,7 @@ class LeaderRound:
     def __init__(self, ballot: Ballot, now: int) -> None:
         self.ballot = ballot
         self.phase = LeaderRound.COLLECT
-        self.reports: dict[str, tuple] = {}  # member -> (inc, holds_data, recv, durable, next, acc_ballot, accepted)
+        self.reports: dict[str, Reported] = {}
         self.accepts: set[str] = set()
         self.proposal: Proposal | None = None
         self.acceptors: tuple[str, ...] = ()
@@ -179,10 +196,10 @@ class ViewChangePart:
                 if m not in lr.accepts and m != self.me:
                     self._send(m, data)
 
-    def _own_report(self) -> tuple:
+    def _own_report(self) -> Reported:
         acc_b, acc = self._accepted_here()
-        return (self.incarnation, self._holds_view_data(), tuple(self.stream.received), self.durable_seq,
-                self.next_seq, acc_b, acc)
+        return Reported(self.incarnation, self._holds_view_data(), tuple(self.stream.received), self.durable_seq,
+                        self.next_seq, acc_b, acc)
 
     def _on_report(self, msg: Report) -> None:
         lr = self.lead_round
@@ -198,7 +215,7 @@ class ViewChangePart:
             acc_b, acc = NO_BALLOT, None  # decided already (see _accepted_here)
         self.last_heard[msg.sender] = self.now
         self.unresponsive.discard(msg.sender)
-        lr.reports[msg.sender] = (msg.inc, msg.has_data, msg.recv, msg.durable, msg.next, acc_b, acc)
+        lr.reports[msg.sender] = Reported(msg.inc, msg.has_data, msg.recv, msg.durable, msg.next, acc_b, acc)
         self._leader_progress()
 
     def _leader_progress(self) -> None:
@@ -211,8 +228,8 @@ class ViewChangePart:
         reps = {m: lr.reports[m] for m in live}
         best = None
         for r in reps.values():
-            if r[6] is not None and (best is None or r[5] > best[0]):
-                best = (r[5], r[6])
+            if r.accepted is not None and (best is None or r.acc_ballot > best[0]):
+                best = (r.acc_ballot, r.accepted)
         if best is not None:
             prop = best[1]
         else:
@@ -227,7 +244,7 @@ class ViewChangePart:
         self._vc_broadcast()
         self._leader_accept_progress()
 
-    def _new_proposal(self, live: list[str], reps: dict[str, tuple]) -> Proposal | None:
+    def _new_proposal(self, live: list[str], reps: dict[str, Reported]) -> Proposal | None:
         """The next view from the reports (see module docstring), or None when
         nobody holds the old view's data and some member of it, or some cluster
         of the configuration, has not reported or asked to join."""
@@ -243,7 +260,7 @@ class ViewChangePart:
             if any(m not in reps and m not in self.joiners for m in needed):
                 return None
         members = sorted(set(live) | set(self.joiners), key=self.rank_of.__getitem__)
-        incs = [reps[m][0] if m in reps else self.joiners[m][0] for m in members]
+        incs = [reps[m].inc if m in reps else self.joiners[m][0] for m in members]
         extra: tuple = ()
         if holders:
             got = self._trim(live, holders, reps)
@@ -258,21 +275,21 @@ class ViewChangePart:
         else:
             trim = [0] * len(v.senders)
             # where each member's delivered prefix ends (`next`, not `durable`: see module docstring)
-            nexts = {m: reps[m][4] for m in live}
+            nexts = {m: reps[m].next for m in live}
             nexts.update({m: j[2] for m, j in self.joiners.items() if m not in nexts})
             base = max(nexts.values())
             source = min((m for m in members if nexts.get(m, -1) == base), key=self.rank_of.__getitem__)
         return Proposal(v.view_id, v.view_id + 1, members, incs, trim, source, base, extra)
 
-    def _trim_holders(self, live: list[str], reps: dict[str, tuple]) -> list[str]:
+    def _trim_holders(self, live: list[str], reps: dict[str, Reported]) -> list[str]:
         """The reporters whose data the trim is taken from (none: the new view
         starts at a base position instead)."""
-        return [m for m in live if reps[m][1]]
+        return [m for m in live if reps[m].has_data]
 
-    def _trim(self, live: list[str], holders: list[str], reps: dict[str, tuple]) -> tuple[list[int], tuple] | None:
+    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Reported]) -> tuple[list[int], tuple] | None:
         """(ragged trim, proposal extras), or None while not known yet.
         Derecho: the element-wise min over the holders (see module docstring)."""
-        return ragged_trim(reps[m][2] for m in holders), ()
+        return ragged_trim(reps[m].recv for m in holders), ()
 
     def _accept_local(self, b: Ballot, prop: Proposal) -> None:
         if self._promise(b):

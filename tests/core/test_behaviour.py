@@ -319,11 +319,12 @@ def test_a_view_nobody_holds_data_of_starts_after_every_delivered_position():
     position reported, not the highest durable one.  A member that delivered
     positions 5..7 but made only 0..4 durable (its producer still writing)
     would otherwise see positions 5..7 given to other records."""
+    from kdsync.core.viewchange import Reported
+
     node = make_node(NodeConfig("a", ("a", "b", "c")), rng=random.Random(1))
-    # (incarnation, holds data, received, durable, next, accepted ballot, accepted proposal)
-    reps = {"a": (1, False, (0, 0, 0), 5, 5, (0, -1), None),
-            "b": (2, False, (0, 0, 0), 5, 8, (0, -1), None),
-            "c": (3, False, (0, 0, 0), 2, 2, (0, -1), None)}
+    reps = {"a": Reported(inc=1, has_data=False, recv=(0, 0, 0), durable=5, next=5, acc_ballot=(0, -1), accepted=None),
+            "b": Reported(inc=2, has_data=False, recv=(0, 0, 0), durable=5, next=8, acc_ballot=(0, -1), accepted=None),
+            "c": Reported(inc=3, has_data=False, recv=(0, 0, 0), durable=2, next=2, acc_ballot=(0, -1), accepted=None)}
     prop = node._new_proposal(["a", "b", "c"], reps)
     assert prop.base_seq == 8 and prop.source == "b"
     assert prop.trim == (0, 0, 0)
