@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
+from kdsync.core.types import ProtocolName
 from kdsync.testing.load import run_load
 
 __all__ = ["main", "run_load"]
@@ -19,7 +21,7 @@ __all__ = ["main", "run_load"]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--protocol", default="derecho", choices=["derecho", "sequencer", "mirror"])
+    p.add_argument("--protocol", default="derecho", choices=list(get_args(ProtocolName)))
     p.add_argument("--rate", type=float, default=1000.0, help="total events/s over every cluster")
     p.add_argument("--duration", type=float, default=5.0, help="seconds of paced load")
     p.add_argument("--clusters", type=int, default=3)

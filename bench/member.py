@@ -2,7 +2,7 @@
 (bench.load: 3 embedded Tansu clusters, one member each, the default
 configuration, 2 source partitions, paced writers in every cluster).
 
-Per protocol (derecho, mirror) and total rate (300 / 1 000 / 3 000 events/s):
+Per protocol (derecho, clock, mirror) and total rate (300 / 1 000 / 3 000 events/s):
 p50/p99 of global record timestamp - source timestamp next to the plain
 producer -> consumer floor of the same run, member CPU per ordered event
 (split: event loop / librdkafka threads / other threads), the mean time per
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.common import Headline, NotMeasured, Section, Table, ratio
 
-PROTOCOLS = ("derecho", "mirror")
+PROTOCOLS = ("derecho", "clock", "mirror")
 DRAIN_GOAL_EPS = 22_000  # issue 9: >= 2x the ~11 K events/s of 3 clusters measured before
 
 
@@ -77,7 +77,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         raise NotMeasured(f"bench.load cannot run here ({type(e).__name__}: {e})") from None
     rows, errors = [], []
     for rate in p.rates:
-        for proto in PROTOCOLS:  # derecho and mirror back to back: their ratio sees the same load
+        for proto in PROTOCOLS:  # the protocols back to back: their ratios see the same load
             kw = dict(backlog=p.backlog_per_cluster, idle_s=p.idle_s) if rate == 1000.0 else {}
             with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-member-{proto}-") as d:
                 try:
@@ -111,7 +111,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"a Python process that only copies every cluster's source records into its own cluster with kdsync's "
         f"client settings (a consumer thread per cluster, one idempotent producer): what the Kafka client layer "
         f"alone costs per event on this box, the floor under any member built on confluent-kafka.")
-    sec.tables.append(Table("member_load", "Member under paced load (derecho and mirror, 3 clusters)", rows))
+    sec.tables.append(Table("member_load", "Member under paced load (derecho, clock and mirror, 3 clusters)", rows))
     by = {(r["protocol"], r["rate_eps"]): r for r in rows}
 
     def val(proto, rate, key):
@@ -125,9 +125,17 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     floor = val("copy-floor", 1000.0, "cpu_us_per_event")
     sec.headlines.append(Headline("copy floor: CPU per copied event at 1 000 events/s, consume + produce only (µs)",
                                   floor, "(the client layer alone; report)", "member_load.csv"))
-    rf = ratio(val("derecho", 1000.0, "cpu_us_per_event"), floor)
-    sec.headlines.append(Headline("member CPU per event / copy floor, derecho at 1 000 events/s", round(rf, 2) if rf else None,
-                                  "(report)", "member_load.csv"))
+    for proto, goal in (("derecho", "(report)"), ("clock", "<= 1.5 (issue 25)")):
+        rf = ratio(val(proto, 1000.0, "cpu_us_per_event"), floor)
+        sec.headlines.append(Headline(f"member CPU per event / copy floor, {proto} at 1 000 events/s",
+                                      round(rf, 2) if rf else None, goal, "member_load.csv"))
+    for proto in ("derecho", "clock"):
+        sec.headlines.append(Headline(f"peer frames out per event, {proto} at 1 000 events/s",
+                                      val(proto, 1000.0, "frames_out_per_event"), "(report)", "member_load.csv"))
+    c, m = val("clock", 1000.0, "p50_ms"), val("mirror", 1000.0, "p50_ms")
+    sec.headlines.append(Headline("clock p50 - mirror p50 at 1 000 events/s, LAN (ms)",
+                                  round(c - m, 1) if c is not None and m is not None else None, "(report)",
+                                  "member_load.csv"))
     for rate, goal in ((300.0, "<= 3 (issue 9)"), (1000.0, "<= 6 (issue 9)"), (3000.0, "")):
         rr = ratio(val("derecho", rate, "p99_ms"), val("derecho", rate, "floor_p99_ms"))
         sec.headlines.append(Headline(f"derecho p99 / floor p99 at {rate:,.0f} events/s",
