@@ -82,13 +82,14 @@ def test_proxy_process_serves_each_target_until_stdin_closes(echo):
     import subprocess
     import sys
 
-    p = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", "10", str(echo), str(echo)],
+    p = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", "10", str(echo), f"{echo}:30"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         ports = json.loads(p.stdout.readline())
         assert len(ports) == 2 and len(set(ports)) == 2
-        for port in ports:
-            assert min(_rtts(port, 3)) >= 20.0
+        first, second = _rtts(ports[0], 3), _rtts(ports[1], 3)
+        assert min(first) >= 20.0 and max(first) < 60.0  # the default delay
+        assert min(second) >= 60.0  # PORT:DELAY_MS: its own
     finally:
         p.stdin.close()
         last = p.stdout.readline()

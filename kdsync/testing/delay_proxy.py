@@ -166,17 +166,19 @@ def late_quantiles(late_s: list[float], n: int = 41) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kdsync.testing.delay_proxy DELAY_MS PORT...`: one proxy per
-    target port on 127.0.0.1, in a process of its own (no GIL shared with the
-    caller); prints the listening ports as one JSON list, runs until stdin
-    closes, then prints one JSON object: `chunks` forwarded,
-    `late_quantiles_ms` (`late_quantiles`), `late_p50_ms`, `late_p99_ms`."""
+    """`python -m kdsync.testing.delay_proxy DELAY_MS PORT[:DELAY_MS]...`: one
+    proxy per target port on 127.0.0.1 (with the first delay, or its own), in
+    a process of its own (no GIL shared with the caller); prints the listening
+    ports as one JSON list, runs until stdin closes, then prints one JSON
+    object: `chunks` forwarded, `late_quantiles_ms` (`late_quantiles`),
+    `late_p50_ms`, `late_p99_ms`."""
     import json
     import sys
 
     args = sys.argv[1:] if argv is None else argv
-    delay, ports = float(args[0]), [int(p) for p in args[1:]]
-    proxies = [DelayProxy(("127.0.0.1", p), delay).start() for p in ports]
+    delay = float(args[0])
+    targets = [(int(a.split(":")[0]), float(a.split(":")[1]) if ":" in a else delay) for a in args[1:]]
+    proxies = [DelayProxy(("127.0.0.1", port), d).start() for port, d in targets]
     print(json.dumps([p.port for p in proxies]), flush=True)
     sys.stdin.read()
     for p in proxies:
