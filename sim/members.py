@@ -148,6 +148,7 @@ class SimMember:
         self.fetched_upto = -1.0  # kafka.fetch_wait_ms: the snapshot time of the last fetch (the broker side)
         self._sink_batch: list | None = None
         self.clock_fault = host.clock_fault(member_id)
+        self.uses_clock = config.protocol == "clock"
         self.stages: dict | None = None  # (partition, first offset) -> [fetched, handed] of own batches (bench)  # the member's producer batch while it lingers: [(deliveries, handed)]
 
     # ------------------------------------------------------------ life cycle
@@ -242,8 +243,10 @@ class SimMember:
         self._input(lambda: self._receive(src, data), msgs=1)
 
     def _clock(self) -> None:
-        """The node's wall clock reading now (before every input)."""
-        self.node.clock(self.clock_fault.read(int(self.host.now * 1e6)))
+        """The node's wall clock reading now (before every input; only the
+        clock protocol reads it)."""
+        if self.uses_clock:
+            self.node.clock(self.clock_fault.read(int(self.host.now * 1e6)))
 
     def _receive(self, src: str, data: bytes) -> None:
         self._clock()

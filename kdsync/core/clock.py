@@ -135,7 +135,7 @@ class ClockNode(DerechoNode):
         slots = st.deliverable()
         if slots:
             self._deliver(slots[0] if len(slots) == 1 else [b for s in slots for b in s])
-        st.forget_stable()
+            st.forget_stable()  # lazily: a slot acknowledged later goes with the next delivery
 
     def _send_ack(self, p: str) -> None:
         self.last_sent[p] = self.now
