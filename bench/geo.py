@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
+from bench.simreal import start_proxies, stop_proxies
 from bench.wan import SCENARIOS, delays
 from kdsync.testing.stats import percentile
 
@@ -58,10 +58,7 @@ def real_run(protocol: str, rate_eps: float = RATE_EPS, duration_s: float = DURA
         try:
             with g:
                 links = [(i, j) for i in range(n) for j in range(n) if i != j]
-                proxy = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", "0",
-                                          *[f"{g.ports[j]}:{d[(ids[i], ids[j])]}" for i, j in links]],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                ports = json.loads(proxy.stdout.readline())
+                proxy, ports = start_proxies(0, [f"{g.ports[j]}:{d[(ids[i], ids[j])]}" for i, j in links])
                 proxies.update({link: f"127.0.0.1:{port}" for link, port in zip(links, ports)})
                 for c in g.clusters:
                     c.start()
@@ -91,15 +88,7 @@ def real_run(protocol: str, rate_eps: float = RATE_EPS, duration_s: float = DURA
                     out["agreement_detail"] = detail
         finally:
             if proxy is not None:
-                proxy.stdin.close()
-                try:
-                    late = json.loads(proxy.stdout.readline() or "{}")
-                    if late.get("late_quantiles_ms"):
-                        out["proxy_late_quantiles_ms"] = late["late_quantiles_ms"]
-                        out["proxy_late_p50_ms"] = late["late_p50_ms"]
-                    proxy.wait(10)
-                except (subprocess.TimeoutExpired, ValueError):
-                    proxy.kill()
+                stop_proxies(proxy, out)
     return out
 
 

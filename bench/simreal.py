@@ -40,7 +40,6 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
     configuration), every member link through a DelayProxy of `delay_ms`."""
     import psutil
 
-    import subprocess
 
     from kdsync.testing.load import PacedWriters, frames_out, stage_sums
     from kdsync.testing import local
@@ -58,10 +57,7 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
             with g:
                 # the proxies run in a process of their own: no GIL shared with the writers here
                 links = [(i, j) for i in range(clusters) for j in range(clusters) if i != j]
-                proxy_proc = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", str(delay_ms),
-                                               *[str(g.ports[j]) for _, j in links]],
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                ports = json.loads(proxy_proc.stdout.readline())
+                proxy_proc, ports = start_proxies(delay_ms, [str(g.ports[j]) for _, j in links])
                 proxies.update({link: f"127.0.0.1:{port}" for link, port in zip(links, ports)})
                 for c in g.clusters:
                     c.start()
@@ -108,17 +104,36 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
                     out["agreement"] = local.check_global_topics(got, expected=total)[0]
         finally:
             if proxy_proc is not None:
-                proxy_proc.stdin.close()
-                try:
-                    # its last line: how late it forwarded (kdsync.testing.delay_proxy.late_quantiles)
-                    late = json.loads(proxy_proc.stdout.readline() or "{}")
-                    if late.get("late_quantiles_ms"):
-                        out["proxy_late_quantiles_ms"] = late["late_quantiles_ms"]
-                        out["proxy_late_p50_ms"], out["proxy_late_p99_ms"] = late["late_p50_ms"], late["late_p99_ms"]
-                    proxy_proc.wait(10)
-                except (subprocess.TimeoutExpired, ValueError):
-                    proxy_proc.kill()
+                stop_proxies(proxy_proc, out)
     return out
+
+
+def start_proxies(delay_ms: float, targets: list[str]):
+    """`python -m kdsync.testing.delay_proxy DELAY_MS TARGET...` in a process of
+    its own (no GIL shared with the writers here); returns (process, the
+    proxies' ports in the order of `targets`)."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", str(delay_ms), *targets],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())
+
+
+def stop_proxies(proc, out: dict) -> None:
+    """Stop a `python -m kdsync.testing.delay_proxy` process; its last line
+    (how late it forwarded: delay_proxy.late_quantiles) goes into `out` as
+    proxy_late_quantiles_ms, proxy_late_p50_ms, proxy_late_p99_ms."""
+    import subprocess
+
+    proc.stdin.close()
+    try:
+        late = json.loads(proc.stdout.readline() or "{}")
+        if late.get("late_quantiles_ms"):
+            out["proxy_late_quantiles_ms"] = late["late_quantiles_ms"]
+            out["proxy_late_p50_ms"], out["proxy_late_p99_ms"] = late["late_p50_ms"], late["late_p99_ms"]
+        proc.wait(10)
+    except (subprocess.TimeoutExpired, ValueError):
+        proc.kill()
 
 
 def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float,

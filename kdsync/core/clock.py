@@ -59,9 +59,8 @@ from __future__ import annotations
 
 from kdsync.core.clock_stream import ClockStream
 from kdsync.core.derecho import DerechoNode
-from kdsync.core.messages import CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, SlotData, SlotReq
+from kdsync.core.messages import CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, Report, SlotData, SlotReq
 from kdsync.core.types import RemoteProtocolError, View
-from kdsync.core.viewchange import Reported
 
 __all__ = ["ClockNode"]
 
@@ -137,26 +136,15 @@ class ClockNode(DerechoNode):
             self._deliver(slots[0] if len(slots) == 1 else [b for s in slots for b in s])
             st.forget_stable()  # lazily: a slot acknowledged later goes with the next delivery
 
-    def _send_ack(self, p: str) -> None:
-        self.last_sent[p] = self.now
-        st = self.stream
-        cur = tuple(st.received)
-        cut, clock = st.report(self._stamp_now)
-        self._send(p, ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
-                               self.promised[0], self.wedged, cut, clock).encode())
-        self.acked_sent[p] = cur
+    def _ack_message(self, cur: tuple) -> bytes:
+        cut, clock = self.stream.report(self._stamp_now)
+        return ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
+                        self.promised[0], self.wedged, cut, clock).encode()
 
-    def _send_slots(self, p: str, start: int, stop: int) -> None:
-        st = self.stream
-        slots = st.own_slots(start, stop)
-        if not slots:
-            return
-        cur = tuple(st.received)
-        cut, clock = st.report(self._stamp_now)
-        self.last_sent[p] = self.now
-        self.acked_sent[p] = cur
-        self._send(p, ClockAppend(self.me, self.incarnation, self.view.view_id, start, tuple(slots), cur,
-                                  cut, clock).encode())
+    def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
+        cut, clock = self.stream.report(self._stamp_now)
+        return ClockAppend(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur, cut,
+                           clock).encode()
 
     # ------------------------------------------------------------- ticks
     def tick(self) -> None:
@@ -179,18 +167,7 @@ class ClockNode(DerechoNode):
         if self._may_cut():
             first, slots = st.cut(self.pending, self._stamp_now, IN_FLIGHT, self.cfg.max_batch)
             cur = tuple(st.received)
-            cut, clock = st.report(self._stamp_now)
-            data = ClockAppend(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur,
-                               cut, clock).encode()
-            k = st.my_k
-            now = self.now
-            for p, acks in st.acks.items():
-                if p not in self.suspected:
-                    if acks[k] == first:
-                        self.ack_progress[p] = now
-                    self.last_sent[p] = now
-                    self.acked_sent[p] = cur
-                    self._send(p, data)
+            self._multicast_slots(first, cur, self._slots_message(first, slots, cur))
             self._ack_due = False  # that message acknowledges and reports
             self._try_deliver()
         if self._ack_due:
@@ -201,14 +178,14 @@ class ClockNode(DerechoNode):
                         self._send_ack(p)
 
     # -------------------------------------------------------- view change
-    def _sure(self, live: list[str], reps: dict[str, Reported]) -> list[str]:
+    def _sure(self, live: list[str], reps: dict[str, Report]) -> list[str]:
         """The reporters that remember this view: the incarnation it names
         (0 is unknown: a view read from disk)."""
         v = self.view
         incs = dict(zip(v.members, v.incarnations))
         return [m for m in live if incs[m] != 0 and reps[m].inc == incs[m]]
 
-    def _trim_holders(self, live: list[str], reps: dict[str, Reported]) -> list[str]:
+    def _trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
         """Holders, when the reporters that remember this view meet every
         commit quorum that may have held a delivered slot (n - q + 1 of them);
         else none: the base path."""
@@ -218,7 +195,7 @@ class ClockNode(DerechoNode):
             return []
         return [m for m in sure if reps[m].has_data]
 
-    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Reported]):
+    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Report]):
         """The maximum received count over the reporters that remember the
         view, and the slots from the holders' minimum up to it (fetched first
         when the leader lacks some)."""
@@ -240,7 +217,7 @@ class ClockNode(DerechoNode):
                 extra.append((k, low[k], tuple(run)))
         return None if missing else (trim, tuple(extra))
 
-    def _fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Reported]) -> None:
+    def _fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Report]) -> None:
         """Ask a reporter holding sender k's slots first..stop-1 for them
         (at most once per retransmission period)."""
         key = (k, first)

@@ -444,8 +444,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
     def _send_ack(self, p: str) -> None:
         self.last_sent[p] = self.now
         cur = tuple(self.stream.received)
-        self._send(p, Ack(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
-                          self.promised[0], self.wedged).encode())
+        self._send(p, self._ack_message(cur))
         self.acked_sent[p] = cur
 
     def _send_slots(self, p: str, start: int, stop: int) -> None:
@@ -456,7 +455,16 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         cur = tuple(st.received)
         self.last_sent[p] = self.now
         self.acked_sent[p] = cur
-        self._send(p, Append(self.me, self.incarnation, self.view.view_id, start, tuple(slots), cur).encode())
+        self._send(p, self._slots_message(start, slots, cur))
+
+    def _ack_message(self, cur: tuple) -> bytes:
+        """An ACK carrying received vector `cur` (a hook: the clock protocol adds its report)."""
+        return Ack(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
+                   self.promised[0], self.wedged).encode()
+
+    def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
+        """Own slots from `first` with received vector `cur` (a hook, as `_ack_message`)."""
+        return Append(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur).encode()
 
     # -------------------------------------------------------------- output
     def _before_ready(self) -> None:
@@ -464,16 +472,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         if st.my_k >= 0 and not self.wedged and (st.must_fill() or (self.pending and st.may_open(self.cfg.window))):
             first, slots = st.cut(self.pending, self.cfg.window, self.cfg.max_batch)
             cur = tuple(st.received)
-            data = Append(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur).encode()
-            k = st.my_k
-            now = self.now
-            for p, acks in st.acks.items():
-                if p not in self.suspected:
-                    if acks[k] == first:
-                        self.ack_progress[p] = now
-                    self.last_sent[p] = now
-                    self.acked_sent[p] = cur
-                    self._send(p, data)
+            self._multicast_slots(first, cur, self._slots_message(first, slots, cur))
             self._ack_round = -1  # that vector acknowledges every data slot received so far
             self._try_deliver()
         if self._ack_round >= 0 and min(st.received, default=0) > self._ack_round:
@@ -481,6 +480,19 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
             # covers the whole round (with many senders, one message instead of one
             # per slot); a round that stays incomplete is acknowledged at the tick
             self._flush_urgent_acks()
+
+    def _multicast_slots(self, first: int, cur: tuple, data: bytes) -> None:
+        """Send own new slots from `first` (encoded in `data`, carrying the
+        received vector `cur`) to every unsuspected peer."""
+        k = self.stream.my_k
+        now = self.now
+        for p, acks in self.stream.acks.items():
+            if p not in self.suspected:
+                if acks[k] == first:
+                    self.ack_progress[p] = now
+                self.last_sent[p] = now
+                self.acked_sent[p] = cur
+                self._send(p, data)
 
     def _flush_urgent_acks(self) -> None:
         self._ack_round = -1

@@ -50,7 +50,6 @@ vote for another value of the same instance (two views with one id).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from kdsync.core.messages import (
     Accept,
@@ -71,21 +70,6 @@ Ballot = tuple[int, int]
 NO_BALLOT: Ballot = (0, -1)
 
 
-@dataclass(frozen=True, slots=True)
-class Reported:
-    """What one member reported to the leader's COLLECT: its incarnation,
-    whether it holds the view's data, its received vector, its durable and
-    next positions, and the vote it cast in this view's instance."""
-
-    inc: int
-    has_data: bool
-    recv: tuple[int, ...]
-    durable: int
-    next: int
-    acc_ballot: tuple[int, int]
-    accepted: Proposal | None
-
-
 class LeaderRound:
     """The leader's side of one ballot: COLLECT, then ACCEPT (exists only while
     this member leads a view change)."""
@@ -98,7 +82,7 @@ class LeaderRound:
     def __init__(self, ballot: Ballot, now: int) -> None:
         self.ballot = ballot
         self.phase = LeaderRound.COLLECT
-        self.reports: dict[str, Reported] = {}
+        self.reports: dict[str, Report] = {}  # member -> its REPORT (ours too), votes of older instances dropped
         self.accepts: set[str] = set()
         self.proposal: Proposal | None = None
         self.acceptors: tuple[str, ...] = ()
@@ -196,10 +180,10 @@ class ViewChangePart:
                 if m not in lr.accepts and m != self.me:
                     self._send(m, data)
 
-    def _own_report(self) -> Reported:
+    def _own_report(self) -> Report:
         acc_b, acc = self._accepted_here()
-        return Reported(self.incarnation, self._holds_view_data(), tuple(self.stream.received), self.durable_seq,
-                        self.next_seq, acc_b, acc)
+        return Report(self.me, self.incarnation, self.view.view_id, self.lead_round.ballot, self._holds_view_data(),
+                      tuple(self.stream.received), self.durable_seq, self.next_seq, acc_b, acc)
 
     def _on_report(self, msg: Report) -> None:
         lr = self.lead_round
@@ -210,12 +194,12 @@ class ViewChangePart:
             return
         if len(msg.recv) != len(v.senders):
             raise RemoteProtocolError("received vector of the wrong length")
-        acc_b, acc = msg.acc_ballot, msg.accepted
-        if acc is not None and acc.old_view != v.view_id:
-            acc_b, acc = NO_BALLOT, None  # decided already (see _accepted_here)
+        if msg.accepted is not None and msg.accepted.old_view != v.view_id:  # decided already (see _accepted_here)
+            msg = Report(msg.sender, msg.inc, msg.view, msg.ballot, msg.has_data, msg.recv, msg.durable, msg.next,
+                         NO_BALLOT, None)
         self.last_heard[msg.sender] = self.now
         self.unresponsive.discard(msg.sender)
-        lr.reports[msg.sender] = Reported(msg.inc, msg.has_data, msg.recv, msg.durable, msg.next, acc_b, acc)
+        lr.reports[msg.sender] = msg
         self._leader_progress()
 
     def _leader_progress(self) -> None:
@@ -244,7 +228,7 @@ class ViewChangePart:
         self._vc_broadcast()
         self._leader_accept_progress()
 
-    def _new_proposal(self, live: list[str], reps: dict[str, Reported]) -> Proposal | None:
+    def _new_proposal(self, live: list[str], reps: dict[str, Report]) -> Proposal | None:
         """The next view from the reports (see module docstring), or None when
         nobody holds the old view's data and some member of it, or some cluster
         of the configuration, has not reported or asked to join."""
@@ -281,12 +265,12 @@ class ViewChangePart:
             source = min((m for m in members if nexts.get(m, -1) == base), key=self.rank_of.__getitem__)
         return Proposal(v.view_id, v.view_id + 1, members, incs, trim, source, base, extra)
 
-    def _trim_holders(self, live: list[str], reps: dict[str, Reported]) -> list[str]:
+    def _trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
         """The reporters whose data the trim is taken from (none: the new view
         starts at a base position instead)."""
         return [m for m in live if reps[m].has_data]
 
-    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Reported]) -> tuple[list[int], tuple] | None:
+    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Report]) -> tuple[list[int], tuple] | None:
         """(ragged trim, proposal extras), or None while not known yet.
         Derecho: the element-wise min over the holders (see module docstring)."""
         return ragged_trim(reps[m].recv for m in holders), ()

@@ -319,12 +319,12 @@ def test_a_view_nobody_holds_data_of_starts_after_every_delivered_position():
     position reported, not the highest durable one.  A member that delivered
     positions 5..7 but made only 0..4 durable (its producer still writing)
     would otherwise see positions 5..7 given to other records."""
-    from kdsync.core.viewchange import Reported
+    from kdsync.core.messages import Report
 
     node = make_node(NodeConfig("a", ("a", "b", "c")), rng=random.Random(1))
-    reps = {"a": Reported(inc=1, has_data=False, recv=(0, 0, 0), durable=5, next=5, acc_ballot=(0, -1), accepted=None),
-            "b": Reported(inc=2, has_data=False, recv=(0, 0, 0), durable=5, next=8, acc_ballot=(0, -1), accepted=None),
-            "c": Reported(inc=3, has_data=False, recv=(0, 0, 0), durable=2, next=2, acc_ballot=(0, -1), accepted=None)}
+    # (incarnation, holds data, received, durable, next): no vote
+    reps = {m: Report(m, inc, 0, (1, 0), False, (0, 0, 0), durable, nxt, (0, -1), None)
+            for m, inc, durable, nxt in (("a", 1, 5, 5), ("b", 2, 5, 8), ("c", 3, 2, 2))}
     prop = node._new_proposal(["a", "b", "c"], reps)
     assert prop.base_seq == 8 and prop.source == "b"
     assert prop.trim == (0, 0, 0)
