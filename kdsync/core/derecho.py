@@ -101,6 +101,21 @@ _STATUS = {
 }
 _CATCHING_UP = frozenset({State.CATCHING_UP, State.CATCHING_UP_WEDGED})
 
+# The state machine: every change goes through `_enter`, and one this table
+# does not list is a core bug (LocalProtocolError).  A new view (an INSTALL,
+# a HINT) can take a member from any state to active, joining, rejoining or
+# catching up; wedging and the end of a catch-up are the other edges.
+_NEW_VIEW = frozenset({State.ACTIVE, State.JOINING, State.REJOINING, State.CATCHING_UP})
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.FORMING: _NEW_VIEW,
+    State.REJOINING: _NEW_VIEW,
+    State.JOINING: _NEW_VIEW,
+    State.ACTIVE: _NEW_VIEW | {State.WEDGED},
+    State.WEDGED: _NEW_VIEW,
+    State.CATCHING_UP: _NEW_VIEW | {State.CATCHING_UP_WEDGED, State.WEDGED},
+    State.CATCHING_UP_WEDGED: _NEW_VIEW | {State.WEDGED},
+}
+
 
 class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
     protocol = "derecho"
@@ -184,19 +199,25 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
     def _is_member(self) -> bool:
         return self.state is not State.JOINING and self.me in self.view.members
 
+    def _enter(self, state: State) -> None:
+        """The one door of a state change (see TRANSITIONS)."""
+        if state not in TRANSITIONS[self.state]:
+            raise LocalProtocolError(f"state {self.state.value} -> {state.value} is not a transition of the machine")
+        self.state = state
+
     def _become_active(self, view: View) -> None:
         """Enter `view` holding everything before its start."""
         self.view = view
         self._reset_view_state()
         self.target = None
-        self.state = State.ACTIVE
+        self._enter(State.ACTIVE)
         self._entered_view()
 
     def _become_wedged(self) -> None:
         if self.state is State.ACTIVE:
-            self.state = State.WEDGED
+            self._enter(State.WEDGED)
         elif self.state is State.CATCHING_UP:
-            self.state = State.CATCHING_UP_WEDGED
+            self._enter(State.CATCHING_UP_WEDGED)
 
     _wedge = _become_wedged
 
@@ -205,7 +226,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.view = view
         self._reset_view_state()
         self.target = None
-        self.state = State.JOINING
+        self._enter(State.JOINING)
         self._hard_dirty = True
         self._send_join()
 
@@ -215,7 +236,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.view = view
         self._reset_view_state()
         self.target = None
-        self.state = State.REJOINING
+        self._enter(State.REJOINING)
         self._hard_dirty = True  # the view goes to disk: a restart must not fall back to an older one
         self._send_join()
 
@@ -224,7 +245,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.view = View(prop.new_view, prop.members, prop.incs, self._senders_of(prop.members), -1)
         self._reset_view_state()
         self.target = prop
-        self.state = State.CATCHING_UP
+        self._enter(State.CATCHING_UP)
         self.catchup_asked = -10**9
         self.catchup_vstart = -1
         self._ask_catchup()
@@ -236,7 +257,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.target = None
         wedged = self.state is State.CATCHING_UP_WEDGED or bool(self.suspected)
         self.view = View(prop.new_view, prop.members, prop.incs, self._senders_of(prop.members), vstart)
-        self.state = State.WEDGED if wedged else State.ACTIVE
+        self._enter(State.WEDGED if wedged else State.ACTIVE)
         self._hard_dirty = True  # the view entered goes to disk (until now the disk held the vote for it)
         self._entered_view()
         self._try_deliver()
