@@ -13,6 +13,7 @@ import os
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from kdsync.testing.clocks import ClockFault
 from kdsync.testing.network import InMemoryNetwork, check_invariants
 
 EXAMPLES = int(os.environ.get("KDSYNC_PROPERTY_EXAMPLES", "300"))
@@ -30,12 +31,19 @@ op = st.one_of(
     st.tuples(st.just("reorder")),
     st.tuples(st.just("heal")),
 )
+# the clock protocol's schedules also skew, drift and jump members' clocks
+clock_op = st.one_of(
+    op,
+    st.tuples(st.just("skew"), st.integers(0, 4), st.integers(-200_000, 200_000), st.integers(-5000, 5000)),
+    st.tuples(st.just("jump"), st.integers(0, 4), st.integers(-300_000, 300_000)),
+)
 
 
-def run_schedule(n, witness, seed, ops, protocol="derecho"):
+def run_schedule(n, witness, seed, ops, protocol="derecho", **cfg):
     ids = [f"m{i}" for i in range(n)]
     wit = (ids[-1],) if witness else ()
-    net = InMemoryNetwork(ids, protocol=protocol, seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2, retransmit_ticks=3)
+    net = InMemoryNetwork(ids, protocol=protocol, seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2,
+                          retransmit_ticks=3, **cfg)
     members = [i for i in ids if i not in wit]
     submitted = set()
     down = set()
@@ -69,6 +77,12 @@ def run_schedule(n, witness, seed, ops, protocol="derecho"):
             net.reorder = True
         elif kind == "heal":
             net.recover()
+        elif kind == "skew":  # offset (µs) and drift (ppm) from now on
+            net.clocks[ids[o[1] % n]] = ClockFault(o[2], o[3], net.clocks.get(ids[o[1] % n], ClockFault()).jumps)
+        elif kind == "jump":  # the clock steps by o[2] µs now
+            who = ids[o[1] % n]
+            c = net.clocks.get(who, ClockFault())
+            net.clocks[who] = ClockFault(c.offset_us, c.drift_ppm, c.jumps + ((net.time, o[2]),))
         # safety holds at every step, not only at the end
         assert not check_invariants(net), net.log
     net.recover()
@@ -100,6 +114,15 @@ def test_random_fault_schedules_fail_over_sequencer(n, witness, seed, ops):
     """The leader-based baseline fails over through the same view change:
     the same schedules, the same invariants (no loss when the sequencer dies)."""
     run_schedule(n, witness, seed, ops, protocol="sequencer")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not os.environ.get("KDSYNC_RANDOM"), phases=None if os.environ.get("KDSYNC_SHRINK") else [Phase.explicit, Phase.reuse, Phase.generate])
+@given(n=st.integers(3, 5), witness=st.booleans(), seed=st.integers(0, 2**16), quorum=st.sampled_from([0, 1, 2]),
+       ops=st.lists(clock_op, max_size=int(os.environ.get("KDSYNC_PROPERTY_OPS", "25"))))
+def test_random_fault_schedules_clock(n, witness, seed, quorum, ops):
+    """The clock protocol: the same schedules plus skewed, drifting and
+    jumping clocks and every commit quorum; the same invariants."""
+    run_schedule(n, witness, seed, ops, protocol="clock", commit_quorum=quorum)
 
 
 def test_property_runs_counted():
