@@ -42,6 +42,10 @@ REGRESSION_SCENARIOS = {
     "swarm-2719.yaml": "a restarted leader waited for a member of its view that restarted from an older view and "
                        "joined from outside, never reporting: wedged, and the minority's positions never reached the rest",
     "swarm-8295.yaml": "the same: a member of the view, told nothing by the view's leader, joined forever",
+    # the clock protocol (protocol: clock in the YAML)
+    "swarm-clock-1940.yaml": "four heartbeats lost in a row right after the group settled: a false suspicion and a "
+                             "view change, during which the swarm's settle shortcut stopped and judged the run "
+                             "stuck (the full liveness phase ends active; the shortcut now watches it through)",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",
