@@ -12,6 +12,7 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   real      three embedded Tansu clusters + `kdsync run` members, end to end
   member    one member under paced load (bench.load): CPU per event, latency vs the Kafka floor, drain, idle
   simreal   kdsync-sim calibrate, then real vs simulated p50/p99 at 300 and 1 000 events/s x 10 and 25 ms between members
+  geo       five real regions on loopback (delay proxies with wan-five-regions' delays) vs the simulator, mirror and clock
   shards    real drain with [topics] shards = 2: kdsync run --workers 1 vs --workers 2
   rdma      RDMA/TCP ratios from a soft-RoCE VM run (boots it with --rdma)
 
@@ -38,11 +39,12 @@ from typing import Callable, Iterator
 from bench.common import NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "wan", "audit", "real", "member", "simreal", "shards", "reliability", "rdma")
+SECTIONS = ("core", "scale", "sim", "wan", "audit", "real", "member", "simreal", "geo", "shards", "reliability", "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
                "member": "skipped by --quick (six paced loads on real brokers take minutes)",
                "simreal": "skipped by --quick (calibration and four real runs take minutes)",
+               "geo": "skipped by --quick (five brokers and five members per protocol take minutes)",
                "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)",
                "reliability": "skipped by --quick (minutes of faults per seed on durable clusters)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
@@ -50,9 +52,10 @@ TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Ka
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
           "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
           "simreal": "Simulator vs real: the four calibration points",
+          "geo": "Real geo run: five regions on loopback through delay proxies vs the simulator",
           "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP",
           "reliability": "Reliability: the nemesis suite on durable clusters"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "wan_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "wan_", "geo_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
                       "summary")
 
 
@@ -345,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("simreal", "Simulator vs real: the four calibration points",
                                        lambda: simreal_section(out, work, prog), prog))
                 prog.step("simreal")
+            if "geo" in wanted:
+                from bench.geo import geo_section
+
+                sections.append(_guard("geo", TITLES["geo"], lambda: geo_section(lambda: None), prog))
+                prog.step("geo")
             if "shards" in wanted:
                 from bench.shards import shards_section
 

@@ -150,7 +150,12 @@ class ClockNode(DerechoNode):
     def tick(self) -> None:
         super().tick()
         if not self.wedged and self._is_member() and self.stream.waiting():
-            self._ack_due = True  # a clock report per tick while something waits for C2
+            # a clock report per tick while something waits for C2, to each peer
+            # that got nothing from us since the previous tick (every message reports)
+            last = self.now - 1
+            for p in self.view.members:
+                if p != self.me and p not in self.suspected and self.last_sent[p] < last:
+                    self._send_ack(p)
 
     def quiet(self) -> bool:
         return not self._ack_due and not self.stream.waiting() and super().quiet()
