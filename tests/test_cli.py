@@ -80,7 +80,7 @@ def test_kdsync_sim_help(capsys):
     (kdsync, ["demo", "--events", "x"], "kdsync demo: invalid value for '--events': not an integer "
                                         "(see kdsync demo --help)"),
     (demo, ["--protocol", "paxos"], "kdsync demo: invalid value for '--protocol': 'paxos' is not one of 'derecho', "
-                                    "'sequencer', 'mirror' (see kdsync demo --help)"),
+                                    "'clock', 'sequencer', 'mirror' (see kdsync demo --help)"),
     (kdsync, ["audit", "--trace"], "kdsync audit: option '--trace' requires an argument (see kdsync audit --help)"),
     (main_archive, ["--topic", "t", "--path", "p"], "kdsync archive: missing option '--cluster' "
                                                     "(see kdsync archive --help)"),
@@ -89,7 +89,7 @@ def test_kdsync_sim_help(capsys):
      "kdsync restore: give exactly one --cluster NAME=BROKERS"),
     (sim, ["swarm", "--seeds", "0"], "kdsync-sim swarm: --seeds must be at least 1"),
     (sim, ["swarm", "--protocol", "x", "--seeds", "1"], "kdsync-sim swarm: invalid value for '--protocol': 'x' is "
-                                                        "not one of 'derecho', 'sequencer', 'mirror' "
+                                                        "not one of 'derecho', 'clock', 'sequencer', 'mirror' "
                                                         "(see kdsync-sim swarm --help)"),
     (sim, ["bogus"], "kdsync-sim: no such command 'bogus' (see kdsync-sim --help)"),
 ])
