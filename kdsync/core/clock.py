@@ -124,7 +124,7 @@ class ClockNode(DerechoNode):
         senders = self.view.senders
         if not self.wedged and msg.sender in senders:
             self.stream.on_report(senders.index(msg.sender), msg.cut, msg.clock)
-        self._on_ack(msg)  # derecho's: acknowledgements, suspicions, wedging (same field names)
+        self._take_ack(msg)  # derecho's: acknowledgements, suspicions, wedging (same field names)
         self._try_deliver()
 
     def _try_deliver(self) -> None:

@@ -354,8 +354,11 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
             self._try_deliver()
 
     def _on_ack(self, msg: Ack) -> None:
-        if not self._in_current_view(msg):
-            return
+        if self._in_current_view(msg):
+            self._take_ack(msg)
+
+    def _take_ack(self, msg) -> None:
+        """An ACK of the current view: acknowledgements, ballot round, suspicions."""
         self.max_round = max(self.max_round, msg.round)
         self._on_ack_vector(msg.sender, msg.recv)
         if (msg.suspected or msg.wedged) and msg.sender not in self.suspected and not self.wedged:
