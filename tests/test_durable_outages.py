@@ -28,7 +28,16 @@ RATE = 60.0  # events/s per cluster: durable Tansu on moto is slow, and the box 
 
 
 def _logs(g: LocalGroup) -> str:
-    return "\n".join(f"--- {n}\n" + "\n".join(g.log_text(i).splitlines()[-30:]) for i, n in enumerate(g.names))
+    """Each member's warnings and errors, then its last lines (a failure's
+    output is cut in the middle by CI: what a member said last comes first)."""
+    out = []
+    for i, n in enumerate(g.names):
+        lines = g.log_text(i).splitlines()
+        loud = [x for x in lines if "level=warning" in x or "level=error" in x][-15:]
+        exited = "" if g.procs[i] is None or g.procs[i].poll() is None else f" (exited {g.procs[i].poll()})"
+        out.append(f"--- {n}{exited}: warnings and errors\n" + "\n".join(loud) + f"\n--- {n}: last lines\n"
+                   + "\n".join(lines[-25:]))
+    return "\n".join(out)
 
 
 class Writers(local.Writers):
@@ -80,6 +89,9 @@ def durable(tmp_path):
 
 def test_broker_killed_mid_stream_while_its_member_stays_up(durable):
     g = durable
+    # dc2's writes wait for its broker: with its restart on a busy box longer than stall_after_ms,
+    # dc2 says "stalled" in the stage "delivery report" — that stall and no other
+    g.expect_stalls = True
     w = Writers(g, 900, "bk")
     _wait_written(g, 1, 300)
     g.clusters[1].kill()  # SIGKILL: the log stays in the S3 store
@@ -89,6 +101,8 @@ def test_broker_killed_mid_stream_while_its_member_stays_up(durable):
     total = w.join()
     _assert_agree(g, total)
     assert g.procs[1].poll() is None, "dc2's member must ride out its broker's crash\n" + _logs(g)
+    other = [x for x in g.stalls() if not (x.startswith("dc2:") and 'stage="delivery report"' in x)]
+    assert not other, other
 
 
 def test_data_centre_outage_broker_and_member_killed_together_for_30_s(durable):
@@ -135,33 +149,64 @@ def test_a_broker_that_forgot_the_producer_state_is_met_with_a_new_producer(dura
     a confluent-kafka producer.  The member must re-create its producer in
     place, read the global topic's tail back and write only what is missing:
     it stays up, counts one recovery, and every topic ends identical."""
-    import json
-
-    from kdsync.kafka.embedded import bucket_name
-
     g = durable
-    w = Writers(g, 600, "ps")
+    w = Writers(g, 300, "ps")
     _wait_written(g, 1, 200)
     g.signal_member(1, signal.SIGSTOP)
     try:
-        c = g.clusters[1]
-        c.kill()  # down while its state is changed (a running broker would write meta.json over it)
-        s3, b, key = c.store.client(), bucket_name(c.name), f"clusters/kdsync-{c.name}/meta.json"
-        meta = json.loads(s3.get_object(Bucket=b, Key=key)["Body"].read())
-        reset = 0
-        for detail in meta["producers"].values():
-            for topics in detail["sequences"].values():
-                for part in topics.get(g.global_topic, {}):
-                    topics[g.global_topic][part] = 0
-                    reset += 1
-        assert reset, meta
-        s3.put_object(Bucket=b, Key=key, Body=json.dumps(meta).encode())
-        c.start()  # the broker comes back reading the forgotten state
+        _forget_producer_state(g.clusters[1], g.global_topic)
     finally:
         g.signal_member(1, signal.SIGCONT)
-    total = w.join()
+    # written after the reset, so that dc2's member writes to the broker that forgot
+    # (the first writes may all be in its global topic already on a busy machine)
+    total = w.join() + Writers(g, 300, "ps2").join()
     _assert_agree(g, total)
     assert g.procs[1].poll() is None, "dc2's member must recover its producer in place\n" + _logs(g)
     m = g.metrics(1)
     assert m.get(("kdsync_producer_recoveries_total", ())) >= 1, _logs(g)
     assert "producer failed; re-creating it" in g.log_text(1)
+
+
+def _forget_producer_state(c, topic: str) -> None:
+    """Restart durable broker `c` with every idempotent producer's sequence
+    for `topic` reset to 0 (a broker that lost its producer state)."""
+    import json
+
+    from kdsync.kafka.embedded import bucket_name
+
+    c.kill()  # down while its state is changed (a running broker would write meta.json over it)
+    s3, b, key = c.store.client(), bucket_name(c.name), f"clusters/kdsync-{c.name}/meta.json"
+    meta = json.loads(s3.get_object(Bucket=b, Key=key)["Body"].read())
+    reset = 0
+    for detail in meta["producers"].values():
+        for topics in detail["sequences"].values():
+            for part in topics.get(topic, {}):
+                topics[topic][part] = 0
+                reset += 1
+    assert reset, meta
+    s3.put_object(Bucket=b, Key=key, Body=json.dumps(meta).encode())
+    c.start()  # the broker comes back reading the forgotten state
+
+
+def test_the_harness_writer_replaces_a_fatal_producer_without_writing_twice(tmp_path, caplog):
+    """The tests' application writer (kdsync.testing.local.write_events) meets
+    the same fatal error as the member above; it reads its topic back and
+    writes only what is missing: every key once."""
+    from kdsync.kafka.embedded import embedded_clusters
+    from kdsync.kafka.topic import ensure_topic, iter_partition
+    from kdsync.testing.local import _RecoveringWriter
+
+    with embedded_clusters(1, log_dir=tmp_path, durable=True) as (c,):
+        ensure_topic(c.bootstrap, "app", 2)
+        w = _RecoveringWriter(c.bootstrap, "app", "w", linger_ms=5, timeout=60)
+        for i in range(100):
+            w.produce(i)
+        assert w.p.flush(60) == 0
+        _forget_producer_state(c, "app")
+        for i in range(100, 200):
+            w.produce(i)
+        assert w.finish() == 200
+        assert w.gen > 1, "the broker's forgotten state did not fail the producer"
+        assert "producer failed" in caplog.text
+        keys = [m.key() for p in range(2) for m in iter_partition(c.bootstrap, "app", p, timeout=30, idle=True)]
+        assert sorted(keys) == sorted(f"w-{i}".encode() for i in range(200))

@@ -290,9 +290,14 @@ class EmbeddedCluster(_ChildProcess):
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, timeout: float = 20.0) -> EmbeddedCluster:
-        """Start the broker and return once it answers a metadata request.
-        A port clash (another process grabbed the port) is retried on a new port."""
+    def start(self, timeout: float | None = None) -> EmbeddedCluster:
+        """Start the broker and return once it answers a metadata request
+        (within `timeout` s: by default 20, or 60 for a durable broker, which
+        reads its state back from S3 and, on a busy machine, can take longer
+        than 20 s).  A port clash (another process grabbed the port) is
+        retried on a new port."""
+        if timeout is None:
+            timeout = 60.0 if self.store is not None else 20.0
         if self.running():
             return self
         binary = tansu_binary()
@@ -303,7 +308,7 @@ class EmbeddedCluster(_ChildProcess):
             log_dir = self._log_dir
             log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"tansu-{self.name}.log"
-        deadline = time.monotonic() + timeout
+        deadline = None
         attempts = 0
         while True:
             attempts += 1
@@ -312,6 +317,8 @@ class EmbeddedCluster(_ChildProcess):
             storage = self.storage_url()  # starts the store first
             if self.store is not None and attempts == 1:
                 self._recover_log()
+            if deadline is None:  # the log repair above does not count against the broker's start
+                deadline = time.monotonic() + timeout
             env = dict(os.environ, RUST_LOG=os.environ.get("KDSYNC_TANSU_LOG", "warn"))
             if self.store is not None:
                 env.update(self.store.env())
@@ -395,7 +402,7 @@ def _port_open(host: str, port: int) -> bool:
 
 @contextlib.contextmanager
 def embedded_clusters(n: int, names: list[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                      timeout: float = 20.0, durable: bool = False) -> Iterator[list[EmbeddedCluster]]:
+                      timeout: float | None = None, durable: bool = False) -> Iterator[list[EmbeddedCluster]]:
     """Start `n` brokers (named dc1..dcN unless `names` is given); yield the list;
     stop them all on exit, also when the body raises or is interrupted.
     `durable`: every broker keeps its log in its own bucket of one S3 store

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -189,49 +190,156 @@ def write_events(bootstrap: str, topic: str, n: int, tag: str, rate: float | Non
     """Produce n records key=f"{tag}-{i}" (optionally paced at `rate`/s);
     return how many were acknowledged.  Raises RuntimeError on a delivery error.
 
+    A producer that fails (a fatal idempotence error, which a busy durable
+    broker can cause, or a delivery error: logged) is replaced as an
+    application should do it: the topic is read back and only the records not
+    in it are produced again by a new producer, so none is written twice.
+
     `warm_topic`: first write one record there and wait for it, so the
     idempotent producer has its id and connection before the first counted
     record (a cold one holds its first records ~0.5 s, which would show as
     the ordering's latency); `on_ready()` is called once warm, before the
     first record (e.g. a barrier, so the caller's clock starts then)."""
-    from confluent_kafka import Producer
-
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": linger_ms, "log_level": 3,
-                  "logger": client_log()})
-    errors: list = []
-    acked = [0]
-
-    def cb(err, msg):
-        if err is not None:
-            errors.append(err)
-        else:
-            acked[0] += 1
-
+    w = _RecoveringWriter(bootstrap, topic, tag, linger_ms, timeout)
     if warm_topic is not None:
         ensure_topic(bootstrap, warm_topic, 1)
-        p.produce(warm_topic, key=tag.encode(), value=b"warm-up")
-        if p.flush(timeout):
+        w.p.produce(warm_topic, key=tag.encode(), value=b"warm-up")
+        if w.p.flush(timeout):
             raise RuntimeError(f"writing to {warm_topic} at {bootstrap}: warm-up record not acknowledged")
     if on_ready is not None:
         on_ready()
     t0 = time.monotonic()
     for i in range(n):
-        while True:
-            try:
-                p.produce(topic, key=f"{tag}-{i}".encode(), value=f"{tag} event {i}".encode(),
-                          headers=[("app", tag.encode())], on_delivery=cb)
-                break
-            except BufferError:
-                p.poll(0.01)
-        p.poll(0)
+        w.produce(i)
         if rate:
             ahead = (i + 1) / rate - (time.monotonic() - t0)
             if ahead > 0:
                 time.sleep(ahead)
-    left = p.flush(timeout)
-    if errors or left:
-        raise RuntimeError(f"writing to {topic} at {bootstrap}: {len(errors)} errors, {left} unacknowledged")
-    return acked[0]
+    return w.finish()
+
+
+class _RecoveringWriter:
+    """write_events' idempotent producer, replaced when it fails (its doc):
+    a fatal error or a delivery error leaves the fate of the records in
+    flight unknown, so the topic is read back once they are settled and only
+    the records missing there are written again."""
+
+    MAX_REPLACEMENTS = 5
+
+    def __init__(self, bootstrap: str, topic: str, tag: str, linger_ms: float, timeout: float):
+        self.bootstrap, self.topic, self.tag, self.timeout = bootstrap, topic, tag, timeout
+        self.conf = {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": linger_ms,
+                     "log_level": 3, "logger": client_log(), "error_cb": self._on_error}
+        self.unacked: set[int] = set()  # produced, no successful report yet
+        self.acked = 0
+        self.failed = None  # the KafkaError that failed the current producer
+        self.gen = 0  # of the current producer: reports of a replaced one are ignored
+        self.p = self._producer()
+
+    def _producer(self):
+        from confluent_kafka import Producer
+
+        self.gen += 1
+        self.failed = None
+        return Producer(self.conf)
+
+    def _on_error(self, err) -> None:
+        if err.fatal():
+            self.failed = err
+
+    def _report(self, gen: int, i: int, err, msg) -> None:
+        if gen != self.gen:
+            return  # a replaced producer's: the read-back decided
+        if err is None:
+            self.unacked.discard(i)
+            self.acked += 1
+        elif self.failed is None:
+            self.failed = err
+
+    def _poll(self, t: float) -> None:
+        """poll(t); a fatal error it raises (confluent-kafka raises some
+        instead of calling error_cb) fails the producer."""
+        from confluent_kafka import KafkaException
+
+        try:
+            self.p.poll(t)
+        except (KafkaException, SystemError) as e:
+            cause = e if isinstance(e, KafkaException) else e.__cause__
+            if not isinstance(cause, KafkaException):
+                raise
+            self.failed = self.failed or cause.args[0]
+
+    def produce(self, i: int) -> None:
+        self.unacked.add(i)
+        if not self._send(i):
+            self._recover()  # i is unacknowledged: written there
+
+    def _send(self, i: int) -> bool:
+        """Produce record i; False if the producer failed (nothing sent)."""
+        from confluent_kafka import KafkaException
+
+        while self.failed is None:
+            try:
+                self.p.produce(self.topic, key=f"{self.tag}-{i}".encode(), value=f"{self.tag} event {i}".encode(),
+                               headers=[("app", self.tag.encode())], on_delivery=partial(self._report, self.gen, i))
+                self._poll(0)
+                return True
+            except BufferError:
+                self._poll(0.01)
+            except KafkaException as e:  # a fatal producer refuses records
+                self.failed = e.args[0]
+        return False
+
+    def _drain(self) -> int:
+        """Serve reports until none is outstanding or the timeout; the records left."""
+        deadline = time.monotonic() + self.timeout
+        while len(self.p) and time.monotonic() < deadline:
+            self._poll(0.05)
+        return len(self.p)
+
+    def _recover(self) -> None:
+        """Replace the failed producer; write the unacknowledged records the
+        topic does not hold, in order."""
+        import logging
+
+        from kdsync.kafka.topic import partition_count
+
+        for _ in range(self.MAX_REPLACEMENTS):
+            if self.failed is None:
+                return
+            why = self.failed.str()
+            logging.getLogger("kdsync.testing").warning(
+                "writer %s: producer failed (%s); reading %s back and writing what is missing", self.tag, why,
+                self.topic)
+            with contextlib.suppress(Exception):
+                self.p.purge(in_queue=True, in_flight=False)
+            if self._drain():  # what was in flight may still land: it must settle before the read-back
+                raise RuntimeError(f"writing to {self.topic} at {self.bootstrap}: {why}; {len(self.p)} records "
+                                   f"still in flight after {self.timeout} s")
+            keys = {f"{self.tag}-{i}".encode(): i for i in self.unacked}
+            for part in range(partition_count(self.bootstrap, self.topic)):
+                for m in iter_partition(self.bootstrap, self.topic, part, timeout=30, idle=True):
+                    i = keys.pop(m.key(), None)
+                    if i is not None:
+                        self.unacked.discard(i)
+                        self.acked += 1
+            self.p = self._producer()
+            for i in sorted(self.unacked):
+                if not self._send(i):
+                    break  # failed again: read back again
+        if self.failed is not None:
+            raise RuntimeError(f"writing to {self.topic} at {self.bootstrap}: {self.failed.str()} "
+                               f"({self.MAX_REPLACEMENTS} producers in a row failed)")
+
+    def finish(self) -> int:
+        """Wait for every record; how many were acknowledged."""
+        left = self._drain()
+        while self.failed is not None:
+            self._recover()
+            left = self._drain()
+        if left:
+            raise RuntimeError(f"writing to {self.topic} at {self.bootstrap}: {left} unacknowledged")
+        return self.acked
 
 
 class Writers:
