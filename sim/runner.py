@@ -36,6 +36,7 @@ from kdsync.invariants import TRACE_COLUMNS
 from kdsync.testing.stats import percentiles, weighted_percentile
 from kdsync.testing.clocks import PERFECT, ClockFault
 from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
+from kdsync.core.messages import DecodeCache
 from sim.observer import MIRROR_TOLERATED, Checker, Violation
 from sim.broker_fetch import FetchModel
 from sim.faults import FaultPlayer
@@ -236,6 +237,7 @@ class Simulation:
         self.written_until: dict[str, float] = {}  # per cluster: its source topic is written up to then
         self.tick_s = scenario.timing.resolved()["tick_ms"] / 1000.0 if scenario.timing is not None else TICK_S
         self.node_factory = node_factory or make_node
+        self.decodes = DecodeCache()  # a broadcast reaches every node as one object: decoded once
         self.shards = k = scenario.shards
         self.checkers = [Checker(scenario.member_ids, s, k) for s in range(k)]  # one per shard (ordering group)
         self.first_view_s: dict[tuple[str, int], float] = {}  # (member, shard) -> when it first entered a view
@@ -303,7 +305,7 @@ class Simulation:
 
     def make_node(self, config: NodeConfig, **kwargs) -> OrderingNode:
         try:
-            return self.node_factory(config, **kwargs)
+            return self.node_factory(config, decodes=self.decodes, **kwargs)
         except LocalProtocolError as err:  # the core refuses this configuration: the scenario's fault
             raise ScenarioError(
                 f"{self.scenario.name}: protocol {config.protocol} refuses member {config.member_id}: {err}"

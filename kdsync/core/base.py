@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from kdsync.core.batch import Batch, read_positions
 from kdsync.core.types import (
@@ -37,6 +37,9 @@ from kdsync.core.types import (
 )
 
 
+if TYPE_CHECKING:
+    from kdsync.core.messages import DecodeCache
+
 class NodeBase:
     """State and helpers common to every variant (see module docstring)."""
 
@@ -50,6 +53,7 @@ class NodeBase:
         start_seq: int = 0,
         watermarks: Mapping[tuple[str, int], int] | None = None,
         hard_state: HardState | None = None,
+        decodes: DecodeCache | None = None,
     ) -> None:
         if not isinstance(rng, random.Random):
             raise LocalProtocolError("rng must be a random.Random (inject it; never use the module-level one)")
@@ -64,6 +68,7 @@ class NodeBase:
             raise LocalProtocolError("start_seq must be >= 0")
         self.cfg = config
         self.rng = rng
+        self.decodes = decodes  # shared by the codecs of the nodes one driver runs (messages.DecodeCache)
         self.me = config.member_id
         self.members: tuple[str, ...] = tuple(config.members)
         self.member_set = frozenset(self.members)

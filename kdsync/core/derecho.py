@@ -128,7 +128,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.sender_ids = self._senders_of(self.members)
         if not self.sender_ids:
             raise LocalProtocolError("a group needs at least one member with role 'member'")
-        self.codec = Codec(self.MESSAGES, self.members)
+        self.codec = Codec(self.MESSAGES, self.members, self.decodes)
         hs = self.hard
         members = tuple(hs.members) if hs.members else self.members
         self.view = View(hs.view_id, members, (0,) * len(members), self._senders_of(members), self.next_seq)

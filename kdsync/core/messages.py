@@ -204,33 +204,55 @@ class Message:
         return f"{type(self).__name__}({self.sender}#{self.inc}, {body})"
 
 
-_RECENT: dict = {}  # bytes -> (codec kind, message, bytes): the last decodes, oldest first
-_RECENT_BYTES = 8 << 20  # at most this much wire data remembered (and about as much decoded)
-_recent_bytes = 0
-_KINDS: dict = {}
+class DecodeCache:
+    """Messages decoded lately, by their bytes, for the codecs that share it.
+
+    Messages are immutable, so the same bytes arriving again (a retransmission;
+    in the simulator and the in-memory network, a broadcast that reaches every
+    node as one object) give the message decoded before.  A node's codec has
+    its own cache unless its driver passes one to every node it runs
+    (`make_node(..., decodes=DecodeCache())`): then a broadcast is decoded
+    once.  Bounded by `max_bytes` of wire data, oldest first out."""
+
+    def __init__(self, max_bytes: int = 8 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._recent: dict = {}  # bytes -> (codec kind, message, bytes), oldest first
+        self._bytes = 0
+        self._kinds: dict = {}  # (member ids, classes) -> its token, compared by identity
+
+    def kind(self, member_ids: frozenset, classes: tuple) -> object:
+        """The token of the codecs of these messages and members."""
+        return self._kinds.setdefault((member_ids, classes), object())
+
+    def get(self, data: bytes):
+        return self._recent.get(data)
+
+    def put(self, kind: object, data: bytes, msg: Message) -> None:
+        self._bytes += len(data)
+        recent = self._recent
+        while self._bytes > self.max_bytes and recent:
+            self._bytes -= len(recent.pop(next(iter(recent)))[2])
+        recent[data] = (kind, msg, data)
 
 
 class Codec:
     """Decoding for one protocol variant: its message classes and member ids."""
 
-    def __init__(self, classes, member_ids) -> None:
+    def __init__(self, classes, member_ids, cache: DecodeCache | None = None) -> None:
         self.table = {c.TYPE: c for c in classes}
         if len(self.table) != len(classes):
             raise ValueError("two message classes share a type code")
         self.member_ids = ids = frozenset(member_ids)
-        # codecs of the same messages and members share decodes: one token each, compared by identity
-        self._kind = _KINDS.setdefault((ids, tuple(classes)), object())
+        self.cache = cache if cache is not None else DecodeCache(1 << 20)
+        self._kind = self.cache.kind(ids, tuple(classes))
 
     def decode(self, data, arrived_from: str | None = None) -> Message:
-        """Bytes → a message object.  Raises RemoteProtocolError.
-
-        Messages are immutable, so the same bytes arriving again (a broadcast
-        in the simulator reaches every node as one object; a retransmission)
-        give the message decoded the last time, for codecs of the same messages
-        and members."""
+        """Bytes → a message object.  Raises RemoteProtocolError.  The same
+        bytes decoded before by a codec of the same messages and members
+        sharing this one's `DecodeCache` give the same object."""
         if type(data) is not bytes:
             return self._decode(data, arrived_from)
-        hit = _RECENT.get(data)
+        hit = self.cache.get(data)
         if hit is not None:
             if hit[0] is not self._kind:  # another kind of codec: decode it here, remember the first
                 return self._decode(data, arrived_from)
@@ -239,11 +261,7 @@ class Codec:
                 raise RemoteProtocolError(f"message claims to be from {msg.sender!r}, arrived from {arrived_from!r}")
             return msg
         msg = self._decode(data, arrived_from)
-        global _recent_bytes
-        _recent_bytes += len(data)
-        while _recent_bytes > _RECENT_BYTES and _RECENT:
-            _recent_bytes -= len(_RECENT.pop(next(iter(_RECENT)))[2])
-        _RECENT[data] = (self._kind, msg, data)
+        self.cache.put(self._kind, data, msg)
         return msg
 
     def _decode(self, data, arrived_from: str | None) -> Message:

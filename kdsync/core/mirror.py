@@ -30,7 +30,7 @@ class MirrorNode(NodeBase):
 
     def __init__(self, config, **kw) -> None:
         super().__init__(config, **kw)
-        self.codec = Codec(MIRROR_MESSAGES, self.members)
+        self.codec = Codec(MIRROR_MESSAGES, self.members, self.decodes)
         self._stream: list[Batch] = []  # own batches, index = stream pos - _stream_base
         self._stream_base = 0
         self._sent = 0  # stream positions already multicast once

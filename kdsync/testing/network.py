@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kdsync.invariants import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.core.batch import read_positions
+from kdsync.core.messages import DecodeCache
 from kdsync.testing.clocks import PERFECT, ClockFault
 
 
@@ -54,6 +55,7 @@ class InMemoryNetwork:
     def __init__(self, ids, *, protocol=None, seed=0, witnesses=(), clocks=None, **cfg):
         self.ids = tuple(ids)
         self.rng = random.Random(seed)
+        self.decodes = DecodeCache()  # one broadcast object reaches every node: decoded once
         self.cfg_base = dict(cfg)
         self.protocol = protocol or self.DEFAULT_PROTOCOL
         self.time = 0  # true time, µs (advances with ticks)
@@ -91,6 +93,7 @@ class InMemoryNetwork:
             start_seq=m.length,
             watermarks=watermarks(m.batches),
             hard_state=m.hard,
+            decodes=self.decodes,
         )
         m.up = True
         self._clock(i)

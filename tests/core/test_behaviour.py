@@ -358,26 +358,37 @@ def test_a_slot_joins_the_contiguous_runs_of_each_partition():
 
 
 def test_the_same_bytes_decode_once_and_every_check_still_holds():
-    """A broadcast reaches every simulated node as one bytes object: the codec
-    hands out the message it decoded (messages are immutable) — but only to a
-    codec of the same messages and members, and the sender check still runs."""
-    from kdsync.core.messages import DERECHO_MESSAGES, SEQUENCER_MESSAGES, Ack, Codec, Forward
+    """A broadcast reaches every simulated node as one bytes object: codecs
+    sharing a DecodeCache (the simulator's and the in-memory network's nodes)
+    hand out the message decoded once (messages are immutable) — but only to a
+    codec of the same messages and members, and the sender check still runs.
+    A codec without a shared cache (the member's) has its own: nothing global."""
+    from kdsync.core.messages import DERECHO_MESSAGES, SEQUENCER_MESSAGES, Ack, Codec, DecodeCache, Forward
 
-    a, b = Codec(DERECHO_MESSAGES, "abc"), Codec(DERECHO_MESSAGES, "cba")
+    shared = DecodeCache()
+    a, b = Codec(DERECHO_MESSAGES, "abc", shared), Codec(DERECHO_MESSAGES, "cba", shared)
     data = Ack("a", 1, 3, (1, 2, 3), ("b",), 0, False).encode()
     m = a.decode(data, "a")
     assert b.decode(bytes(bytearray(data)), "a") is m  # equal bytes, another object: the same message
+    assert a.decode(data, "a") is m
+    alone = Codec(DERECHO_MESSAGES, "abc")
+    assert alone.decode(data, "a") is not m and alone.decode(data, "a") == m  # its own cache
     with pytest.raises(RemoteProtocolError, match="claims to be from"):
         b.decode(data, "b")
     with pytest.raises(RemoteProtocolError, match="unknown member"):
-        Codec(DERECHO_MESSAGES, "ab").decode(Ack("c", 1, 3, (1, 2), (), 0, False).encode())
-    other = Codec(DERECHO_MESSAGES, "xyz")  # another group: decodes itself, its own member check
+        Codec(DERECHO_MESSAGES, "ab", shared).decode(Ack("c", 1, 3, (1, 2), (), 0, False).encode())
+    other = Codec(DERECHO_MESSAGES, "xyz", shared)  # another group: decodes itself, its own member check
     with pytest.raises(RemoteProtocolError, match="unknown member"):
         other.decode(data)
     fwd = Forward("a", 1, 3, 0, 0, (Batch.of("a", 0, 0, [b"x"]),)).encode()
-    assert Codec(SEQUENCER_MESSAGES, "abc").decode(fwd).batches[0].payloads() == [b"x"]
+    assert Codec(SEQUENCER_MESSAGES, "abc", shared).decode(fwd).batches[0].payloads() == [b"x"]
     with pytest.raises(RemoteProtocolError, match="unknown message type"):
         a.decode(fwd)  # the derecho codec never takes a sequencer-only message from the cache
+    small = DecodeCache(max_bytes=len(data))  # bounded: the oldest decode leaves first
+    c = Codec(DERECHO_MESSAGES, "abc", small)
+    first = c.decode(data)
+    c.decode(Ack("a", 1, 4, (1, 2, 3), ("b",), 0, False).encode())
+    assert c.decode(data) is not first
 
 
 def test_a_lost_forward_backlog_is_resent_in_one_round_not_one_chunk_per_round():

@@ -41,6 +41,33 @@ def test_core_uses_only_injected_randomness():
     assert not bad, bad
 
 
+def _module_state(tree: ast.Module) -> list[str]:
+    """Mutable state of a module: `global` statements, and module-level
+    names bound to a dict / list / set (literal or call) other than ALL_CAPS
+    tables and __all__."""
+    bad = [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    for n in tree.body:
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        value = getattr(n, "value", None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict", "deque"))
+        for t in targets:
+            if mutable and isinstance(t, ast.Name) and t.id != "__all__" and not t.id.isupper():
+                bad.append(f"{t.id} (line {n.lineno})")
+    return bad
+
+
+def test_core_keeps_no_module_level_state():
+    """Two nodes in one process (the simulator's, the in-memory network's)
+    share nothing through a module: no cache or counter at module level (a
+    shared decode cache is an object the driver passes in)."""
+    bad = [f"{f.name}: {b}" for f in _modules() for b in _module_state(ast.parse(f.read_text()))]
+    assert not bad, bad
+    assert _module_state(ast.parse("_cache: dict = {}\nTABLE = {1: 2}\ndef f():\n    global n\n")) == [
+        "global n", "_cache (line 1)"]
+
+
 def test_protocol_modules_explain_themselves():
     for name in ("derecho.py", "mirror.py", "sequencer.py", "base.py"):
         doc = ast.get_docstring(ast.parse((CORE / name).read_text()))
