@@ -27,135 +27,169 @@ from kdsync.core.base import watermarks_of
 from kdsync.core.batch import read_positions
 
 _END = 1 << 62  # no upper bound
+_NEVER = -10**9
 
 
-class CatchupPart:
-    """Mixin of DerechoNode: catch-up (see module docstring)."""
+class Catchup:
+    """The catch-up of one DerechoNode (module docstring): its state, and the
+    handlers of the catch-up messages on both sides.
 
-    def _ask_catchup(self) -> None:
-        prop = self.target
+    The node owns one and hands it the messages; this object reads the node's
+    position (`next_seq`, `durable_seq`, `view`, `target`: the proposal being
+    caught up to), answers from its log (`log_slice`) or its adapter (the
+    node's read requests), and hands positions back through `_emit`; at the
+    target view's start it calls the node's `_finish_catchup`."""
+
+    def __init__(self, node) -> None:
+        self.n = node
+        self.asked = _NEVER  # tick of the last request
+        self.vstart = -1  # the target view's start, once the source named it
+        self.helper = -1  # member asked last for a gap the source does not hold
+        self.serving: dict[int, list[tuple[str, int]]] = {}  # read start -> [(peer, view)] (source side)
+
+    def begin(self) -> None:
+        """Taken into the node's target view: ask its source."""
+        self.asked = _NEVER
+        self.vstart = -1
+        self.ask()
+
+    def tick(self, now: int, every: int) -> None:
+        """Ask again when no answer came within `every` ticks."""
+        if self.n.target is not None and now - self.asked >= every:
+            self.ask()
+
+    def ask(self) -> None:
+        n = self.n
+        prop = n.target
         if prop is None:
             return
-        self.catchup_asked = self.now
-        if prop.source == self.me:
+        self.asked = n.now
+        if prop.source == n.me:
             return
-        self._send(prop.source, CatchupReq(self.me, self.incarnation, prop.new_view, self.next_seq,
-                                           self.is_witness).encode())
+        n._send(prop.source, CatchupReq(n.me, n.incarnation, prop.new_view, n.next_seq, n.is_witness).encode())
 
     # ------------------------------------------------------------ source side
-    def _on_catchup_req(self, msg: CatchupReq) -> None:
+    def on_req(self, msg: CatchupReq) -> None:
+        n = self.n
         s = msg.sender
-        v = self.view
+        v = n.view
         # only a member that holds the view's data knows where it starts: one that
         # entered it from disk (a restart) would answer with its own position
-        if msg.view != v.view_id or not self._holds_view_data():
+        if msg.view != v.view_id or not n._holds_view_data():
             return
         vstart = v.start_seq
         if msg.snapshot_ok and vstart >= 0:
-            self._send(s, Snapshot(self.me, self.incarnation, v.view_id, vstart, self.view_wm).encode())
+            n._send(s, Snapshot(n.me, n.incarnation, v.view_id, vstart, n.view_wm).encode())
             return
         start = msg.start
         if start >= vstart:
-            self._send(s, CatchupData(self.me, self.incarnation, v.view_id, vstart, (), vstart).encode())
+            n._send(s, CatchupData(n.me, n.incarnation, v.view_id, vstart, (), vstart).encode())
             return
-        batches = self.log_slice(start, vstart, self.cfg.catchup_chunk)
+        batches = n.log_slice(start, vstart, n.cfg.catchup_chunk)
         if batches is None and not self._read_topic(s, v.view_id, start, vstart):
             # neither in memory nor in a global topic here: an empty answer sends the
             # member to another member's global topic for [start, ...)
             batches = ()
         if batches is not None:
-            self._send(s, CatchupData(self.me, self.incarnation, v.view_id, start, batches, vstart).encode())
+            n._send(s, CatchupData(n.me, n.incarnation, v.view_id, start, batches, vstart).encode())
 
     def _read_topic(self, peer: str, view_id: int, start: int, stop: int) -> bool:
         """Ask the adapter for positions from `start` of our global topic for
         `peer` (view_id -1: as LOG_DATA); False when they are not durable here."""
-        stop = min(stop, start + self.cfg.catchup_chunk, self.durable_seq)
-        if self.is_witness or stop <= start:
+        n = self.n
+        stop = min(stop, start + n.cfg.catchup_chunk, n.durable_seq)
+        if n.is_witness or stop <= start:
             return False
         waiting = self.serving.setdefault(start, [])
         if not waiting:
-            self._reads.append(ReadRequest(start, stop))
+            n._reads.append(ReadRequest(start, stop))
         if (peer, view_id) not in waiting:
             waiting.append((peer, view_id))
         return True
 
-    def _on_log_chunk(self, chunk: LogChunk) -> None:
+    def on_log_chunk(self, chunk: LogChunk) -> None:
+        n = self.n
         for peer, view_id in self.serving.pop(chunk.start, []):
             if view_id < 0:
-                self._send(peer, LogData(self.me, self.incarnation, chunk.start, tuple(chunk.batches)).encode())
+                n._send(peer, LogData(n.me, n.incarnation, chunk.start, tuple(chunk.batches)).encode())
             else:
-                self._send(peer, CatchupData(self.me, self.incarnation, view_id, chunk.start, tuple(chunk.batches),
-                                             self.view.start_seq).encode())
+                n._send(peer, CatchupData(n.me, n.incarnation, view_id, chunk.start, tuple(chunk.batches),
+                                          n.view.start_seq).encode())
 
-    def _on_log_req(self, msg: LogReq) -> None:
+    def on_log_req(self, msg: LogReq) -> None:
         """Positions of our durable global topic, for a member catching up."""
+        n = self.n
         start, stop = msg.start, msg.stop
         if stop <= start:
             return
-        batches = self.log_slice(start, min(stop, self.durable_seq), self.cfg.catchup_chunk)
+        batches = n.log_slice(start, min(stop, n.durable_seq), n.cfg.catchup_chunk)
         if batches is None or not batches:
             if self._read_topic(msg.sender, -1, start, stop):
                 return
             batches = ()
-        self._send(msg.sender, LogData(self.me, self.incarnation, start, batches).encode())
+        n._send(msg.sender, LogData(n.me, n.incarnation, start, batches).encode())
 
     # --------------------------------------------------------- receiver side
-    def _on_catchup_data(self, msg: CatchupData) -> None:
-        prop = self.target
-        if prop is None or msg.view != prop.new_view or msg.first > self.next_seq:
+    def on_data(self, msg: CatchupData) -> None:
+        n = self.n
+        prop = n.target
+        if prop is None or msg.view != prop.new_view or msg.first > n.next_seq:
             return
         vstart = msg.view_start
-        batches = read_positions(msg.batches, self.next_seq, _END, msg.first)
-        if self.next_seq + sum(b.count for b in batches) > vstart:
+        batches = read_positions(msg.batches, n.next_seq, _END, msg.first)
+        if n.next_seq + sum(b.count for b in batches) > vstart:
             raise RemoteProtocolError("catch-up data past the view start")
-        self.catchup_vstart = vstart
+        self.vstart = vstart
         if batches:
-            self._take_catchup(batches)
-        elif self.next_seq == vstart:
-            self._finish_catchup(vstart)
+            self._take(batches)
+        elif n.next_seq == vstart:
+            n._finish_catchup(vstart)
         else:
             self._ask_log()  # the source does not hold [next, ...): another member's topic does
 
     def _ask_log(self) -> None:
         """Ask the next member of the target view (round robin, never a witness)
         for the gap from its durable global topic."""
-        prop = self.target
-        helpers = [m for m in prop.members if m != self.me and self.cfg.roles.get(m, "member") == "member"]
-        if not helpers or self.catchup_vstart <= self.next_seq:
+        n = self.n
+        prop = n.target
+        helpers = [m for m in prop.members if m != n.me and n.cfg.roles.get(m, "member") == "member"]
+        if not helpers or self.vstart <= n.next_seq:
             return
-        self.catchup_helper = (self.catchup_helper + 1) % len(helpers)
-        self.catchup_asked = self.now
-        self._send(helpers[self.catchup_helper],
-                   LogReq(self.me, self.incarnation, self.next_seq, self.catchup_vstart).encode())
+        self.helper = (self.helper + 1) % len(helpers)
+        self.asked = n.now
+        n._send(helpers[self.helper], LogReq(n.me, n.incarnation, n.next_seq, self.vstart).encode())
 
-    def _on_log_data(self, msg: LogData) -> None:
-        if self.target is None or msg.start > self.next_seq or self.catchup_vstart < 0:
+    def on_log_data(self, msg: LogData) -> None:
+        n = self.n
+        if n.target is None or msg.start > n.next_seq or self.vstart < 0:
             return
         # never past the view start the source named
-        batches = read_positions(msg.batches, self.next_seq, self.catchup_vstart, msg.start)
+        batches = read_positions(msg.batches, n.next_seq, self.vstart, msg.start)
         if batches:
-            self._take_catchup(batches)
+            self._take(batches)
         else:
             self._ask_log()  # not there either: the next member
 
-    def _take_catchup(self, batches: list) -> None:
+    def _take(self, batches: list) -> None:
         """Deliver positions from next_seq on (catch-up); finish at the view start, else ask on."""
-        n = sum(b.count for b in batches)
-        watermarks_of(batches, self.watermarks)
-        self._emit(Delivery(self.next_seq, tuple(batches), True, n))
-        if self.next_seq == self.catchup_vstart:
-            self._finish_catchup(self.catchup_vstart)
+        n = self.n
+        count = sum(b.count for b in batches)
+        watermarks_of(batches, n.watermarks)
+        n._emit(Delivery(n.next_seq, tuple(batches), True, count))
+        if n.next_seq == self.vstart:
+            n._finish_catchup(self.vstart)
         else:
-            self._ask_catchup()
+            self.ask()
 
-    def _on_snapshot(self, msg: Snapshot) -> None:
-        prop = self.target
+    def on_snapshot(self, msg: Snapshot) -> None:
+        n = self.n
+        prop = n.target
         if prop is None or msg.view != prop.new_view:
             return
-        if not self.is_witness:
+        if not n.is_witness:
             return  # members need the records themselves
-        self.watermarks = dict(msg.watermarks)
-        self.next_seq = self.durable_seq = msg.view_start
-        self._log.clear()
-        self._log_len = 0
-        self._finish_catchup(msg.view_start)
+        n.watermarks = dict(msg.watermarks)
+        n.next_seq = n.durable_seq = msg.view_start
+        n._log.clear()
+        n._log_len = 0
+        n._finish_catchup(msg.view_start)

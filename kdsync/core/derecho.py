@@ -53,7 +53,7 @@ from typing import Iterable
 
 from kdsync.core.base import NodeBase
 from kdsync.core.batch import Batch
-from kdsync.core.catchup import CatchupPart
+from kdsync.core.catchup import Catchup
 from kdsync.core.messages import (
     DERECHO_MESSAGES,
     Accept,
@@ -74,7 +74,7 @@ from kdsync.core.messages import (
     Snapshot,
 )
 from kdsync.core.stream import Stream
-from kdsync.core.types import HardState, LocalProtocolError, RemoteProtocolError, View
+from kdsync.core.types import HardState, LocalProtocolError, LogChunk, RemoteProtocolError, View
 from kdsync.core.viewchange import NO_BALLOT, Ballot, LeaderRound, ViewChangePart, decode_vote, encode_vote
 
 __all__ = ["DerechoNode", "State"]
@@ -117,7 +117,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
+class DerechoNode(ViewChangePart, NodeBase):
     protocol = "derecho"
     State = State
     MESSAGES = DERECHO_MESSAGES
@@ -140,10 +140,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self.joiners: dict[str, tuple[int, int, int]] = {}  # id -> (incarnation, durable, next)
         self.last_install: dict[int, bytes] = {}  # old view id -> the INSTALL message we saw
         self.target = None  # the Proposal of the view we are catching up to
-        self.catchup_asked = -10**9
-        self.catchup_vstart = -1  # the target view's start, once the source named it
-        self.catchup_helper = -1  # member asked last for a gap the source does not hold
-        self.serving: dict[int, list[tuple[str, int]]] = {}  # read start -> [(peer, view)]
+        self.catchup = Catchup(self)  # the gap before a view's start, both sides (catchup.py)
         self.view_wm: dict[tuple[str, int], int] = dict(self.watermarks)  # watermarks at view start
         self._hint_sent: dict[str, int] = {}
         self.join_sent = -10**9
@@ -164,12 +161,12 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
             Accepted: self._on_accepted,
             Install: self._on_install,
             Join: self._on_join,
-            CatchupReq: self._on_catchup_req,
-            CatchupData: self._on_catchup_data,
-            Snapshot: self._on_snapshot,
+            CatchupReq: self.catchup.on_req,
+            CatchupData: self.catchup.on_data,
+            Snapshot: self.catchup.on_snapshot,
             Hint: self._on_hint,
-            LogReq: self._on_log_req,
-            LogData: self._on_log_data,
+            LogReq: self.catchup.on_log_req,
+            LogData: self.catchup.on_log_data,
         }
 
     # ------------------------------------------------------------ state
@@ -246,9 +243,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self._reset_view_state()
         self.target = prop
         self._enter(State.CATCHING_UP)
-        self.catchup_asked = -10**9
-        self.catchup_vstart = -1
-        self._ask_catchup()
+        self.catchup.begin()
 
     def _finish_catchup(self, vstart: int) -> None:
         """Caught up to the start of the target view: enter it, keeping what was
@@ -261,6 +256,9 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
         self._hard_dirty = True  # the view entered goes to disk (until now the disk held the vote for it)
         self._entered_view()
         self._try_deliver()
+
+    def _on_log_chunk(self, chunk: LogChunk) -> None:
+        self.catchup.on_log_chunk(chunk)
 
     def _entered_view(self) -> None:
         self.view_wm = dict(self.watermarks)
@@ -430,8 +428,7 @@ class DerechoNode(ViewChangePart, CatchupPart, NodeBase):
                 if have < st.cut_upto and now - self.ack_progress[p] >= cfg.retransmit_ticks + cfg.heartbeat_ticks:
                     self.ack_progress[p] = now
                     self._send_slots(p, have, have + 64)
-        if self.target is not None and now - self.catchup_asked >= cfg.retransmit_ticks * 2:
-            self._ask_catchup()
+        self.catchup.tick(now, cfg.retransmit_ticks * 2)
         if member:
             if self.wedged:
                 self._step_view_change()
