@@ -35,7 +35,7 @@ be lost without a restart.  The view change itself stays a majority Paxos,
 so a minority still never installs a view.
 
 *View change* — derecho's Paxos, suspicion, joining and catch-up, with two
-rules of the trim changed (see `_trim_holders`, `_trim`):
+rules of the trim changed (see ClockViewChange `trim_holders`, `trim`):
 
 * a slot may have been delivered anywhere once a majority held it (C1), not
   once everyone did, so the trim is the element-wise **maximum** received
@@ -61,6 +61,7 @@ from kdsync.core.clock_stream import ClockStream
 from kdsync.core.derecho import DerechoNode
 from kdsync.core.messages import CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, Report, SlotData, SlotReq
 from kdsync.core.types import RemoteProtocolError, View
+from kdsync.core.viewchange import ViewChange
 
 __all__ = ["ClockNode"]
 
@@ -70,20 +71,120 @@ IN_FLIGHT = 64
 FETCH_CHUNK = 64  # slots per SlotReq
 
 
+class ClockViewChange(ViewChange):
+    """The clock protocol's view change: its trim rule (the highest received
+    count over the reporters that remember the view, the slots the leader
+    lacks fetched first) and the slots a proposal carries (module docstring)."""
+
+    def reset_view(self) -> None:
+        super().reset_view()
+        self.fetch_sent: dict[tuple[int, int], int] = {}  # (sender index, first) -> tick asked
+
+    def sure(self, live: list[str], reps: dict[str, Report]) -> list[str]:
+        """The reporters that remember this view: the incarnation it names
+        (0 is unknown: a view read from disk)."""
+        n = self.n
+        v = n.view
+        incs = dict(zip(v.members, v.incarnations))
+        return [m for m in live if incs[m] != 0 and reps[m].inc == incs[m]]
+
+    def trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
+        """Holders, when the reporters that remember this view meet every
+        commit quorum that may have held a delivered slot (n - q + 1 of them);
+        else none: the base path."""
+        n = self.n
+        sure = self.sure(live, reps)
+        v = n.view
+        if len(sure) < len(v.members) - n._quorum(v) + 1:
+            return []
+        return [m for m in sure if reps[m].has_data]
+
+    def trim(self, live: list[str], holders: list[str], reps: dict[str, Report]):
+        """The maximum received count over the reporters that remember the
+        view, and the slots from the holders' minimum up to it (fetched first
+        when the leader lacks some)."""
+        sure = self.sure(live, reps)
+        senders = range(len(self.n.view.senders))
+        trim = [max(reps[m].recv[k] for m in sure) for k in senders]
+        low = [min(reps[m].recv[k] for m in holders) for k in senders]
+        st = self.n.stream
+        extra = []
+        missing = False
+        for k in senders:
+            if trim[k] <= low[k]:
+                continue
+            run = st.held_run(k, low[k], trim[k])
+            if len(run) < trim[k] - low[k]:
+                missing = True
+                self.fetch(k, low[k] + len(run), trim[k], sure, reps)
+            else:
+                extra.append((k, low[k], tuple(run)))
+        return None if missing else (trim, tuple(extra))
+
+    def fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Report]) -> None:
+        """Ask a reporter holding sender k's slots first..stop-1 for them
+        (at most once per retransmission period)."""
+        n = self.n
+        key = (k, first)
+        if n.now - self.fetch_sent.get(key, -10**9) < n.cfg.retransmit_ticks:
+            return
+        self.fetch_sent[key] = n.now
+        have = [m for m in sure if m != n.me and reps[m].recv[k] >= stop] or \
+               [m for m in sure if m != n.me and reps[m].recv[k] > first]
+        if not have:
+            return
+        to = min(have, key=n.rank_of.__getitem__)
+        n._send(to, SlotReq(n.me, n.incarnation, n.view.view_id, k, first, min(stop, first + FETCH_CHUNK)).encode())
+
+    def on_slot_req(self, msg: SlotReq) -> None:
+        n = self.n
+        v = n.view
+        if msg.view != v.view_id or msg.sender not in v.members:
+            return
+        st = n.stream
+        if msg.k >= st.n or msg.stop <= msg.first:
+            raise RemoteProtocolError("bad slot request")
+        run = st.held_run(msg.k, msg.first, min(msg.stop, msg.first + FETCH_CHUNK))
+        if run:
+            n._send(msg.sender, SlotData(n.me, n.incarnation, v.view_id, msg.k, msg.first, tuple(run)).encode())
+
+    def on_slot_data(self, msg: SlotData) -> None:
+        n = self.n
+        lr = self.round
+        v = n.view
+        if msg.view != v.view_id or lr is None or lr.phase != lr.COLLECT:
+            return
+        st = n.stream
+        if msg.k >= st.n:
+            raise RemoteProtocolError("slot data names no sender")
+        st.add(msg.k, msg.first, msg.slots)
+        self.fetch_sent.pop((msg.k, msg.first), None)
+        self.leader_progress()
+
+    def install(self, prop) -> None:
+        n = self.n
+        if prop.extra and prop.base_seq < 0 and prop.old_view == n.view.view_id and n._holds_view_data():
+            st = n.stream
+            for k, first, slots in prop.extra:
+                if k < st.n:
+                    st.add(k, first, slots)
+        super().install(prop)
+
+
 class ClockNode(DerechoNode):
     protocol = "clock"
     MESSAGES = CLOCK_MESSAGES
+    VIEW_CHANGE = ClockViewChange
 
     def __init__(self, config, **kw) -> None:
         self._ack_due = False  # a slot arrived since our last acknowledgement
-        self._fetch_sent: dict[tuple[int, int], int] = {}  # (sender index, first) -> tick asked
         super().__init__(config, **kw)
         h = self._handlers
         del h[Append], h[Ack]  # not in this protocol's codec
         h[ClockAppend] = self._on_clock_append
         h[ClockAck] = self._on_clock_ack
-        h[SlotReq] = self._on_slot_req
-        h[SlotData] = self._on_slot_data
+        h[SlotReq] = self.vc.on_slot_req
+        h[SlotData] = self.vc.on_slot_data
 
     @property
     def _stamp_now(self) -> int:
@@ -93,7 +194,6 @@ class ClockNode(DerechoNode):
     def _new_stream(self, view: View) -> ClockStream:
         old = getattr(self, "stream", None)
         clock = old.clock if isinstance(old, ClockStream) else 0
-        self._fetch_sent = {}
         return ClockStream(view, self.me, clock, self._quorum(view))  # the hybrid clock never goes back
 
     def _quorum(self, view: View) -> int:
@@ -139,7 +239,7 @@ class ClockNode(DerechoNode):
     def _ack_message(self, cur: tuple) -> bytes:
         cut, clock = self.stream.report(self._stamp_now)
         return ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
-                        self.promised[0], self.wedged, cut, clock).encode()
+                        self.vc.promised[0], self.wedged, cut, clock).encode()
 
     def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
         cut, clock = self.stream.report(self._stamp_now)
@@ -181,93 +281,6 @@ class ClockNode(DerechoNode):
                 for p in self.view.members:
                     if p != self.me and p not in self.suspected:
                         self._send_ack(p)
-
-    # -------------------------------------------------------- view change
-    def _sure(self, live: list[str], reps: dict[str, Report]) -> list[str]:
-        """The reporters that remember this view: the incarnation it names
-        (0 is unknown: a view read from disk)."""
-        v = self.view
-        incs = dict(zip(v.members, v.incarnations))
-        return [m for m in live if incs[m] != 0 and reps[m].inc == incs[m]]
-
-    def _trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
-        """Holders, when the reporters that remember this view meet every
-        commit quorum that may have held a delivered slot (n - q + 1 of them);
-        else none: the base path."""
-        sure = self._sure(live, reps)
-        v = self.view
-        if len(sure) < len(v.members) - self._quorum(v) + 1:
-            return []
-        return [m for m in sure if reps[m].has_data]
-
-    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Report]):
-        """The maximum received count over the reporters that remember the
-        view, and the slots from the holders' minimum up to it (fetched first
-        when the leader lacks some)."""
-        sure = self._sure(live, reps)
-        n = len(self.view.senders)
-        trim = [max(reps[m].recv[k] for m in sure) for k in range(n)]
-        low = [min(reps[m].recv[k] for m in holders) for k in range(n)]
-        st = self.stream
-        extra = []
-        missing = False
-        for k in range(n):
-            if trim[k] <= low[k]:
-                continue
-            run = st.held_run(k, low[k], trim[k])
-            if len(run) < trim[k] - low[k]:
-                missing = True
-                self._fetch(k, low[k] + len(run), trim[k], sure, reps)
-            else:
-                extra.append((k, low[k], tuple(run)))
-        return None if missing else (trim, tuple(extra))
-
-    def _fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Report]) -> None:
-        """Ask a reporter holding sender k's slots first..stop-1 for them
-        (at most once per retransmission period)."""
-        key = (k, first)
-        if self.now - self._fetch_sent.get(key, -10**9) < self.cfg.retransmit_ticks:
-            return
-        self._fetch_sent[key] = self.now
-        have = [m for m in sure if m != self.me and reps[m].recv[k] >= stop] or \
-               [m for m in sure if m != self.me and reps[m].recv[k] > first]
-        if not have:
-            return
-        to = min(have, key=self.rank_of.__getitem__)
-        self._send(to, SlotReq(self.me, self.incarnation, self.view.view_id, k, first,
-                               min(stop, first + FETCH_CHUNK)).encode())
-
-    def _on_slot_req(self, msg: SlotReq) -> None:
-        v = self.view
-        if msg.view != v.view_id or msg.sender not in v.members:
-            return
-        st = self.stream
-        if msg.k >= st.n or msg.stop <= msg.first:
-            raise RemoteProtocolError("bad slot request")
-        run = st.held_run(msg.k, msg.first, min(msg.stop, msg.first + FETCH_CHUNK))
-        if run:
-            self._send(msg.sender, SlotData(self.me, self.incarnation, v.view_id, msg.k, msg.first,
-                                            tuple(run)).encode())
-
-    def _on_slot_data(self, msg: SlotData) -> None:
-        lr = self.lead_round
-        v = self.view
-        if msg.view != v.view_id or lr is None or lr.phase != lr.COLLECT:
-            return
-        st = self.stream
-        if msg.k >= st.n:
-            raise RemoteProtocolError("slot data names no sender")
-        st.add(msg.k, msg.first, msg.slots)
-        self._fetch_sent.pop((msg.k, msg.first), None)
-        self._leader_progress()
-
-    def _install(self, prop) -> None:
-        if prop.extra and prop.base_seq < 0 and prop.old_view == self.view.view_id and self._holds_view_data():
-            st = self.stream
-            for k, first, slots in prop.extra:
-                if k < st.n:
-                    st.add(k, first, slots)
-        super()._install(prop)
 
     def snapshot(self) -> dict:
         snap = super().snapshot()

@@ -75,7 +75,7 @@ from kdsync.core.messages import (
 )
 from kdsync.core.stream import Stream
 from kdsync.core.types import HardState, LocalProtocolError, LogChunk, RemoteProtocolError, View
-from kdsync.core.viewchange import NO_BALLOT, Ballot, LeaderRound, ViewChangePart, decode_vote, encode_vote
+from kdsync.core.viewchange import NO_BALLOT, ViewChange, decode_vote, encode_vote
 
 __all__ = ["DerechoNode", "State"]
 
@@ -117,10 +117,11 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-class DerechoNode(ViewChangePart, NodeBase):
+class DerechoNode(NodeBase):
     protocol = "derecho"
     State = State
     MESSAGES = DERECHO_MESSAGES
+    VIEW_CHANGE = ViewChange
 
     def __init__(self, config, **kw) -> None:
         super().__init__(config, **kw)
@@ -132,39 +133,35 @@ class DerechoNode(ViewChangePart, NodeBase):
         hs = self.hard
         members = tuple(hs.members) if hs.members else self.members
         self.view = View(hs.view_id, members, (0,) * len(members), self._senders_of(members), self.next_seq)
-        self.promised: Ballot = tuple(hs.promised)  # type: ignore[assignment]
-        self.accepted: tuple[Ballot, object] | None = decode_vote(hs.accepted, self.member_set) if hs.accepted else None
-        self.max_round = self.promised[0]
+        # the view change (viewchange.py): Paxos state from the disk, joiners, leader rounds
+        self.vc = self.VIEW_CHANGE(self, tuple(hs.promised),
+                                   decode_vote(hs.accepted, self.member_set) if hs.accepted else None)
         self._hard_dirty = True  # the new incarnation
         self.pending: list[Batch] = []  # own batches waiting for a slot
-        self.joiners: dict[str, tuple[int, int, int]] = {}  # id -> (incarnation, durable, next)
-        self.last_install: dict[int, bytes] = {}  # old view id -> the INSTALL message we saw
         self.target = None  # the Proposal of the view we are catching up to
         self.catchup = Catchup(self)  # the gap before a view's start, both sides (catchup.py)
         self.view_wm: dict[tuple[str, int], int] = dict(self.watermarks)  # watermarks at view start
-        self._hint_sent: dict[str, int] = {}
-        self.join_sent = -10**9
         self.joined_views = 0
         self._minority = False
         self._reset_view_state()
         if kw.get("hard_state") is not None:
             self.state = State.REJOINING  # a restart: ask to be taken back
-            self._send_join()
+            self.vc.send_join()
         else:
             self.state = State.FORMING
         self._handlers = {
             Append: self._on_append,
             Ack: self._on_ack,
-            Collect: self._on_collect,
-            Report: self._on_report,
-            Accept: self._on_accept,
-            Accepted: self._on_accepted,
-            Install: self._on_install,
-            Join: self._on_join,
+            Collect: self.vc.on_collect,
+            Report: self.vc.on_report,
+            Accept: self.vc.on_accept,
+            Accepted: self.vc.on_accepted,
+            Install: self.vc.on_install,
+            Join: self.vc.on_join,
             CatchupReq: self.catchup.on_req,
             CatchupData: self.catchup.on_data,
             Snapshot: self.catchup.on_snapshot,
-            Hint: self._on_hint,
+            Hint: self.vc.on_hint,
             LogReq: self.catchup.on_log_req,
             LogData: self.catchup.on_log_data,
         }
@@ -225,7 +222,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         self.target = None
         self._enter(State.JOINING)
         self._hard_dirty = True
-        self._send_join()
+        self.vc.send_join()
 
     def _become_rejoining(self, view: View) -> None:
         """A restarted member of `view` (incarnations unknown, none of its data):
@@ -235,7 +232,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         self.target = None
         self._enter(State.REJOINING)
         self._hard_dirty = True  # the view goes to disk: a restart must not fall back to an older one
-        self._send_join()
+        self.vc.send_join()
 
     def _become_catching_up(self, prop) -> None:
         """Taken into the view of `prop`; pull what precedes its start first."""
@@ -256,6 +253,13 @@ class DerechoNode(ViewChangePart, NodeBase):
         self._hard_dirty = True  # the view entered goes to disk (until now the disk held the vote for it)
         self._entered_view()
         self._try_deliver()
+
+    def _resubmit_own(self) -> None:
+        """Own batches in slots not delivered here go back to the front of pending."""
+        back = self.stream.undelivered_own()
+        if back:
+            self.stats["resubmitted"] += sum(b.count for b in back)
+            self.pending[:0] = back
 
     def _on_log_chunk(self, chunk: LogChunk) -> None:
         self.catchup.on_log_chunk(chunk)
@@ -281,11 +285,9 @@ class DerechoNode(ViewChangePart, NodeBase):
         self.last_sent = {m: -10**9 for m in v.members}
         self.acked_sent: dict[str, tuple | None] = {m: None for m in v.members}  # what we last told each peer
         self.suspected: set[str] = set()
-        self.unresponsive: set[str] = set()  # heard from, but not answering our COLLECT
-        self.rejoined: dict[str, int] = {}  # view member -> its new incarnation
         self._mine_acked: dict[str, int] = {}  # peer -> how many of our slots it acknowledged
         self._ack_round = -1  # round of the earliest data slot received and not yet acknowledged
-        self.lead_round: LeaderRound | None = None
+        self.vc.reset_view()
 
     # ------------------------------------------------------------- inputs
     def submit(self, batches: Iterable[Batch]) -> None:
@@ -309,7 +311,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         if known == 0 or known == inc:
             self.last_heard[s] = self.now
             return True
-        if self.rejoined.get(s) == inc:
+        if self.vc.rejoined.get(s) == inc:
             # a restarted member: alive (it may vote in the view change, with its
             # persisted promises) but it holds none of this view's data
             self.last_heard[s] = self.now
@@ -320,7 +322,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         its members; an older view gets a helping reply instead."""
         if msg.view != self.view.view_id:
             if msg.view < self.view.view_id:
-                self._stale_reply(msg.sender, msg.view)
+                self.vc.stale_reply(msg.sender, msg.view)
             return False
         return self._from_view_member(msg)
 
@@ -357,7 +359,7 @@ class DerechoNode(ViewChangePart, NodeBase):
 
     def _take_ack(self, msg) -> None:
         """An ACK of the current view: acknowledgements, ballot round, suspicions."""
-        self.max_round = max(self.max_round, msg.round)
+        self.vc.max_round = max(self.vc.max_round, msg.round)
         self._on_ack_vector(msg.sender, msg.recv)
         if (msg.suspected or msg.wedged) and msg.sender not in self.suspected and not self.wedged:
             new = {m for m in msg.suspected if m in self.view.members and m != self.me} - self.suspected
@@ -372,7 +374,7 @@ class DerechoNode(ViewChangePart, NodeBase):
             return
         self.suspected |= who
         self._wedge()
-        for p in self._live():
+        for p in self.vc.live():
             if p != self.me:
                 self._send_ack(p)
 
@@ -389,8 +391,8 @@ class DerechoNode(ViewChangePart, NodeBase):
         now = self.now
         cfg = self.cfg
         state = self.state
-        if state in (State.JOINING, State.REJOINING) and now - self.join_sent >= cfg.retransmit_ticks * 4:
-            self._send_join()
+        if state in (State.JOINING, State.REJOINING) and now - self.vc.join_sent >= cfg.retransmit_ticks * 4:
+            self.vc.send_join()
         if state is State.JOINING:
             return
         v = self.view
@@ -404,8 +406,8 @@ class DerechoNode(ViewChangePart, NodeBase):
                 # the next view together
                 if silent != self.suspected:
                     self.suspected = silent
-                    if self.lead_round is not None and self._leader() != self.me:
-                        self.lead_round = None
+                    if self.vc.round is not None and self.vc.leader() != self.me:
+                        self.vc.round = None
             elif silent - self.suspected:
                 self._suspect(silent - self.suspected)
             # heartbeats: they also carry the acknowledgements of nulls
@@ -431,12 +433,12 @@ class DerechoNode(ViewChangePart, NodeBase):
         self.catchup.tick(now, cfg.retransmit_ticks * 2)
         if member:
             if self.wedged:
-                self._step_view_change()
+                self.vc.step()
             else:
                 self._minority = False
-                if self._leader() == self.me and self._wanted_joiners():
+                if self.vc.leader() == self.me and self.vc.wanted_joiners():
                     self._wedge()
-                    self._start_collect()
+                    self.vc.start_collect()
 
     def quiet(self) -> bool:
         """Until new input arrives, a tick here only counts time for
@@ -446,7 +448,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         change or joiner in sight.  A driver may then run its ticks late, in
         pairs (see NodeBase.quiet)."""
         if (self.state is not State.ACTIVE or self.pending or self.suspected or self.target is not None
-                or self._ack_round >= 0 or self.lead_round is not None or self.has_ready()):
+                or self._ack_round >= 0 or self.vc.round is not None or self.has_ready()):
             return False
         st = self.stream
         k = st.my_k
@@ -460,7 +462,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         for p in self.view.members:
             if p != me and self.acked_sent.get(p) != cur:
                 return False
-        return not self.joiners or not self._wanted_joiners()
+        return not self.vc.joiners or not self.vc.wanted_joiners()
 
     def _send_ack(self, p: str) -> None:
         self.last_sent[p] = self.now
@@ -481,7 +483,7 @@ class DerechoNode(ViewChangePart, NodeBase):
     def _ack_message(self, cur: tuple) -> bytes:
         """An ACK carrying received vector `cur` (a hook: the clock protocol adds its report)."""
         return Ack(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
-                   self.promised[0], self.wedged).encode()
+                   self.vc.promised[0], self.wedged).encode()
 
     def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
         """Own slots from `first` with received vector `cur` (a hook, as `_ack_message`)."""
@@ -537,8 +539,8 @@ class DerechoNode(ViewChangePart, NodeBase):
             incarnation=self.incarnation,
             view_id=self.view.view_id if in_view else self.hard.view_id,
             members=self.view.members if in_view else self.hard.members,
-            promised=self.promised,
-            accepted=encode_vote(*self.accepted) if self.accepted else b"",
+            promised=self.vc.promised,
+            accepted=encode_vote(*self.vc.accepted) if self.vc.accepted else b"",
         )
 
     def ready(self):
@@ -548,7 +550,7 @@ class DerechoNode(ViewChangePart, NodeBase):
         return rd
 
     def snapshot(self) -> dict:
-        lr = self.lead_round
+        lr = self.vc.round
         return {
             "member": self.me,
             "status": self.status,

@@ -90,124 +90,160 @@ class LeaderRound:
         self.sent = -10**9
 
 
-class ViewChangePart:
-    """Mixin of DerechoNode: the view change (see module docstring)."""
+class ViewChange:
+    """The view change of one DerechoNode (module docstring): the Paxos state
+    (promise, vote, highest round seen, the round this member leads), the
+    joiners waiting, the INSTALLs seen, and the handlers of the view-change
+    messages on both sides.
+
+    The node owns one (`node.vc`) and hands it the messages and its tick when
+    wedged.  This object reads the node's view, suspicions and stream, sends
+    through it, and moves it between states through its `_become_*` doors (the
+    node's TRANSITIONS table).  A protocol with another trim rule subclasses it
+    (kdsync.core.clock's ClockViewChange)."""
+
+    def __init__(self, node, promised: Ballot, accepted: tuple[Ballot, Proposal] | None) -> None:
+        self.n = node
+        self.promised: Ballot = promised
+        self.accepted = accepted  # (ballot, proposal): the vote, persisted until a newer one replaces it
+        self.max_round = promised[0]
+        self.joiners: dict[str, tuple[int, int, int]] = {}  # id -> (incarnation, durable, next)
+        self.last_install: dict[int, bytes] = {}  # old view id -> the INSTALL message we saw
+        self.hint_sent: dict[str, int] = {}  # peer -> tick of the last helping reply
+        self.join_sent = -10**9
+        self.reset_view()
+
+    def reset_view(self) -> None:
+        """A new view: no round led, nobody unresponsive or restarted in it."""
+        self.unresponsive: set[str] = set()  # heard from, but not answering our COLLECT
+        self.rejoined: dict[str, int] = {}  # view member -> its new incarnation
+        self.round: LeaderRound | None = None  # the round this member leads
 
     # ------------------------------------------------------------ leadership
-    def _leader(self) -> str | None:
-        for m in self.view.members:
+    def leader(self) -> str | None:
+        n = self.n
+        for m in n.view.members:
             # a restarted member votes but does not lead: it holds no data and
             # waits to be taken back
-            if m not in self.suspected and m not in self.unresponsive and m not in self.rejoined:
+            if m not in n.suspected and m not in self.unresponsive and m not in self.rejoined:
                 return m
         return None
 
-    def _live(self) -> list[str]:
-        return [m for m in self.view.members if m not in self.suspected and m not in self.unresponsive]
+    def live(self) -> list[str]:
+        n = self.n
+        return [m for m in n.view.members if m not in n.suspected and m not in self.unresponsive]
 
-    def _majority(self, count: int) -> bool:
-        return 2 * count > len(self.view.members)
+    def majority(self, count: int) -> bool:
+        return 2 * count > len(self.n.view.members)
 
-    def _promise(self, b: Ballot) -> bool:
+    def promise(self, b: Ballot) -> bool:
+        n = self.n
         if b >= self.promised:
             if b != self.promised:
                 self.promised = b
-                self._hard_dirty = True
+                n._hard_dirty = True
             return True
         return False
 
-    def _accepted_here(self) -> tuple[Ballot, Proposal | None]:
+    def accepted_here(self) -> tuple[Ballot, Proposal | None]:
         """The vote cast in *this* view's instance, if any (see module docstring)."""
-        if self.accepted and self.accepted[1].old_view == self.view.view_id:
+        n = self.n
+        if self.accepted and self.accepted[1].old_view == n.view.view_id:
             return self.accepted
         return NO_BALLOT, None
 
-    def _step_view_change(self) -> None:
+    def step(self) -> None:
         """Tick work of a wedged member: lead the view change when it is its turn."""
-        live = self._live()
-        if self.unresponsive and not self._majority(len(live)):
+        n = self.n
+        live = self.live()
+        if self.unresponsive and not self.majority(len(live)):
             self.unresponsive.clear()  # they may answer a higher ballot
-            live = self._live()
-        self._minority = not self._majority(len(live))
-        lead = self._leader()
-        lr = self.lead_round
-        now = self.now
-        cfg = self.cfg
-        if lead == self.me and lr is not None and lr.phase == LeaderRound.COLLECT and now - lr.started >= cfg.suspect_ticks:
+            live = self.live()
+        n._minority = not self.majority(len(live))
+        lead = self.leader()
+        lr = self.round
+        now = n.now
+        cfg = n.cfg
+        if lead == n.me and lr is not None and lr.phase == LeaderRound.COLLECT and now - lr.started >= cfg.suspect_ticks:
             # heard from but not reporting (an asymmetric link): leave them out
             self.unresponsive |= {m for m in live if m not in lr.reports}
-            live = self._live()
-        if lead == self.me and self._majority(len(live)):
+            live = self.live()
+        if lead == n.me and self.majority(len(live)):
             if lr is None or now - lr.started >= cfg.suspect_ticks * 2:
-                self._start_collect()  # first attempt, or a higher ballot may be blocking us
+                self.start_collect()  # first attempt, or a higher ballot may be blocking us
             elif now - lr.sent >= cfg.retransmit_ticks:
-                self._vc_broadcast()
+                self.broadcast()
         elif lr is not None:
-            self.lead_round = None
+            self.round = None
 
-    def _wanted_joiners(self) -> bool:
-        v = self.view
+    def wanted_joiners(self) -> bool:
+        n = self.n
+        v = n.view
         for m, (inc, _, _) in self.joiners.items():
             if m not in v.members or v.incarnations[v.members.index(m)] != inc:
                 return True
         return False
 
     # --------------------------------------------------------- leader side
-    def _start_collect(self) -> None:
-        old = self.lead_round
+    def start_collect(self) -> None:
+        n = self.n
+        old = self.round
         rnd = max(self.max_round, self.promised[0], old.ballot[0] if old else 0) + 1
         self.max_round = rnd
-        lr = self.lead_round = LeaderRound((rnd, self.rank_of[self.me]), self.now)
-        self._promise(lr.ballot)
+        lr = self.round = LeaderRound((rnd, n.rank_of[n.me]), n.now)
+        self.promise(lr.ballot)
         self.unresponsive.clear()  # everyone gets another chance with each ballot
-        self._vc_broadcast()
+        self.broadcast()
 
-    def _vc_broadcast(self) -> None:
-        lr = self.lead_round
-        lr.sent = self.now
-        v = self.view
+    def broadcast(self) -> None:
+        n = self.n
+        lr = self.round
+        lr.sent = n.now
+        v = n.view
         if lr.phase == LeaderRound.COLLECT:
-            for m in self._live():
-                if m == self.me:
+            for m in self.live():
+                if m == n.me:
                     if m not in lr.reports:
-                        lr.reports[m] = self._own_report()
+                        lr.reports[m] = self.own_report()
                 elif m not in lr.reports:
-                    self._send(m, Collect(self.me, self.incarnation, v.view_id, lr.ballot).encode())
-            self._leader_progress()
+                    n._send(m, Collect(n.me, n.incarnation, v.view_id, lr.ballot).encode())
+            self.leader_progress()
         else:
-            data = Accept(self.me, self.incarnation, v.view_id, lr.ballot, lr.proposal).encode()
+            data = Accept(n.me, n.incarnation, v.view_id, lr.ballot, lr.proposal).encode()
             for m in lr.acceptors:
-                if m not in lr.accepts and m != self.me:
-                    self._send(m, data)
+                if m not in lr.accepts and m != n.me:
+                    n._send(m, data)
 
-    def _own_report(self) -> Report:
-        acc_b, acc = self._accepted_here()
-        return Report(self.me, self.incarnation, self.view.view_id, self.lead_round.ballot, self._holds_view_data(),
-                      tuple(self.stream.received), self.durable_seq, self.next_seq, acc_b, acc)
+    def own_report(self) -> Report:
+        n = self.n
+        acc_b, acc = self.accepted_here()
+        return Report(n.me, n.incarnation, n.view.view_id, self.round.ballot, n._holds_view_data(),
+                      tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc)
 
-    def _on_report(self, msg: Report) -> None:
-        lr = self.lead_round
-        v = self.view
+    def on_report(self, msg: Report) -> None:
+        n = self.n
+        lr = self.round
+        v = n.view
         if msg.view != v.view_id or lr is None or lr.phase != LeaderRound.COLLECT:
             return
         if msg.ballot != lr.ballot or msg.sender not in v.members:
             return
         if len(msg.recv) != len(v.senders):
             raise RemoteProtocolError("received vector of the wrong length")
-        if msg.accepted is not None and msg.accepted.old_view != v.view_id:  # decided already (see _accepted_here)
+        if msg.accepted is not None and msg.accepted.old_view != v.view_id:  # decided already (see accepted_here)
             msg = Report(msg.sender, msg.inc, msg.view, msg.ballot, msg.has_data, msg.recv, msg.durable, msg.next,
                          NO_BALLOT, None)
-        self.last_heard[msg.sender] = self.now
+        n.last_heard[msg.sender] = n.now
         self.unresponsive.discard(msg.sender)
         lr.reports[msg.sender] = msg
-        self._leader_progress()
+        self.leader_progress()
 
-    def _leader_progress(self) -> None:
-        lr = self.lead_round
+    def leader_progress(self) -> None:
+        lr = self.round
         if lr is None or lr.phase != LeaderRound.COLLECT:
             return
-        live = self._live()
-        if not self._majority(len(live)) or any(m not in lr.reports for m in live):
+        live = self.live()
+        if not self.majority(len(live)) or any(m not in lr.reports for m in live):
             return
         reps = {m: lr.reports[m] for m in live}
         best = None
@@ -217,44 +253,45 @@ class ViewChangePart:
         if best is not None:
             prop = best[1]
         else:
-            prop = self._new_proposal(live, reps)
+            prop = self.new_proposal(live, reps)
             if prop is None:
                 return
         lr.proposal = prop
         lr.acceptors = tuple(live)
         lr.phase = LeaderRound.ACCEPT
         lr.accepts = set()
-        self._accept_local(lr.ballot, prop)
-        self._vc_broadcast()
-        self._leader_accept_progress()
+        self.accept_local(lr.ballot, prop)
+        self.broadcast()
+        self.leader_accept_progress()
 
-    def _new_proposal(self, live: list[str], reps: dict[str, Report]) -> Proposal | None:
+    def new_proposal(self, live: list[str], reps: dict[str, Report]) -> Proposal | None:
         """The next view from the reports (see module docstring), or None when
         nobody holds the old view's data and some member of it, or some cluster
         of the configuration, has not reported or asked to join."""
-        v = self.view
-        holders = self._trim_holders(live, reps)
+        n = self.n
+        v = n.view
+        holders = self.trim_holders(live, reps)
         if not holders:
             # every durable prefix must be known before a start is chosen: those of
             # the old view's members, and of every cluster, since a member excluded
             # from the old view may hold positions that no member of it made durable
             # (swarm seed 8935: the old view's only cluster never finished catching
             # up; its start was durable only at the excluded member)
-            needed = set(v.members) | set(self.sender_ids)
+            needed = set(v.members) | set(n.sender_ids)
             if any(m not in reps and m not in self.joiners for m in needed):
                 return None
-        members = sorted(set(live) | set(self.joiners), key=self.rank_of.__getitem__)
+        members = sorted(set(live) | set(self.joiners), key=n.rank_of.__getitem__)
         incs = [reps[m].inc if m in reps else self.joiners[m][0] for m in members]
         extra: tuple = ()
         if holders:
-            got = self._trim(live, holders, reps)
+            got = self.trim(live, holders, reps)
             if got is None:
                 return None  # the leader is still fetching slots of the trim
             trim, extra = got
             # catch-up is served best by a holder with a global topic (a witness
             # holds only what it ordered since its own last catch-up)
-            keepers = [m for m in holders if self.cfg.roles.get(m, "member") == "member"] or holders
-            source = self.me if self.me in keepers else keepers[0]
+            keepers = [m for m in holders if n.cfg.roles.get(m, "member") == "member"] or holders
+            source = n.me if n.me in keepers else keepers[0]
             base = -1
         else:
             trim = [0] * len(v.senders)
@@ -262,219 +299,222 @@ class ViewChangePart:
             nexts = {m: reps[m].next for m in live}
             nexts.update({m: j[2] for m, j in self.joiners.items() if m not in nexts})
             base = max(nexts.values())
-            source = min((m for m in members if nexts.get(m, -1) == base), key=self.rank_of.__getitem__)
+            source = min((m for m in members if nexts.get(m, -1) == base), key=n.rank_of.__getitem__)
         return Proposal(v.view_id, v.view_id + 1, members, incs, trim, source, base, extra)
 
-    def _trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
+    def trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
         """The reporters whose data the trim is taken from (none: the new view
         starts at a base position instead)."""
         return [m for m in live if reps[m].has_data]
 
-    def _trim(self, live: list[str], holders: list[str], reps: dict[str, Report]) -> tuple[list[int], tuple] | None:
+    def trim(self, live: list[str], holders: list[str], reps: dict[str, Report]) -> tuple[list[int], tuple] | None:
         """(ragged trim, proposal extras), or None while not known yet.
         Derecho: the element-wise min over the holders (see module docstring)."""
         return ragged_trim(reps[m].recv for m in holders), ()
 
-    def _accept_local(self, b: Ballot, prop: Proposal) -> None:
-        if self._promise(b):
+    def accept_local(self, b: Ballot, prop: Proposal) -> None:
+        n = self.n
+        if self.promise(b):
             self.accepted = (b, prop)
-            self._hard_dirty = True
-            lr = self.lead_round
+            n._hard_dirty = True
+            lr = self.round
             if lr is not None and lr.phase == LeaderRound.ACCEPT and b == lr.ballot:
-                lr.accepts.add(self.me)
+                lr.accepts.add(n.me)
 
-    def _on_accepted(self, msg: Accepted) -> None:
-        lr = self.lead_round
-        if msg.view != self.view.view_id or lr is None or lr.phase != LeaderRound.ACCEPT:
+    def on_accepted(self, msg: Accepted) -> None:
+        n = self.n
+        lr = self.round
+        if msg.view != n.view.view_id or lr is None or lr.phase != LeaderRound.ACCEPT:
             return
-        if msg.ballot == lr.ballot and msg.sender in self.view.members:
+        if msg.ballot == lr.ballot and msg.sender in n.view.members:
             lr.accepts.add(msg.sender)
-            self._leader_accept_progress()
+            self.leader_accept_progress()
 
-    def _leader_accept_progress(self) -> None:
-        lr = self.lead_round
-        if lr is None or lr.phase != LeaderRound.ACCEPT or not self._majority(len(lr.accepts)):
+    def leader_accept_progress(self) -> None:
+        n = self.n
+        lr = self.round
+        if lr is None or lr.phase != LeaderRound.ACCEPT or not self.majority(len(lr.accepts)):
             return
         prop = lr.proposal
-        inst = Install(self.me, self.incarnation, prop.old_view, prop).encode()
+        inst = Install(n.me, n.incarnation, prop.old_view, prop).encode()
         self.last_install[prop.old_view] = inst
         for m in sorted(set(prop.members) | set(lr.acceptors)):
-            if m != self.me:
-                self._send(m, inst)
-        self._install(prop)
+            if m != n.me:
+                n._send(m, inst)
+        self.install(prop)
 
     # ------------------------------------------------------- acceptor side
-    def _of_this_view(self, msg: Collect | Accept) -> bool:
+    def of_this_view(self, msg: Collect | Accept) -> bool:
         """A leader's message about the current view from one of its members
         (a leader of an older view is told of the current one)."""
-        if msg.view < self.view.view_id:
-            self._stale_reply(msg.sender, msg.view)
+        n = self.n
+        if msg.view < n.view.view_id:
+            self.stale_reply(msg.sender, msg.view)
             return False
-        return msg.view == self.view.view_id and msg.sender in self.view.members
+        return msg.view == n.view.view_id and msg.sender in n.view.members
 
-    def _on_collect(self, msg: Collect) -> None:
-        if not self._of_this_view(msg):
+    def on_collect(self, msg: Collect) -> None:
+        n = self.n
+        if not self.of_this_view(msg):
             return
-        v = self.view
+        v = n.view
         s = msg.sender
-        self.last_heard[s] = self.now
+        n.last_heard[s] = n.now
         b = msg.ballot
         self.max_round = max(self.max_round, b[0])
-        if not self._promise(b):
+        if not self.promise(b):
             return
-        self._wedge()
+        n._wedge()
         # joining members report too: no data, but a vote
-        acc_b, acc = self._accepted_here()
-        self._send(s, Report(self.me, self.incarnation, v.view_id, b, self._holds_view_data(),
-                             tuple(self.stream.received), self.durable_seq, self.next_seq, acc_b, acc).encode())
+        acc_b, acc = self.accepted_here()
+        n._send(s, Report(n.me, n.incarnation, v.view_id, b, n._holds_view_data(),
+                          tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc).encode())
 
-    def _on_accept(self, msg: Accept) -> None:
-        if not self._of_this_view(msg):
+    def on_accept(self, msg: Accept) -> None:
+        n = self.n
+        if not self.of_this_view(msg):
             return
-        v = self.view
+        v = n.view
         s = msg.sender
         if msg.proposal.old_view != msg.view:
             raise RemoteProtocolError("proposal for another view")
         b = msg.ballot
         if b >= self.promised:
-            self._wedge()
-            self._promise(b)
+            n._wedge()
+            self.promise(b)
             self.accepted = (b, msg.proposal)
-            self._hard_dirty = True
-            self._send(s, Accepted(self.me, self.incarnation, v.view_id, b).encode())
+            n._hard_dirty = True
+            n._send(s, Accepted(n.me, n.incarnation, v.view_id, b).encode())
 
-    def _on_install(self, msg: Install) -> None:
+    def on_install(self, msg: Install) -> None:
+        n = self.n
         prop = msg.proposal
         old = msg.old_view
         if prop.old_view != old:
             raise RemoteProtocolError("install names two views")
         # a joining member knows its view only by a HINT (which may not say its
         # incarnation): the INSTALL that created that view tells whether it is in it
-        joining_this = self.state is self.State.JOINING and old == self.view.view_id - 1
-        if old < self.view.view_id and not joining_this:
+        joining_this = n.state is n.State.JOINING and old == n.view.view_id - 1
+        if old < n.view.view_id and not joining_this:
             return
-        self.last_install[old] = Install(self.me, self.incarnation, old, prop).encode()
+        self.last_install[old] = Install(n.me, n.incarnation, old, prop).encode()
         for stale in [x for x in self.last_install if x < old - 16]:
             del self.last_install[stale]
-        self._install(prop)
+        self.install(prop)
 
     # --------------------------------------------------------- installing
-    def _install(self, prop: Proposal) -> None:
+    def install(self, prop: Proposal) -> None:
         """Install the chosen next view (see module docstring)."""
+        n = self.n
         trimmed = None
         # a base position (nobody held the old view's data when it was chosen)
         # starts the view there: a holder that did not report must not deliver
         # a trim of its own
-        if prop.old_view == self.view.view_id and self._holds_view_data() and prop.base_seq < 0:
-            trimmed = self.stream.take_trim(prop.trim)
+        if prop.old_view == n.view.view_id and n._holds_view_data() and prop.base_seq < 0:
+            trimmed = n.stream.take_trim(prop.trim)
             if trimmed:
-                self._deliver([b for s in trimmed for b in s])
-        self._resubmit_own()
+                n._deliver([b for s in trimmed for b in s])
+        n._resubmit_own()
         # the vote stays until a newer one replaces it: until this view is on
         # disk, the disk must hold the vote that chose it (else a restart could
         # vote for another value of the same instance); once a newer view is,
-        # the vote is inert (_accepted_here)
-        self._hard_dirty = True
-        senders = self._senders_of(prop.members)
-        if self.me not in prop.members:
+        # the vote is inert (accepted_here)
+        n._hard_dirty = True
+        senders = n._senders_of(prop.members)
+        if n.me not in prop.members:
             # excluded: ask to be taken in
-            self._become_joining(View(prop.new_view, prop.members, prop.incs, senders, self.next_seq))
+            n._become_joining(View(prop.new_view, prop.members, prop.incs, senders, n.next_seq))
             return
-        if prop.incs[prop.members.index(self.me)] != self.incarnation:
+        if prop.incs[prop.members.index(n.me)] != n.incarnation:
             # the view names an older incarnation of us (it was chosen from a vote
             # cast before we restarted): we are a restarted member of it, as if we
             # had read it from disk.  Joining from outside would wedge the group
             # for good when every process it names is dead (swarm seeds 26, 209)
-            self._become_rejoining(View(prop.new_view, prop.members, (0,) * len(prop.members), senders,
-                                        self.next_seq))
+            n._become_rejoining(View(prop.new_view, prop.members, (0,) * len(prop.members), senders, n.next_seq))
             return
         self.joiners = {m: j for m, j in self.joiners.items() if m not in prop.members}
         if trimmed is not None:
-            self._become_active(View(prop.new_view, prop.members, prop.incs, senders, self.next_seq))
-        elif prop.base_seq >= 0 and self.next_seq == prop.base_seq:
-            self._become_active(View(prop.new_view, prop.members, prop.incs, senders, prop.base_seq))
+            n._become_active(View(prop.new_view, prop.members, prop.incs, senders, n.next_seq))
+        elif prop.base_seq >= 0 and n.next_seq == prop.base_seq:
+            n._become_active(View(prop.new_view, prop.members, prop.incs, senders, prop.base_seq))
         else:
             # catch up from the source before delivering anything of the new view
-            self._become_catching_up(prop)
-
-    def _resubmit_own(self) -> None:
-        """Own batches in slots not delivered here go back to the front of pending."""
-        back = self.stream.undelivered_own()
-        if back:
-            self.stats["resubmitted"] += sum(b.count for b in back)
-            self.pending[:0] = back
+            n._become_catching_up(prop)
 
     # ------------------------------------------------------------- joining
-    def _send_join(self) -> None:
-        data = Join(self.me, self.incarnation, self.durable_seq, self.next_seq).encode()
-        for p in self.peers:
-            self._send(p, data)
-        self.join_sent = self.now
+    def send_join(self) -> None:
+        n = self.n
+        data = Join(n.me, n.incarnation, n.durable_seq, n.next_seq).encode()
+        for p in n.peers:
+            n._send(p, data)
+        self.join_sent = n.now
 
-    def _on_join(self, msg: Join) -> None:
+    def on_join(self, msg: Join) -> None:
+        n = self.n
         s, inc = msg.sender, msg.inc
-        v = self.view
+        v = n.view
         if s in v.members:
             known = v.incarnations[v.members.index(s)]
             if known == inc:
                 # already a member with that incarnation, and it does not know it (its
                 # INSTALL was lost): send it the one we saw (swarm seed 7691)
-                self._stale_reply(s, v.view_id - 1)
+                self.stale_reply(s, v.view_id - 1)
                 return
-            if known != 0 and self._is_member():
-                self._suspect({s})  # its previous incarnation is gone
+            if known != 0 and n._is_member():
+                n._suspect({s})  # its previous incarnation is gone
         self.joiners[s] = (inc, msg.durable, msg.next)
         if s in v.members:
             self.rejoined[s] = inc
-            self.last_heard[s] = self.now
-        if self._is_member() and (self._leader() != self.me or s in v.members):
+            n.last_heard[s] = n.now
+        if n._is_member() and (self.leader() != n.me or s in v.members):
             # tell it which view it is asking to join; the leader too when the view
             # names it: it does not know it is a member (it restarted from an older
             # view) and would never report, while the view cannot change without it
             # (swarm seeds 2719, 8295: a restarted leader waited for it forever)
-            self._stale_reply(s, -1)
+            self.stale_reply(s, -1)
 
-    def _stale_reply(self, peer: str, view_id: int) -> None:
+    def stale_reply(self, peer: str, view_id: int) -> None:
         """`peer` speaks of an older view (or asks to join): help it forward."""
-        if self.now - self._hint_sent.get(peer, -10**9) < self.cfg.retransmit_ticks:
+        n = self.n
+        if n.now - self.hint_sent.get(peer, -10**9) < n.cfg.retransmit_ticks:
             return
-        self._hint_sent[peer] = self.now
+        self.hint_sent[peer] = n.now
         inst = self.last_install.get(view_id)
         if inst is not None:
-            self._send(peer, inst)
-        elif self.state in (self.State.ACTIVE, self.State.WEDGED, self.State.REJOINING) and self._is_member():
+            n._send(peer, inst)
+        elif n.state in (n.State.ACTIVE, n.State.WEDGED, n.State.REJOINING) and n._is_member():
             # a restarted member knows its view only from disk (incarnations 0:
             # unknown), but that is enough: the peer joins it, and a view whose
             # members all restarted cannot change without every one of them
             # (swarm seed 8310: one member never saw view 1 installed, the others
             # restarted in it, and nobody told it)
-            v = self.view
-            self._send(peer, Hint(self.me, self.incarnation, v.view_id, v.members, v.incarnations).encode())
+            v = n.view
+            n._send(peer, Hint(n.me, n.incarnation, v.view_id, v.members, v.incarnations).encode())
 
-    def _on_hint(self, msg: Hint) -> None:
-        v = self.view
-        state = self.state
+    def on_hint(self, msg: Hint) -> None:
+        n = self.n
+        v = n.view
+        state = n.state
         if msg.view < v.view_id:
             return
         members = msg.members
-        if self.me in members:
-            if msg.incs[members.index(self.me)] == self.incarnation:
+        if n.me in members:
+            if msg.incs[members.index(n.me)] == n.incarnation:
                 return  # the INSTALL will follow
-            if msg.view == v.view_id and state is not self.State.JOINING:
+            if msg.view == v.view_id and state is not n.State.JOINING:
                 return
             # a member of that view whose incarnation there is unknown (a HINT from a
             # restarted member) or older: a restarted member of it (swarm seed 2574: as
             # a joiner from outside it never reported, and the view could not change)
-            if state is not self.State.JOINING:
-                self._resubmit_own()
-            self._become_rejoining(View(msg.view, members, (0,) * len(members), self._senders_of(members),
-                                        self.next_seq))
+            if state is not n.State.JOINING:
+                n._resubmit_own()
+            n._become_rejoining(View(msg.view, members, (0,) * len(members), n._senders_of(members), n.next_seq))
             return
         if msg.view == v.view_id:
             return
-        if state is not self.State.JOINING:
-            self._resubmit_own()
-        self._become_joining(View(msg.view, members, msg.incs, self._senders_of(members), -1))
+        if state is not n.State.JOINING:
+            n._resubmit_own()
+        n._become_joining(View(msg.view, members, msg.incs, n._senders_of(members), -1))
 
 
 def encode_vote(ballot: Ballot, prop: Proposal) -> bytes:

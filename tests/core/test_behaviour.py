@@ -219,13 +219,13 @@ def test_persisted_votes_survive_a_restart():
         net._process_ready()
         net.deliver_msgs()
         net._process_ready()
-        if net.node("b").accepted is not None:
+        if net.node("b").vc.accepted is not None:
             break
-    ballot, prop = net.node("b").accepted
+    ballot, prop = net.node("b").vc.accepted
     hs = net.members["b"].hard
     assert hs is not None and hs.accepted
     again = make_node(net.config("b"), rng=random.Random(9), hard_state=hs)
-    assert again.accepted[0] == ballot and again.accepted[1].data == prop.data
+    assert again.vc.accepted[0] == ballot and again.vc.accepted[1].data == prop.data
     assert again.incarnation == hs.incarnation + 1
 
 
@@ -258,7 +258,7 @@ def test_a_vote_for_an_older_view_does_not_outlive_that_view():
 
     def c_voted():
         c = net.node("c")
-        return c.accepted is not None and c.accepted[1].old_view == c.view.view_id == 1
+        return c.vc.accepted is not None and c.vc.accepted[1].old_view == c.view.view_id == 1
 
     for _ in range(200):  # round by round, to stop between ACCEPT and INSTALL
         net.tick(settle=False)
@@ -314,7 +314,7 @@ def test_fail_over_sequencer_loses_nothing_when_the_sequencer_dies():
 
 
 def test_a_view_nobody_holds_data_of_starts_after_every_delivered_position():
-    """`_new_proposal` when no reporter holds the old view's data (first
+    """`ViewChange.new_proposal` when no reporter holds the old view's data (first
     formation, total restart): the new view starts at the highest *next*
     position reported, not the highest durable one.  A member that delivered
     positions 5..7 but made only 0..4 durable (its producer still writing)
@@ -325,7 +325,7 @@ def test_a_view_nobody_holds_data_of_starts_after_every_delivered_position():
     # (incarnation, holds data, received, durable, next): no vote
     reps = {m: Report(m, inc, 0, (1, 0), False, (0, 0, 0), durable, nxt, (0, -1), None)
             for m, inc, durable, nxt in (("a", 1, 5, 5), ("b", 2, 5, 8), ("c", 3, 2, 2))}
-    prop = node._new_proposal(["a", "b", "c"], reps)
+    prop = node.vc.new_proposal(["a", "b", "c"], reps)
     assert prop.base_seq == 8 and prop.source == "b"
     assert prop.trim == (0, 0, 0)
 

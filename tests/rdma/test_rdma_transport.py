@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from kdsync.transport import make_transport
 from kdsync.transport.rdma import RdmaTransport, rdma_usable, unavailable_reason
 from kdsync.transport.tcp import TcpTransport
