@@ -149,12 +149,9 @@ class ClockViewChange(ViewChange):
             n._send(msg.sender, SlotData(n.me, n.incarnation, v.view_id, msg.k, msg.first, tuple(run)).encode())
 
     def on_slot_data(self, msg: SlotData) -> None:
-        n = self.n
-        lr = self.round
-        v = n.view
-        if msg.view != v.view_id or lr is None or lr.phase != lr.COLLECT:
+        if self.collecting(msg) is None:
             return
-        st = n.stream
+        st = self.n.stream
         if msg.k >= st.n:
             raise RemoteProtocolError("slot data names no sender")
         st.add(msg.k, msg.first, msg.slots)

@@ -220,13 +220,19 @@ class ViewChange:
         return Report(n.me, n.incarnation, n.view.view_id, self.round.ballot, n._holds_view_data(),
                       tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc)
 
+    def collecting(self, msg) -> LeaderRound | None:
+        """The round this member leads, if it collects reports and `msg`
+        speaks of the current view."""
+        lr = self.round
+        if msg.view != self.n.view.view_id or lr is None or lr.phase != LeaderRound.COLLECT:
+            return None
+        return lr
+
     def on_report(self, msg: Report) -> None:
         n = self.n
-        lr = self.round
+        lr = self.collecting(msg)
         v = n.view
-        if msg.view != v.view_id or lr is None or lr.phase != LeaderRound.COLLECT:
-            return
-        if msg.ballot != lr.ballot or msg.sender not in v.members:
+        if lr is None or msg.ballot != lr.ballot or msg.sender not in v.members:
             return
         if len(msg.recv) != len(v.senders):
             raise RemoteProtocolError("received vector of the wrong length")
