@@ -2,8 +2,9 @@
 members on loopback, every member link through a delaying proxy with the
 one-way delay of the same link in sim/scenarios/wan-five-regions.yaml, paced
 writes in every cluster; then the same run in the simulator (the five-region
-scenario with the real run's rate, the calibrated broker when
-results/calibration.yaml exists, and how late the real proxies forwarded).
+scenario with the real run's rate, the broker and member costs of
+results/calibration.yaml when it exists, and how late the real proxies
+forwarded).
 Real vs simulated p50 / p99, and the mirror in the same section.
 
     python -m bench.geo [--protocol clock] [--rate 250] [--duration 8]
@@ -113,10 +114,13 @@ def sim_run(protocol: str, rate_eps: float, duration_s: float, workdir: Path, la
         for link in s["network"]["links"]:
             link["extra_quantiles_ms"] = list(late_ms)
     calib = ROOT / "results" / "calibration.yaml"
-    if calib.is_file():
+    if calib.is_file():  # this machine's broker and member as `kdsync-sim calibrate` measured them
         from sim.calibrate import kafka_at
 
-        s["kafka"] = {**s.get("kafka", {}), **kafka_at(yaml.safe_load(calib.read_text()), rate_eps)}
+        profile = yaml.safe_load(calib.read_text())
+        s["kafka"] = {**s.get("kafka", {}), **kafka_at(profile, rate_eps)}
+        if profile.get("member_cost"):
+            s["member_cost"] = profile["member_cost"]
     path = workdir / f"geo-{protocol}.yaml"
     path.write_text(yaml.safe_dump(s, sort_keys=False))
     sc = load_scenario(path)
@@ -178,8 +182,10 @@ def geo_section(progress=lambda: None, runs: int = 1):
         f"docs/wan.md; clock with wan-five-regions' lead and commit quorum), every member link through a delay "
         f"proxy with that link's one-way delay in sim/scenarios/wan-five-regions.yaml, {RATE_EPS:g} events/s in "
         f"all (paced), {DURATION_S:g} s, {runs} run(s) per protocol; then the same in the simulator (3 seeds, the "
-        f"calibrated broker, the proxies' own lateness). Two cores carry the ten processes here: the real side "
-        f"includes CPU queueing the simulator does not model (no member cost model in this scenario).")
+        f"broker and member costs of results/calibration.yaml — measured on this machine by `kdsync-sim calibrate`, "
+        f"one core per member — and the proxies' own lateness). Two cores carry the ten processes here: the "
+        f"real side also queues members and brokers behind each other, which the one-core-per-member model "
+        f"does not.")
     sec.tables.append(Table("geo_real_vs_sim", "Five regions, real vs simulated (ms)", rows))
     clock = next((r for r in rows if r.get("protocol") == "clock" and "real p50" in r), None)
     if clock:
