@@ -17,7 +17,8 @@ metadata refresh.
 Fetches that come back empty while records wait (stalled fetch): a broker
 that answers every fetch with nothing although its high watermark is ahead
 of the consumer is re-asked by a new client at the same positions with twice
-the fetch wait (up to MAX_FETCH_WAIT_MS), once per `stall_s`; each time is
+the fetch wait (up to MAX_FETCH_WAIT_MS), once per `stall_s` (and at least
+three fetch waits: a long wait may rightly return nothing); each time is
 one WARNING line and `on_restart`.  Tansu on S3 storage does this: it lists
 the partition's objects within the fetch's wait and stops listing when the
 wait is over, so once a partition holds more objects than it can list in
@@ -171,7 +172,7 @@ class SourceConsumer:
                     last_meta = now
                     self._refresh(c, assigned)
                 self._drain_commits(c)
-                if assigned and now - last_record > self.stall_s:
+                if assigned and now - last_record > self._stall_after():
                     last_record = now
                     waiting = self._waiting(c, assigned, consumed)
                     if waiting:
@@ -257,6 +258,12 @@ class SourceConsumer:
             if hi is not None and nxt >= 0 and hi > nxt:
                 out[(t, p)] = hi - nxt
         return out
+
+    def _stall_after(self) -> float:
+        """Seconds of empty fetches while records wait that make a stall:
+        stall_s, and at least three fetch waits (a client asking with a long
+        wait may rightly get nothing for that long)."""
+        return max(self.stall_s, 3 * int(self.conf.get("fetch.wait.max.ms", 500)) / 1000)
 
     def _reask(self, c, assigned, consumed, waiting: dict[tuple[str, int], int]):
         """Every fetch came back empty for stall_s while `waiting` records

@@ -111,7 +111,8 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"no end of {topic}[{partition}] within {timeout}s")
-            if now - progress > STALL_S:
+            # a consumer created with a long fetch wait may rightly get nothing for that long
+            if now - progress > max(STALL_S, 3 * _learned_wait_ms / 1000):
                 progress = now
                 waiting = _stalled(c, topic, partition, nxt)
                 if waiting:
@@ -163,15 +164,18 @@ def iter_partition(conf: str | dict, topic: str, partition: int = 0, start: int 
     if partition_count(conf, topic) <= partition:
         return  # no such topic/partition: nothing to read
     nxt = start
-    for attempt in range(6):  # a stalled fetch: again from where it got, with a new consumer
+    stalls = 0
+    while True:  # a stalled fetch: again from where it got, with a new consumer (and a longer fetch wait)
         c = consumer(conf)
+        before = nxt
         try:
             for m in read_to_eof(c, topic, partition, nxt, stop, timeout=timeout, batch=batch, idle=idle):
                 nxt = m.offset() + 1
                 yield m
             return
         except FetchStalledError:
-            if attempt == 5:
+            stalls = 0 if nxt > before else stalls + 1  # six in a row without a record: give up
+            if stalls == 6:
                 raise
         finally:
             c.close()
