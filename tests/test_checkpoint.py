@@ -369,3 +369,52 @@ def test_checkpoint_offsets_beyond_the_end_are_not_fetched_forever():
     with pytest.raises(StartError, match="does not hold position 40"):
         read_one(c, Checkpoint(T, 50, (50,), {}), high=40)
     assert c.fetches[0] == 49 and c.fetches[-1] == 0
+
+
+def test_an_idle_topic_asks_its_cluster_nothing_until_a_delivery_or_a_failed_write():
+    """A thousand idle topics must not each ask for end offsets every interval
+    (issue 26): once a measure found nothing new, the next takes skip it until
+    the position moves, or the last write fails (it must be written again)."""
+    calls = []
+    prod = FakeProducer()
+
+    def measure(exact=False):
+        calls.append(exact)
+        return (10,)
+
+    async def scenario():
+        w = CheckpointWriter(prod, T, 1, "dc1", start_seq=0, watermarks={}, min_seq=0, last=None,
+                             measure=measure, interval_s=3600, positions=1000)
+        w.delivered(_delivery(0, "a", 0, 10))
+        w.durable(10)
+        await w.take()
+        assert len(calls) == 1 and len(prod.records) == 1
+        prod.records[-1][4](None, None)
+        await w.take()  # measured: nothing new
+        assert len(calls) == 2 and len(prod.records) == 1
+        for _ in range(5):
+            await w.take()
+        assert len(calls) == 2, "an idle topic measured its end offsets again"
+
+        class Failed:
+            def str(self):
+                return "Broker: request timed out"
+
+        w.delivered(_delivery(10, "a", 10, 5))
+        w.durable(15)
+        await w.take()  # the position moved: measured and written
+        assert len(calls) == 3 and Checkpoint.decode(prod.records[-1][2]).seq == 15
+        await w.take()  # written, not confirmed yet: nothing new
+        assert len(calls) == 4 and len(prod.records) == 2
+        prod.records[-1][4](Failed(), None)  # ...and then it failed: taken again at once
+        await w.take()
+        assert len(calls) == 5 and len(prod.records) == 3 and Checkpoint.decode(prod.records[-1][2]).seq == 15
+        prod.records[-1][4](None, None)
+        # a clean stop: exact unless the cluster holds an exact checkpoint of this very position
+        await w.final(timeout=0.1)
+        assert calls[-1] is True and len(calls) == 6
+        w.known_exact(15, (10,))
+        await w.final(timeout=0.1)
+        assert len(calls) == 6, "a clean stop of an idle topic read its global topic again"
+
+    asyncio.run(scenario())

@@ -159,3 +159,29 @@ def test_member_creates_the_global_topic_with_the_settings_and_warns_about_weake
         assert ('weaker="replication factor 1 < 3; min.insync.replicas 1 < 2; retention.ms not set '
                 '(asked 604800000)"') in warn[0]
         assert topic_settings(c.bootstrap, "audit-global") == (1, {"min.insync.replicas": "1"})
+
+
+def test_ensure_topics_makes_hundreds_at_once_and_warns_once_per_weaker_existing_topic(tmp_path, caplog):
+    """A member with many source topics ensures their global and checkpoint
+    topics in one batch (issue 26): every missing one created with its spec,
+    existing ones left as they are (their own partition count returned), one
+    WARNING per existing topic with weaker settings."""
+    from kdsync.kafka.topic import TopicSpec, ensure_topics
+
+    with EmbeddedCluster("dc1", log_dir=tmp_path) as c:
+        ensure_topic(c.bootstrap, "old-0", partitions=3)
+        ensure_topic(c.bootstrap, "old-1", replication_factor=1, config={"min.insync.replicas": "1"})
+        specs = [TopicSpec(f"new-{i:03d}", 2, 2, {"cleanup.policy": "compact"}) for i in range(300)]
+        specs += [TopicSpec("old-0", 1), TopicSpec("old-1", 1, 2, {"min.insync.replicas": "2"}), specs[0]]
+        with caplog.at_level("WARNING", logger="kdsync.kafka.topic"):
+            have = ensure_topics(c.bootstrap, specs, timeout=30)
+        assert len(have) == 302
+        assert all(have[f"new-{i:03d}"] == 2 for i in range(300)) and have["old-0"] == 3 and have["old-1"] == 1
+        assert topic_settings(c.bootstrap, "new-299") == (2, {"cleanup.policy": "compact"})
+        warn = [r.getMessage() for r in caplog.records if "weaker settings" in r.getMessage()]
+        assert len(warn) == 1 and caplog.records[-1].kv["topic"] == "old-1", warn
+        # again: everything exists, nothing created, the same one warning
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kdsync.kafka.topic"):
+            assert ensure_topics(c.bootstrap, specs, timeout=30) == have
+        assert len([r for r in caplog.records if "weaker settings" in r.getMessage()]) == 1, [(r.getMessage(), getattr(r, "kv", None)) for r in caplog.records]

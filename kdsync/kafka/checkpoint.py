@@ -44,14 +44,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kdsync.core import Delivery
 
-__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointWriter", "EndOffsets", "checkpoint_key", "checkpoint_topic",
-           "ensure_checkpoint_topic", "read_checkpoint"]
+__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointWriter", "EndOffsets", "OffsetsConsumer", "checkpoint_key", "checkpoint_topic",
+           "checkpoint_topic_spec", "ensure_checkpoint_topic", "read_checkpoint"]
 
 log = logging.getLogger("kdsync.checkpoint")
 
@@ -133,17 +134,25 @@ def ensure_checkpoint_topic(conf: dict, global_topic: str, replication_factor: i
     return its name.  Raises KafkaException / TimeoutError when the brokers do
     not answer, FatalError when the cluster refuses the settings."""
     from kdsync.fatal import FatalError
-    from kdsync.kafka.topic import TopicSettingsError, ensure_topic
+    from kdsync.kafka.topic import TopicSettingsError, ensure_topics
 
-    name = checkpoint_topic(global_topic)
+    spec = checkpoint_topic_spec(global_topic, replication_factor, min_insync_replicas)
+    try:
+        ensure_topics(conf, [spec], timeout=3.0)
+    except TopicSettingsError as e:
+        raise FatalError(f"topics: {e}") from None
+    return spec.name
+
+
+def checkpoint_topic_spec(global_topic: str, replication_factor: int | None = None,
+                          min_insync_replicas: int | None = None):
+    """The TopicSpec of `global_topic`'s checkpoint topic (ensure_checkpoint_topic)."""
+    from kdsync.kafka.topic import TopicSpec
+
     config = {"cleanup.policy": "compact"}
     if min_insync_replicas is not None:
         config["min.insync.replicas"] = str(min_insync_replicas)
-    try:
-        ensure_topic(conf, name, 1, timeout=3.0, replication_factor=replication_factor, config=config)
-    except TopicSettingsError as e:
-        raise FatalError(f"topics: {e}") from None
-    return name
+    return TopicSpec(checkpoint_topic(global_topic), 1, replication_factor, config)
 
 
 def read_checkpoint(c, global_topic: str, timeout: float = 30.0, shard: int | None = None) -> Checkpoint | None:
@@ -184,45 +193,83 @@ def read_checkpoint(c, global_topic: str, timeout: float = 30.0, shard: int | No
     return None
 
 
-class EndOffsets:
-    """Each partition of `topic`'s end offset as the cluster reports it
-    (ListOffsets: never above the true end, possibly below on some brokers),
-    with one consumer of its own; call it from one thread at a time.
-    `shard`: only partition `shard` (then `partitions` is 1)."""
+class OffsetsConsumer:
+    """One consumer shared by every EndOffsets of a member (a member with a
+    thousand topics keeps one client open for them, not a thousand), used by
+    one thread at a time (`lock`).  Opened on first use; `reset()` drops it
+    so the next use opens a new one (after a stalled fetch)."""
 
-    def __init__(self, conf: dict, topic: str, partitions: int, timeout: float = 10.0, shard: int | None = None):
-        self.conf, self.topic, self.partitions, self.timeout = conf, topic, partitions, timeout
-        self.ids = [shard] if shard is not None else list(range(partitions))  # the partitions measured
+    def __init__(self, conf: dict):
+        self.conf = conf
+        self.lock = threading.Lock()
         self._c = None
 
-    def __call__(self, exact: bool = False) -> tuple[int, ...]:
-        """The end offsets; `exact`: read on from there to partition EOF
-        (for a topic nobody writes at the moment: a clean stop).  Raises
-        KafkaException / TimeoutError when the brokers do not answer."""
-        from confluent_kafka import TopicPartition
-
-        from kdsync.kafka.topic import FetchStalledError, consumer
+    def get(self):
+        """The consumer (hold `lock`)."""
+        from kdsync.kafka.topic import consumer
 
         if self._c is None:
             self._c = consumer(self.conf)
-        self._c.poll(0)  # serves the client's log lines
-        ends = [self._c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout, cached=False)[1]
-                for p in self.ids]
-        if exact:
-            try:
-                self._exact(ends)
-            except FetchStalledError:
-                self.close()  # the retry asks with a new consumer (and a longer fetch wait)
-                raise
-        return tuple(ends)
+        return self._c
 
-    def _exact(self, ends: list[int]) -> None:
+    def reset(self) -> None:
+        """Close the consumer (hold `lock`, or call when no one uses it)."""
+        if self._c is not None:
+            self._c.close()
+            self._c = None
+
+    close = reset
+
+
+class EndOffsets:
+    """Each partition of `topic`'s end offset as the cluster reports it
+    (ListOffsets: never above the true end, possibly below on some brokers),
+    read with `shared` (an OffsetsConsumer: the member's one for all its
+    topics), or with a consumer of its own when None; any thread.
+    `shard`: only partition `shard` (then `partitions` is 1)."""
+
+    def __init__(self, conf: dict, topic: str, partitions: int, timeout: float = 10.0, shard: int | None = None,
+                 shared: OffsetsConsumer | None = None):
+        self.conf, self.topic, self.partitions, self.timeout = conf, topic, partitions, timeout
+        self.ids = [shard] if shard is not None else list(range(partitions))  # the partitions measured
+        self._own = shared is None
+        self._shared = shared if shared is not None else OffsetsConsumer(conf)
+
+    def __call__(self, exact: bool = False) -> tuple[int, ...]:
+        """The end offsets; `exact`: read on from there to partition EOF
+        (for a topic nobody writes at the moment: a clean stop), with a
+        consumer of its own for this read, so the last checkpoints of many
+        topics are taken side by side.  Raises KafkaException / TimeoutError
+        when the brokers do not answer, FetchStalledError (the retry asks with
+        a new consumer and a longer fetch wait)."""
+        from kdsync.kafka.topic import consumer
+
+        if not exact:
+            with self._shared.lock:
+                c = self._shared.get()
+                c.poll(0)  # serves the client's log lines
+                return tuple(self._ends(c))
+        c = consumer(self.conf)
+        try:
+            ends = self._ends(c)
+            self._exact(c, ends)
+            return tuple(ends)
+        finally:
+            c.close()
+
+    def _ends(self, c) -> list[int]:
+        from confluent_kafka import TopicPartition
+
+        return [c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout, cached=False)[1]
+                for p in self.ids]
+
+    def _exact(self, c, ends: list[int]) -> None:
         """Read each partition on from `ends[i]` to partition EOF; update `ends` in place."""
         from kdsync.kafka.topic import read_to_eof
 
         for i, high in enumerate(ends):
             p = self.ids[i]
-            gen = read_to_eof(self._c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
+            gen = read_to_eof(c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
             last = None
             try:
                 while True:
@@ -231,10 +278,10 @@ class EndOffsets:
                 ends[i] = stop.value if stop.value is not None else (last + 1 if last is not None else high)
 
     def close(self) -> None:
-        """Close the consumer (if one was opened)."""
-        if self._c is not None:
-            self._c.close()
-            self._c = None
+        """Close its own consumer (if it opened one; a shared one is its owner's to close)."""
+        if self._own:
+            with self._shared.lock:
+                self._shared.reset()
 
 
 # ---------------------------------------------------------------- the member's writer
@@ -274,6 +321,8 @@ class CheckpointWriter:
         self.positions = positions
         self.written = 0  # checkpoints confirmed by the cluster
         self._pending: Checkpoint | None = None
+        self._exact: tuple[int, tuple[int, ...]] | None = None  # (seq, offsets) known to be exact (known_exact)
+        self._quiet_at: int | None = None  # next_seq when a measure last found nothing new: measure again once it moves
         self._busy = False
         self._task: asyncio.Future | None = None
         self.on_written = on_written  # called with each checkpoint the cluster confirms (and the one read at start)
@@ -308,6 +357,12 @@ class CheckpointWriter:
             await asyncio.sleep(self.interval_s)
             await self.take()
 
+    def known_exact(self, seq: int, offsets: tuple[int, ...]) -> None:
+        """The global topic's partitions end at `offsets` at position `seq`
+        (read to their end at start): a clean stop with nothing delivered
+        since, once a checkpoint of it is confirmed, needs no last read."""
+        self._exact = (seq, tuple(offsets))
+
     def write_now(self, cp: Checkpoint) -> None:
         """Write `cp` (already durable and valid, e.g. the start-up state)."""
         self._write(cp)
@@ -316,8 +371,8 @@ class CheckpointWriter:
         """Measure the end offsets (`exact`: see EndOffsets), then take (and
         once durable, write) a checkpoint unless nothing changed since the
         last one."""
-        if self._busy:
-            return
+        if self._busy or (not exact and self._quiet_at == self.next_seq):
+            return  # an idle topic asks its cluster nothing
         self._busy = True
         try:
             try:
@@ -331,7 +386,9 @@ class CheckpointWriter:
                 return
             last = self._pending or self._taken
             if last is not None and last.seq == q and tuple(last.offsets) == tuple(offsets):
+                self._quiet_at = q
                 return  # nothing new
+            self._quiet_at = None
             cp = Checkpoint(self.global_topic, q, tuple(offsets), dict(self.wm), self.member, shard=self.shard)
             if self.durable_end >= q:
                 self._write(cp)
@@ -350,6 +407,9 @@ class CheckpointWriter:
         while self._busy and time.monotonic() < deadline:  # a cancelled take still finishing
             await asyncio.sleep(0.01)
         self._pending = None
+        last = self.last
+        if last is not None and last.seq == self.next_seq and (last.seq, tuple(last.offsets)) == self._exact:
+            return  # the cluster holds an exact checkpoint of where this topic stands (an idle topic)
         await self.take(exact=True)
         if self._pending is None:  # written (or nothing new)
             await asyncio.to_thread(self.producer.flush, max(0.1, deadline - time.monotonic()))
@@ -365,6 +425,7 @@ class CheckpointWriter:
                             extra={"kv": {"topic": self.topic, "seq": cp.seq, "error": err.str()}})
                 if self._taken is cp:
                     self._taken = self.last  # so the next take does not see "nothing new"
+                    self._quiet_at = None
                 return
             if self.last is None or cp.seq >= self.last.seq:
                 self.last = cp

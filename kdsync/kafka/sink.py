@@ -42,7 +42,7 @@ from kdsync.fatal import FatalError
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ, global_partition, unpack_payload
 from kdsync.observability.logs import kv, where
 
-__all__ = ["GlobalWriter", "WrittenDelivery", "ensure_global", "make_producer", "producer_conf", "read_present"]
+__all__ = ["GlobalWriter", "WrittenDelivery", "check_global_partitions", "ensure_global", "make_producer", "producer_conf", "read_present"]
 
 log = logging.getLogger("kdsync.sink")
 
@@ -73,13 +73,19 @@ def ensure_global(conf: dict, global_topic: str, partitions: int, replication_fa
     cluster refuses the settings, KafkaException/TimeoutError when the brokers
     do not answer.  `shards` > 1: created with one partition per shard, and
     refused only when an existing topic has fewer (docs/shards.md)."""
-    from kdsync.kafka.topic import TopicSettingsError, ensure_topic
+    from kdsync.kafka.topic import TopicSettingsError, TopicSpec, ensure_topics
 
     try:
-        have = ensure_topic(conf, global_topic, partitions, timeout=3.0, replication_factor=replication_factor,
-                            config=config)
+        have = ensure_topics(conf, [TopicSpec(global_topic, partitions, replication_factor, dict(config or {}))],
+                             timeout=3.0)[global_topic]
     except TopicSettingsError as e:  # the cluster refuses [topics] settings: no retry can fix that
         raise FatalError(f"topics: {e}") from None
+    return check_global_partitions(global_topic, have, partitions, shards)
+
+
+def check_global_partitions(global_topic: str, have: int, partitions: int, shards: int = 1) -> int:
+    """`have`, the partition count of `global_topic`, when it is the one asked
+    (`partitions`, or at least `shards`); FatalError otherwise (ensure_global)."""
     if shards > 1:
         if have < shards:
             raise FatalError(f"topics.shards = {shards} but {global_topic} already has {have} partitions "

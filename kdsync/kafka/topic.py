@@ -17,13 +17,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from kdsync.observability.logs import client_log
 
-__all__ = ["FetchStalledError", "PartitionEndError", "TopicSettingsError", "admin_conf", "consumer", "ensure_topic",
+__all__ = ["FetchStalledError", "PartitionEndError", "TopicSettingsError", "TopicSpec", "admin_conf", "consumer",
+           "ensure_topic", "ensure_topics",
            "fetch_wait_ms", "iter_partition",
            "partition_count", "read_partition", "read_to_eof", "topic_settings", "weaker_settings"]
 
@@ -33,6 +35,11 @@ log = logging.getLogger("kdsync.kafka.topic")
 _SETTINGS_ERRORS = {KafkaError.INVALID_CONFIG, KafkaError.INVALID_REPLICATION_FACTOR, KafkaError.POLICY_VIOLATION,
                     KafkaError.INVALID_REQUEST, KafkaError.INVALID_PARTITIONS, KafkaError.UNSUPPORTED_VERSION,
                     KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED}
+
+
+# topics per DescribeConfigs request: Tansu 0.6 answers one for a few hundred topics with a
+# response librdkafka cannot parse (found by tests/test_topic_settings.py)
+DESCRIBE_AT_ONCE = 50
 
 
 class TopicSettingsError(ValueError):
@@ -207,45 +214,83 @@ def admin_conf(conf: str | dict) -> dict:
     return {k: v for k, v in conf.items() if k not in drop}
 
 
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic to ensure: its name, partition count, replication factor (None:
+    the broker's default.replication.factor) and topic configs."""
+
+    name: str
+    partitions: int = 1
+    replication_factor: int | None = None
+    config: dict[str, str] = field(default_factory=dict)
+
+
 def ensure_topic(conf: str | dict, topic: str, partitions: int = 1, timeout: float = 10.0,
                  replication_factor: int | None = None, config: dict[str, str] | None = None) -> int:
     """Create `topic` with `partitions` partitions unless it exists; return its
-    partition count (which may differ if it already existed).
+    partition count (which may differ if it already existed).  One topic of
+    `ensure_topics`, which says the rest."""
+    spec = TopicSpec(topic, partitions, replication_factor, dict(config or {}))
+    return ensure_topics(conf, [spec], timeout)[topic]
 
-    A new topic gets `replication_factor` (None: the broker's default,
-    default.replication.factor) and the topic `config`.  An existing topic is
-    left as it is; when settings were asked and it has weaker ones, one WARNING
-    line says which.  Raises TopicSettingsError when the cluster refuses the
-    settings, KafkaException / TimeoutError when it cannot be reached."""
+
+def ensure_topics(conf: str | dict, specs: list[TopicSpec], timeout: float = 10.0) -> dict[str, int]:
+    """Create every topic of `specs` that does not exist; return each one's
+    partition count (an existing topic's may differ from the spec's).
+
+    A new topic gets its spec's replication factor and configs.  An existing
+    topic is left as it is; when settings were asked and it has weaker ones,
+    one WARNING line per topic says which.  However many topics, this is one
+    metadata request, one CreateTopics for the missing ones and one
+    DescribeConfigs for the existing ones with settings asked (a member
+    starting with a thousand topics does not walk them one by one).  Raises
+    TopicSettingsError when the cluster refuses a spec's settings,
+    KafkaException / TimeoutError when it cannot be reached."""
     admin = AdminClient(admin_conf(conf))
-    md = admin.list_topics(timeout=timeout)  # naming the topic would auto-create it
-    t = md.topics.get(topic)
-    if t is not None and t.error is None and t.partitions:
-        if replication_factor is not None or config:
-            _warn_if_weaker(admin, topic, replication_factor, config or {}, timeout)
-        return len(t.partitions)
-    # -1: let the broker apply its default (CreateTopics v4+, Kafka 2.4+)
-    new = NewTopic(topic, partitions, replication_factor if replication_factor is not None else -1,
-                   config=dict(config or {}))
-    fut = admin.create_topics([new], operation_timeout=timeout)[topic]
-    try:
-        fut.result(timeout)
-    except KafkaException as e:
-        err = e.args[0]
-        if err.code() in _SETTINGS_ERRORS:
-            asked = f"replication_factor={replication_factor if replication_factor is not None else 'default'}"
-            asked += "".join(f", {k}={v}" for k, v in sorted((config or {}).items()))
-            raise TopicSettingsError(f"creating {topic} ({asked}): {err.str()}") from None
-        if err.code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        md = admin.list_topics(timeout=timeout)  # naming the topic would auto-create it
-        t = md.topics.get(topic)
+    md = admin.list_topics(timeout=timeout)  # naming a topic would auto-create it
+    have: dict[str, int] = {}
+    missing: list[TopicSpec] = []
+    check: list[tuple[TopicSpec, int]] = []
+    for s in specs:
+        t = md.topics.get(s.name)
         if t is not None and t.error is None and t.partitions:
-            return len(t.partitions)
+            have[s.name] = len(t.partitions)
+            if s.replication_factor is not None or s.config:
+                check.append((s, min(len(p.replicas) for p in t.partitions.values())))
+        elif s.name not in {m.name for m in missing}:
+            missing.append(s)
+    if check:
+        _warn_if_weaker(admin, check, timeout)
+    if not missing:
+        return have
+    # -1: let the broker apply its default (CreateTopics v4+, Kafka 2.4+)
+    futs = admin.create_topics([NewTopic(s.name, s.partitions, s.replication_factor if s.replication_factor is not None
+                                         else -1, config=dict(s.config)) for s in missing], operation_timeout=timeout)
+    for s in missing:
+        try:
+            futs[s.name].result(timeout)
+        except KafkaException as e:
+            err = e.args[0]
+            if err.code() in _SETTINGS_ERRORS:
+                asked = f"replication_factor={s.replication_factor if s.replication_factor is not None else 'default'}"
+                asked += "".join(f", {k}={v}" for k, v in sorted(s.config.items()))
+                raise TopicSettingsError(f"creating {s.name} ({asked}): {err.str()}") from None
+            if err.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+    deadline = time.monotonic() + timeout
+    while True:
+        md = admin.list_topics(timeout=timeout)
+        for s in missing:
+            t = md.topics.get(s.name)
+            if t is not None and t.error is None and t.partitions:
+                have[s.name] = len(t.partitions)
+        waiting = [s.name for s in missing if s.name not in have]
+        if not waiting:
+            return have
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"topic {waiting[0]} not visible after creation"
+                               + (f" (and {len(waiting) - 1} more)" if len(waiting) > 1 else ""))
         time.sleep(0.05)
-    raise TimeoutError(f"topic {topic} not visible after creation")
 
 
 def topic_settings(conf: str | dict, topic: str, timeout: float = 10.0) -> tuple[int, dict[str, str]]:
@@ -288,15 +333,29 @@ def weaker_settings(have_rf: int, have: dict[str, str], replication_factor: int 
     return out
 
 
-def _warn_if_weaker(admin: AdminClient, topic: str, replication_factor: int | None, config: dict[str, str],
-                    timeout: float) -> None:
+def _warn_if_weaker(admin: AdminClient, existing: list[tuple[TopicSpec, int]], timeout: float) -> None:
+    """One WARNING per existing topic (spec, replication factor it has) whose
+    settings are weaker than its spec asks; one DescribeConfigs for all."""
+    by_name = {}
     try:
-        rf, have = _settings(admin, topic, timeout)
-    except Exception as e:  # the topic works all the same: say we could not check
-        log.warning("cannot read the settings of an existing topic", extra={"kv": {"topic": topic, "error": str(e)}})
+        for i in range(0, len(existing), DESCRIBE_AT_ONCE):
+            futs = admin.describe_configs([ConfigResource(ResourceType.TOPIC, s.name)
+                                           for s, _ in existing[i:i + DESCRIBE_AT_ONCE]], request_timeout=timeout)
+            by_name.update((r.name, f) for r, f in futs.items())
+    except Exception as e:  # the topics work all the same: say we could not check
+        log.warning("cannot read the settings of existing topics", extra={"kv": {"topics": len(existing),
+                                                                               "error": str(e)}})
         return
-    weaker = weaker_settings(rf, have, replication_factor, config)
-    if weaker:
-        log.warning("existing topic has weaker settings than [topics] asks; kdsync does not change them "
-                    "(kafka-configs / kafka-reassign-partitions do)",
-                    extra={"kv": {"topic": topic, "weaker": "; ".join(weaker)}})
+    for s, rf in existing:
+        try:
+            entries = by_name[s.name].result(timeout)
+        except Exception as e:
+            log.warning("cannot read the settings of an existing topic", extra={"kv": {"topic": s.name,
+                                                                                     "error": str(e)}})
+            continue
+        have = {k: v.value for k, v in entries.items() if v.value is not None}
+        weaker = weaker_settings(rf, have, s.replication_factor, s.config)
+        if weaker:
+            log.warning("existing topic has weaker settings than [topics] asks; kdsync does not change them "
+                        "(kafka-configs / kafka-reassign-partitions do)",
+                        extra={"kv": {"topic": s.name, "weaker": "; ".join(weaker)}})
