@@ -44,6 +44,7 @@ The TOML file (reference: docs/config.md) with every optional section::
     heartbeat_ms = 100
     suspect_ms = 500
     retransmit_ms = 50
+    quiesce = true                      # idle topics' groups sleep (one ping per peer keeps liveness)
 
     [checkpoint]                        # the restart state next to each global topic (T-global.kdsync)
     interval_ms = 10000                 # written at most this often while positions advance
@@ -294,6 +295,7 @@ class ProtocolSection(_Model):
     catchup_chunk: Annotated[int, Field(ge=1)] = 5_000
     clock_lead_ms: Annotated[float, Field(ge=0, le=60_000)] = 0
     commit_quorum: Annotated[int, Field(ge=0, le=1000)] = 0
+    quiesce: bool = True  # an idle topic's group sleeps: no ticks, no heartbeats (kdsync.core.liveness)
 
     def ticks(self, ms: float) -> int:
         return max(1, round(ms / self.tick_ms))

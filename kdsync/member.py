@@ -2,13 +2,10 @@
 
 Theory of operation
 -------------------
-One asyncio loop drives one ordering node (kdsync.core) per source topic,
-exactly as kdsync/core documents: peer messages, source events and the clock
-(`tick()` every `protocol.tick_ms`, measured on the loop's clock; while every
-node is quiet the timer wakes for a pair of ticks every other period, and any
-input runs the ticks due first) go in; after
-every input batch the runtime drains `ready()` and does the I/O in the order
-Ready prescribes:
+One asyncio loop drives one ordering node (kdsync.core) per source topic as
+kdsync/core documents: peer messages, source events and ticks go in (the tick
+timer and the idle groups that sleep: kdsync.ticks); after every input batch
+the runtime drains `ready()` and does the I/O in the order Ready prescribes:
 
 1. `hard_state` is written to `state_dir/<topic>.hardstate` atomically
    (kdsync.state) before any message is sent;
@@ -28,9 +25,9 @@ topics (kdsync.kafka.source) and hands them to the loop as runs of one
 partition; when too many own events are waiting to become durable, it pauses
 (back-pressure).  The records' schema is kdsync.kafka.records.
 
-Start-up, per source topic: kdsync.pipeline (global and checkpoint topics,
-start position and watermarks from the last checkpoint, the node).  The tick
-timer: kdsync.ticks.  A failed producer: kdsync.producer_recovery.
+Start-up of the source topics, side by side: kdsync.pipeline (global and
+checkpoint topics, start position and watermarks from the last checkpoint,
+the node).  A failed producer: kdsync.producer_recovery.
 
 SIGINT/SIGTERM: stop consuming, wait for outstanding delivery reports, commit,
 close, exit 0.
@@ -55,14 +52,16 @@ from kdsync.config import Config, parse_address
 from kdsync.core import Delivery, RemoteProtocolError
 from kdsync.fatal import FatalError
 from kdsync.observability.stalls import StallDetector, sample_pipelines
+from kdsync.kafka.checkpoint import OffsetsConsumer
 from kdsync.kafka.sink import make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.observability.logs import KafkaClientLog, client_callback, kv
-from kdsync.pipeline import TopicPipeline, discover_topics, open_pipeline, serve_read
+from kdsync.pipeline import (TopicPipeline, close_pipelines, discover_topics, open_pipeline, serve_read, start_each,
+                             start_topics)
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
-from kdsync.ticks import TickClock, wall_us
+from kdsync.ticks import Sleepers, TickClock, wall_us
 from kdsync.transport.channels import frame_channel, split_channel
 
 log = logging.getLogger("kdsync.member")
@@ -94,6 +93,7 @@ class Member:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transport = None
         self.producer = None
+        self.offsets_consumer: OffsetsConsumer | None = None  # the end-offset client every checkpoint writer shares
         self.source: SourceConsumer | None = None
         self.metrics = None
         self.consume_batch = consume_batch
@@ -162,6 +162,9 @@ class Member:
             await self.transport.start()
         except TransportError as e:
             raise FatalError(str(e)) from None
+        pc = self.pcfg
+        self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
+                                 pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
@@ -169,8 +172,7 @@ class Member:
             if not self.witness:
                 await self._start_kafka()
             elif self.cfg.topics is not None and self.cfg.topics.fixed_names():
-                for t in self.cfg.topics.fixed_names():
-                    await self._start_pipeline(t)
+                await start_each(self.cfg.topics.fixed_names(), self.start_pipeline)
             self._start_ticks()
             try:
                 await self._stop.wait()
@@ -250,6 +252,7 @@ class Member:
 
     async def _start_kafka(self) -> None:
         self.producer = make_producer(self.producer_conf())
+        self.offsets_consumer = OffsetsConsumer(self.kafka_conf)
         self.source = SourceConsumer(
             {**self.kafka_conf, "error_cb": client_callback(self._on_kafka_error, "source error_cb")}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
@@ -261,16 +264,15 @@ class Member:
         topics = await self.retry("listing source topics", discover_topics, self.cfg, self.kafka_conf)
         if not topics:
             log.warning("no source topic matches yet; waiting for one", **kv(source=str(self.cfg.topics.source)))
-        for t in topics:
-            await self._start_pipeline(t)
+        await start_topics(self, topics)
         self.source.start()
 
-    async def _start_pipeline(self, topic: str) -> None:
+    async def start_pipeline(self, topic: str, partitions: int | None = None) -> None:
         if topic in self.pipelines or topic in self.starting:
             return
         self.starting.add(topic)
         try:
-            p, start, hs = await open_pipeline(self, topic)
+            p, start, hs = await open_pipeline(self, topic, partitions)
             self.pipelines[topic] = p
             watermarks = start.watermarks if start is not None else {}
             if self.source is not None:
@@ -306,7 +308,10 @@ class Member:
         self.fatal(f"tick: {e}")
 
     def _on_ticks(self, n: int, now: float) -> None:
+        self.sleepers.on_ticks(n)
         for p in list(self.pipelines.values()):
+            if self.sleepers.skip(p.topic, p.node):
+                continue
             p.node.clock(wall_us())
             for _ in range(n):
                 p.node.tick()
@@ -326,13 +331,13 @@ class Member:
         except Exception as e:
             log.warning("topic discovery failed", **kv(error=str(e)))
             return
-        for t in topics:
-            if t not in self.pipelines:
-                await self._start_pipeline(t)
+        await start_topics(self, [t for t in topics if t not in self.pipelines and t not in self.starting])
 
     def _on_peer_message(self, peer: str, data: bytes) -> None:
         try:
             topic, body = split_channel(data)
+            if self.sleepers.heard(peer, topic):
+                return
             p = self.pipelines.get(topic)
             if p is None:
                 if not self._topic_allowed(topic):
@@ -340,9 +345,10 @@ class Member:
                 # kept until the pipeline is ready (bounded; beyond that the peer retransmits)
                 self._early.setdefault(topic, deque(maxlen=EARLY_MESSAGES)).append((peer, body))
                 if topic not in self.starting:
-                    asyncio.ensure_future(self._start_pipeline(topic))
+                    asyncio.ensure_future(self.start_pipeline(topic))
                 return
             self.clock.due()
+            self.sleepers.wake(topic, p.node)
             p.node.clock(wall_us())
             p.node.receive(peer, body)
             if not p.process_scheduled:
@@ -378,6 +384,7 @@ class Member:
             p.consumed += b.count
             p.submitted_next[b.partition] = b.first_offset + b.count
             p.own_next.setdefault(b.partition, b.first_offset)  # below its first submission: ordered before
+            self.sleepers.wake(p.topic, p.node)
             p.node.submit([run.batch])
             touched[run.topic] = p
         for p in touched.values():
@@ -456,6 +463,7 @@ class Member:
     # ------------------------------------------------------------ the global topic's reports
     def on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:
         p.durable_end = end
+        self.sleepers.wake(p.topic, p.node)
         p.node.durable(end)
         p.checkpoint.durable(end)
         self.metrics.delivered.labels(p.topic).set(end)
@@ -477,17 +485,10 @@ class Member:
                 await asyncio.sleep(0)  # run the scheduled durable reports
             for w in writers:
                 w.report_durable()
-        for p in self.pipelines.values():
-            if p.checkpoint_task is not None:
-                p.checkpoint_task.cancel()
-        if self.producer is not None and self._fatal is None:
-            for p in self.pipelines.values():  # the next start then reads nothing of the global topic
-                if p.checkpoint is not None:
-                    await p.checkpoint.final()
         if self.source is not None:
             await asyncio.to_thread(self.source.close, 15)
-        for p in self.pipelines.values():
-            await p.close()
+        await close_pipelines(list(self.pipelines.values()), self.offsets_consumer,
+                              final=self.producer is not None and self._fatal is None)
         if self.transport is not None:
             await self.transport.close()
         if self.metrics is not None:

@@ -19,13 +19,16 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from kdsync.core import HardState, LocalProtocolError, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.fatal import FatalError
-from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter, EndOffsets, checkpoint_topic, ensure_checkpoint_topic
+from kdsync.kafka.checkpoint import (Checkpoint, CheckpointWriter, EndOffsets, OffsetsConsumer, checkpoint_topic,
+                                     checkpoint_topic_spec, ensure_checkpoint_topic)
 from kdsync.kafka.reader import GlobalReader, GlobalStart, load_start
-from kdsync.kafka.sink import GlobalWriter, ensure_global
+from kdsync.kafka.sink import GlobalWriter, check_global_partitions, ensure_global
+from kdsync.kafka.topic import TopicSettingsError, TopicSpec, ensure_topics
 from kdsync.observability.logs import kv
 from kdsync.observability.stage_latency import StageClock
 from kdsync.state import HardStateFile
@@ -34,9 +37,11 @@ if TYPE_CHECKING:
     from kdsync.config import Config
     from kdsync.member import Member
 
-__all__ = ["TopicPipeline", "discover_topics", "node_config", "open_pipeline", "serve_read"]
+__all__ = ["TopicPipeline", "close_pipelines", "discover_topics", "node_config", "open_pipeline", "prepare_topics", "serve_read", "at_most", "start_each", "start_topics"]
 
 log = logging.getLogger("kdsync.member")
+
+AT_ONCE = 4  # topics starting (or taking their last checkpoint) at once: each holds a worker thread while it waits
 
 
 @dataclass
@@ -100,20 +105,96 @@ def node_config(cfg: Config) -> NodeConfig:
                       clock_lead_us=int(p.clock_lead_ms * 1000), commit_quorum=p.commit_quorum)
 
 
-async def open_pipeline(m: Member, topic: str) -> tuple[TopicPipeline, GlobalStart | None, HardState | None]:
+async def start_topics(m: Member, topics: list[str]) -> None:
+    """Start the pipelines of `topics` (source topics of a member with
+    Kafka): their global and checkpoint topics made in one batch, then
+    `start_each`."""
+    if topics:
+        parts = await m.retry(f"creating the global and checkpoint topics of {len(topics)} source topics",
+                              prepare_topics, m.cfg, m.kafka_conf, topics)
+        await start_each(topics, m.start_pipeline, parts)
+
+
+async def start_each(topics: list[str], start: Callable[[str, int | None], Awaitable[None]],
+                     partitions: dict[str, int] | None = None) -> None:
+    """`start(topic, partitions)` every topic of `topics`, AT_ONCE at a time:
+    a start waits on its cluster (the checkpoint and the global topic's
+    tail), not on this process, so a thousand topics start in seconds rather
+    than one by one.  The first failure cancels the others and is raised as
+    it is (a FatalError stops the member)."""
+    await at_most(AT_ONCE, [start(t, None if partitions is None else partitions[t]) for t in topics])
+
+
+async def at_most(n: int, aws: list[Awaitable]) -> None:
+    """Await every one of `aws`, `n` at a time; the first failure cancels the
+    rest and is raised as it is."""
+    gate = asyncio.Semaphore(n)
+
+    async def one(aw: Awaitable) -> None:
+        async with gate:
+            await aw
+
+    tasks = [asyncio.ensure_future(one(aw)) for aw in aws]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def close_pipelines(pipelines: list[TopicPipeline], offsets: OffsetsConsumer | None, final: bool) -> None:
+    """Stop the checkpoint writers of `pipelines`; with `final` (a clean stop
+    with every delivery report in), take their last checkpoints first, AT_ONCE
+    at a time, so the next start reads nothing of the global topics; close
+    their clients and the member's shared end-offset consumer `offsets`."""
+    for p in pipelines:
+        if p.checkpoint_task is not None:
+            p.checkpoint_task.cancel()
+    if final:
+        await at_most(AT_ONCE, [p.checkpoint.final() for p in pipelines if p.checkpoint is not None])
+    await at_most(AT_ONCE, [p.close() for p in pipelines])
+    if offsets is not None:
+        await asyncio.to_thread(offsets.close)
+
+
+def prepare_topics(cfg: Config, kafka_conf: dict, topics: list[str]) -> dict[str, int]:
+    """Create the global and checkpoint topics of every source topic in
+    `topics` that lacks them, in one batch (kdsync.kafka.topic.ensure_topics);
+    return each source topic's global partition count as `open_pipeline`'s
+    `partitions` wants it.  Blocking: run in a thread.  Raises FatalError as
+    ensure_global does."""
+    tc = cfg.topics
+    globals_ = {t: tc.global_topic(t) for t in topics}
+    want = tc.partition_count()
+    specs = [TopicSpec(gt, want, tc.replication_factor, tc.global_topic_config()) for gt in globals_.values()]
+    specs += [checkpoint_topic_spec(gt, tc.replication_factor, tc.min_insync_replicas) for gt in globals_.values()]
+    try:
+        have = ensure_topics(kafka_conf, specs, timeout=10.0)
+    except TopicSettingsError as e:  # the cluster refuses [topics] settings: no retry can fix that
+        raise FatalError(f"topics: {e}") from None
+    return {t: check_global_partitions(gt, have[gt], want, tc.shards) for t, gt in globals_.items()}
+
+
+async def open_pipeline(m: Member, topic: str, partitions: int | None = None,
+                        ) -> tuple[TopicPipeline, GlobalStart | None, HardState | None]:
     """The pipeline of `topic` for member `m`, started from its global topic
     (none read on a witness), with the start state read and the hard state
-    loaded."""
+    loaded.  `partitions`: the global topic's, its global and checkpoint
+    topics already made by `prepare_topics`; None: made here."""
     gt = m.cfg.topics.global_topic(topic) if m.cfg.topics else topic + "-global"
     start_seq, watermarks, parts, present, start = 0, {}, 1, set(), None
     if not m.witness:
         tc = m.cfg.topics
-        parts = await m.retry(f"creating {gt}", ensure_global, m.kafka_conf, gt, tc.partition_count(),
-                              tc.replication_factor, tc.global_topic_config(), tc.shards)
+        if partitions is not None:
+            parts = partitions
+        else:
+            parts = await m.retry(f"creating {gt}", ensure_global, m.kafka_conf, gt, tc.partition_count(),
+                                  tc.replication_factor, tc.global_topic_config(), tc.shards)
+            await m.retry(f"creating {checkpoint_topic(gt)}", ensure_checkpoint_topic, m.kafka_conf, gt,
+                          tc.replication_factor, tc.min_insync_replicas)
         if m.shard is not None:
             parts = 1  # this shard's partition of gt alone
-        await m.retry(f"creating {checkpoint_topic(gt)}", ensure_checkpoint_topic, m.kafka_conf, gt,
-                      tc.replication_factor, tc.min_insync_replicas)
         start = await m.retry(f"reading {gt} from its checkpoint", load_start, m.kafka_conf, gt, parts, 60.0, m.shard)
         start_seq, watermarks, present = start.end, start.watermarks, start.present
         if start.lost is not None:
@@ -152,16 +233,18 @@ def _start_checkpoints(m: Member, p: TopicPipeline, start: GlobalStart, parts: i
     checkpoint of the start state unless the topic already holds positions
     beyond a gap."""
     cc = m.cfg.checkpoint
-    p.end_offsets = EndOffsets(m.kafka_conf, p.global_topic, parts, shard=m.shard)
+    p.end_offsets = EndOffsets(m.kafka_conf, p.global_topic, parts, shard=m.shard, shared=m.offsets_consumer)
     p.checkpoint = CheckpointWriter(
         m.producer, p.global_topic, parts, m.me, start_seq=start.end, watermarks=start.watermarks,
         min_seq=max(start.present) + 1 if start.present else start.end, last=start.checkpoint,
         measure=p.end_offsets, interval_s=cc.interval_ms / 1000.0, positions=cc.positions, shard=m.shard,
         on_written=lambda cp, topic=p.topic: m.metrics.checkpoint_written(topic, cp.seq, cp.written_ms))
     cp = start.checkpoint
-    if not start.present and (cp is None or cp.seq != start.end or cp.offsets != start.ends):
-        p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, m.me,
-                                          shard=m.shard))
+    if not start.present:
+        p.checkpoint.known_exact(start.end, start.ends)
+        if cp is None or cp.seq != start.end or cp.offsets != start.ends:
+            p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, m.me,
+                                              shard=m.shard))
     p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
 
 
@@ -179,5 +262,6 @@ async def serve_read(m: Member, p: TopicPipeline, start: int, stop: int) -> None
             return
     log.info("served a read from the global topic", **kv(topic=p.topic, start=start, stop=stop, events=len(events)))
     for i in range(0, len(events), chunk):
+        m.sleepers.wake(p.topic, p.node)
         p.node.step(LogChunk(start + i, tuple(batches_from_events(events[i:i + chunk]))))
         m.process(p)

@@ -16,7 +16,9 @@ import asyncio
 import time
 from typing import Callable
 
-__all__ = ["TickClock", "wall_us"]
+from kdsync.core.liveness import Dormancy, PeerLiveness
+
+__all__ = ["PING_CHANNEL", "Sleepers", "TickClock", "wall_us"]
 
 MAX_CATCH_UP = 5  # a stalled loop catches up a few ticks, not hundreds
 
@@ -94,3 +96,63 @@ class TickClock:
         n = max(n, at_least)
         if n:
             self._on_ticks(n, now)
+
+
+PING_CHANNEL = "__kdsync.live"  # never a source topic (`__` topics are internal), so older members drop it
+
+
+class Sleepers:
+    """The member's side of kdsync.core.liveness: one ping per peer per
+    heartbeat whatever the number of topics, every frame heard, and the
+    pipelines whose node sleeps.  `send(peer, frame)` sends on the peer
+    link; `sleep`: nodes may sleep (`[protocol] quiesce`) — pings go out and
+    awake nodes hear the member's liveness either way, so peers that sleep
+    are never suspected by this member's awake nodes."""
+
+    def __init__(self, peers, heartbeat_ticks: int, suspect_ticks: int, send: Callable[[str, bytes], None],
+                 sleep: bool = True):
+        from kdsync.transport.channels import frame_channel
+
+        self.live = PeerLiveness(peers, heartbeat_ticks, suspect_ticks)
+        self.dorm = Dormancy(self.live)
+        self.sleep = sleep
+        self._send = send
+        self._ping = frame_channel(PING_CHANNEL, b"")
+
+    def on_ticks(self, n: int) -> None:
+        """The member ticks (before its nodes): pings due go out; a peer
+        fallen silent wakes every sleeping node (each then suspects it);
+        nodes that slept long wake for a heartbeat round (Dormancy.wake_due)."""
+        live = self.live
+        for _ in range(n):
+            if live.tick():
+                for peer in live.peers:
+                    try:
+                        self._send(peer, self._ping)
+                    except Exception:  # noqa: BLE001 - a peer link down: its silence says the rest
+                        pass
+        if live.newly_silent():
+            self.dorm.wake_all()
+        self.dorm.wake_due()
+
+    def skip(self, topic: str, node) -> bool:
+        """Before a node's ticks: True when it sleeps (do not tick it);
+        otherwise it hears the member's liveness first."""
+        if self.sleep and self.dorm.try_sleep(topic, node):
+            return True
+        self.dorm.refresh(node)
+        return False
+
+    def heard(self, peer: str, channel: str) -> bool:
+        """A frame from `peer` on `channel`; True when it was a ping (nothing more to do)."""
+        ping = channel == PING_CHANNEL
+        self.live.heard(peer, ping)
+        return ping
+
+    def wake(self, topic: str, node) -> None:
+        """Before input reaches `node`."""
+        if self.dorm.asleep:
+            self.dorm.wake(topic, node)
+
+    def sleeping(self) -> int:
+        return len(self.dorm.asleep)

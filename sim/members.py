@@ -55,12 +55,15 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
+from kdsync.core.liveness import Dormancy, PeerLiveness
 from kdsync.testing.clocks import ClockFault
 from sim.kafka import Cluster
 from sim.quantiles import inverse_cdf
 from sim.scenario import MemberCostSpec
 
-__all__ = ["Host", "SimMember"]
+__all__ = ["PING", "Host", "SimMember"]
+
+PING = b"ping"  # the member-level ping of `quiesce` (by identity: never handed to a node)
 
 SERVICE_RECORDS = 5_000  # records one service takes at most (cost model)
 
@@ -75,6 +78,8 @@ class Host(Protocol):
     sink_extra_s: float  # replication ack (acks=all) after the broker append (produce_s)
     commit_s: float
     max_inflight: int  # records consumed and not yet durable before a consumer pauses
+    quiesce: bool  # kdsync run's [protocol] quiesce: idle nodes sleep, members ping (kdsync.core.liveness)
+    peers: dict[str, list[str]]  # member -> the other members
 
     @property
     def now(self) -> float: ...
@@ -144,11 +149,13 @@ class SimMember:
         self.views = 0
         self.bad_messages = 0
         self.deduplicated = 0
+        self.slept = 0  # quiesce: times the node fell asleep
         self._wakeup_rng = random.Random(f"{host.seed}/wakeup/{member_id}/{shard}")
         self.fetched_upto = -1.0  # kafka.fetch_wait_ms: the snapshot time of the last fetch (the broker side)
         self._sink_batch: list | None = None
         self.clock_fault = host.clock_fault(member_id)
         self.uses_clock = config.protocol == "clock"
+        self.dorm: Dormancy | None = None  # quiesce: this process's liveness and sleeping node
         self.stages: dict | None = None  # (partition, first offset) -> [fetched, handed] of own batches (bench)  # the member's producer batch while it lingers: [(deliveries, handed)]
 
     # ------------------------------------------------------------ life cycle
@@ -168,6 +175,9 @@ class SimMember:
             kwargs["hard_state"] = host.witness_disk(self.id, self.shard)
         self.starts += 1
         self.node = host.make_node(self.config, **kwargs)
+        if host.quiesce:  # a new process: its liveness starts afresh
+            cfg = self.config
+            self.dorm = Dormancy(PeerLiveness(host.peers[self.id], cfg.heartbeat_ticks, cfg.suspect_ticks))
         self.up = True
         self.paused_until = -1.0
         self._buffer.clear()
@@ -181,6 +191,7 @@ class SimMember:
         self._collect_stats()
         self.up = False
         self.node = None
+        self.dorm = None
         self.epoch += 1
         self._buffer.clear()
         self._queue.clear()
@@ -223,6 +234,9 @@ class SimMember:
     def _collect_stats(self) -> None:
         if self.node is not None:
             self.deduplicated += int(self.node.stats.get("deduplicated", 0))
+        if self.dorm is not None:
+            self.slept += self.dorm.slept
+            self.dorm.slept = 0
 
     # ---------------------------------------------------------------- inputs
     def _input(self, fn: Callable[[], None], msgs: int = 0, events: int = 0, ticks: int = 0) -> None:
@@ -240,7 +254,16 @@ class SimMember:
     def on_message(self, src: str, data: bytes) -> None:
         if not self.up:
             return  # a dead process receives nothing
+        if self.dorm is not None:
+            self.dorm.liveness.heard(src, ping=data is PING)
+            if data is PING:
+                return
         self._input(lambda: self._receive(src, data), msgs=1)
+
+    def _wake(self) -> None:
+        """Before any input reaches the node: a sleeping node wakes (quiesce)."""
+        if self.dorm is not None and self.dorm.asleep:
+            self.dorm.wake(0, self.node)
 
     def _clock(self) -> None:
         """The node's wall clock reading now (before every input; only the
@@ -249,6 +272,7 @@ class SimMember:
             self.node.clock(self.clock_fault.read(int(self.host.now * 1e6)))
 
     def _receive(self, src: str, data: bytes) -> None:
+        self._wake()
         self._clock()
         try:
             self.node.receive(src, data)
@@ -267,6 +291,18 @@ class SimMember:
         self.flush()
 
     def _tick_node(self) -> None:
+        d = self.dorm
+        if d is not None:  # the member's liveness tick: pings, a silent peer wakes the node, which may sleep
+            live = d.liveness
+            if live.tick():
+                for p in live.peers:
+                    self.host.send(self.id, p, PING, self.shard)
+            if live.newly_silent():
+                d.wake_all()
+            d.wake_due()
+            if d.try_sleep(0, self.node):
+                return
+            d.refresh(self.node)
         self._clock()
         self.node.tick()
 
@@ -319,11 +355,19 @@ class SimMember:
             cur[p] = i
         if out:
             if self.cost is not None:
-                self._input(lambda: self.node.submit(out), events=sum(b.count for b in out))
+                self._input(lambda: self._submit(out), events=sum(b.count for b in out))
                 return
-            self.node.submit(out)
+            self._submit(out)
             if not self.flush_pending:
                 self.host.request_flush(self)
+
+    def _submit(self, out: list[Batch]) -> None:
+        self._wake()
+        self.node.submit(out)
+
+    def _durable(self, end: int) -> None:
+        self._wake()
+        self.node.durable(end)
 
     # ----------------------------------------------------------------- flush
     def flush(self) -> None:
@@ -490,7 +534,7 @@ class SimMember:
             if self._throttled:  # room again for the paused consumer
                 self.poll()
         end = topic.length
-        self._input(lambda: self.node.durable(end))
+        self._input(lambda: self._durable(end))
 
     def _commit_cb(self, arg) -> None:
         epoch, commits = arg
@@ -504,7 +548,7 @@ class SimMember:
     def _witness_durable_cb(self, arg) -> None:
         epoch, end = arg
         if epoch == self.epoch:
-            self._input(lambda: self.node.durable(end))
+            self._input(lambda: self._durable(end))
 
     def _serve_read(self, arg) -> None:
         epoch, start, stop = arg
@@ -515,6 +559,7 @@ class SimMember:
         chunk = max(1, self.config.catchup_chunk)
 
         def answer() -> None:
+            self._wake()
             for s in range(start, stop, chunk):
                 self.node.step(LogChunk(s, tuple(topic.read(s, min(stop, s + chunk)))))
 

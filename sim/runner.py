@@ -228,6 +228,8 @@ class Simulation:
         self.poll_s = scenario.kafka.poll_ms / 1000.0
         self.commit_s = scenario.kafka.commit_ms / 1000.0
         self.max_inflight = scenario.kafka.max_inflight
+        self.quiesce = scenario.quiesce  # kdsync run's [protocol] quiesce (kdsync.core.liveness)
+        self.peers = {m: [p for p in scenario.member_ids if p != m] for m in scenario.member_ids}
         k = scenario.kafka
         self.sink_linger_s = k.sink_linger_ms / 1000.0
         self.sink_extra_s = k.ack_ms / 1000.0
@@ -685,4 +687,5 @@ def _site_state(nodes: list[SimMember]) -> dict:
             statuses.append(n.status)
     n0 = nodes[0]
     return {"up": n0.up, "status": "/".join(statuses), "starts": n0.starts, "views": sum(n.views for n in nodes),
-            "bad_messages": sum(n.bad_messages for n in nodes), "deduplicated": sum(n.deduplicated for n in nodes)}
+            "bad_messages": sum(n.bad_messages for n in nodes), "deduplicated": sum(n.deduplicated for n in nodes),
+            **({"slept": sum(n.slept for n in nodes)} if n0.host.quiesce else {})}

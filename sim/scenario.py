@@ -264,6 +264,7 @@ class Scenario(_Strict):
     shards: int = Field(default=1, ge=1, le=1024)  # independent ordering groups; partition p -> shard p % shards
     clocks: list[ClockSpec] = []  # extension: members' faulty wall clocks (default: every clock exact)
     commit_quorum: int = Field(default=0, ge=0, le=1000)  # extension: kdsync run's protocol.commit_quorum
+    quiesce: bool = False  # extension: kdsync run's protocol.quiesce (idle nodes sleep; members ping each other)
 
     @property
     def member_ids(self) -> tuple[str, ...]:

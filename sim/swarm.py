@@ -250,6 +250,8 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
     clocks = _draw_clocks(seed, ids, duration, members) if protocol == "clock" else []
     kinds = f.kinds + (["clock-faults"] if clocks else [])
     quorum = random.Random(f"swarm2/{seed}/quorum").choice([0, 0, 1, 2]) if protocol == "clock" else 0
+    quiesce = random.Random(f"swarm2/{seed}/quiesce").random() < 0.5  # its own stream: the other draws stay as they were
+    kinds += ["quiesce"] if quiesce else []
     return (
         {
             "name": f"swarm-{seed}",
@@ -269,6 +271,7 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
             "faults": faults,
             **({"clocks": clocks} if clocks else {}),
             **({"commit_quorum": quorum} if quorum else {}),
+            **({"quiesce": True} if quiesce else {}),
         },
         kinds,
     )

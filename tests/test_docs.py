@@ -95,7 +95,8 @@ def test_every_config_key_is_documented_with_its_default():
         if key not in rows:
             continue
         if default is not None:
-            shown = f'"{default}"' if isinstance(default, str) else str(default)
+            shown = (f'"{default}"' if isinstance(default, str) else str(default).lower() if isinstance(default, bool)
+                     else str(default))  # as TOML writes it
             cell = rows[key].split("|")[2]  # the default column
             assert re.search(rf"`{re.escape(shown)}`", cell), f"docs/config.md: {key} default is {shown}, not {cell}"
     assert not missing, f"config keys missing from docs/config.md: {missing}"

@@ -150,6 +150,24 @@ class NodeBase:
         says otherwise."""
         return False
 
+    def dormant(self) -> bool:
+        """True when the driver may stop ticking this node until input, a
+        peer falling silent, or nothing at all (kdsync.core.liveness): it
+        is quiet and its peers' liveness may come from the member's.  False
+        unless a protocol says otherwise."""
+        return False
+
+    def wake(self, ticks: int, heard_ago: Mapping[str, int]) -> None:
+        """The driver woke this node after `ticks` ticks of sleep: its time
+        moves on (a dormant node's ticks only heartbeat and count silence) and
+        it hears its peers' liveness (`heard`)."""
+        self.now += ticks
+        self.heard(heard_ago)
+
+    def heard(self, heard_ago: Mapping[str, int]) -> None:
+        """The member heard peer p `heard_ago[p]` ticks ago (any frame): a
+        protocol that suspects silent peers counts from there too."""
+
     def durable(self, seq_end: int) -> None:
         """Positions below `seq_end` are durable in this member's global topic."""
         if seq_end > self.durable_seq:

@@ -212,6 +212,8 @@ class ClockNode(DerechoNode):
         k = senders.index(s)
         if st.add(k, msg.first, msg.slots):
             self._ack_due = True
+        elif msg.slots:
+            self.acked_sent[s] = None  # a retransmission: our acknowledgement was lost, the next heartbeat repeats it
         st.on_report(k, msg.cut, msg.clock)
         self._try_deliver()
 

@@ -335,6 +335,8 @@ class DerechoNode(NodeBase):
         if self.wedged or s not in self.view.senders:
             return
         grew, data_round = self.stream.add(self.view.senders.index(s), msg.first, msg.slots)
+        if msg.slots and not grew:
+            self.acked_sent[s] = None  # a retransmission: our acknowledgement was lost, the next heartbeat repeats it
         if grew:
             if data_round >= 0 and (self._ack_round < 0 or data_round < self._ack_round):
                 self._ack_round = data_round
@@ -463,6 +465,21 @@ class DerechoNode(NodeBase):
             if p != me and self.acked_sent.get(p) != cur:
                 return False
         return not self.vc.joiners or not self.vc.wanted_joiners()
+
+    def dormant(self) -> bool:
+        """Quiet (nothing but heartbeats and silence counting until input):
+        the driver may stop ticking this node (kdsync.core.liveness).  A
+        retransmission that reaches it is input and wakes it; the slots it
+        repeats make the next heartbeat to its sender due (`_on_append`), so
+        an acknowledgement that was lost is sent again."""
+        return self.quiet()
+
+    def heard(self, heard_ago) -> None:
+        now, last = self.now, self.last_heard
+        for p, ago in heard_ago.items():
+            t = last.get(p)
+            if t is not None and now - ago > t:
+                last[p] = now - ago
 
     def _send_ack(self, p: str) -> None:
         self.last_sent[p] = self.now

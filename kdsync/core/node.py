@@ -7,7 +7,7 @@ returns an object that satisfies it whatever `config.protocol` names.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, Mapping, Protocol, runtime_checkable
 
 from kdsync.core.types import Batch, LogChunk, Ready
 
@@ -47,6 +47,17 @@ class OrderingNode(Protocol):
 
     def tick(self) -> None:
         """One unit of time passed (the adapter decides how long)."""
+
+    def dormant(self) -> bool:
+        """True when the driver may stop ticking this node until input or a
+        peer falls silent (kdsync.core.liveness); False for protocols without it."""
+
+    def wake(self, ticks: int, heard_ago: Mapping[str, int]) -> None:
+        """Woken after `ticks` ticks of sleep, before any input; `heard_ago`:
+        ticks since the member last heard each peer."""
+
+    def heard(self, heard_ago: Mapping[str, int]) -> None:
+        """The member's liveness of its peers (ticks since each was heard)."""
 
     def clock(self, now_us: int) -> None:
         """The host's wall clock in microseconds (the `clock` protocol stamps

@@ -136,6 +136,11 @@ class SequencerNode(DerechoNode):
     def has_ready(self) -> bool:
         return super().has_ready() or (self.out_sent < len(self.outbox) and self._routing())
 
+    def quiet(self) -> bool:
+        """Derecho's quiet, and nothing forwarded waits for the sequencer (its
+        retransmission timer runs)."""
+        return not self.outbox and super().quiet()
+
     def tick(self) -> None:
         super().tick()
         self._drop_delivered()  # also what was submitted again after being delivered

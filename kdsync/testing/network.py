@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from kdsync.invariants import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.core.batch import read_positions
+from kdsync.core.liveness import Dormancy, PeerLiveness
 from kdsync.core.messages import DecodeCache
 from kdsync.testing.clocks import PERFECT, ClockFault
+
+
+PING = b"ping"  # a member-level ping (dormancy): by identity, never handed to a node
 
 
 @dataclass
@@ -52,8 +56,14 @@ class InMemoryNetwork:
     DEFAULT_PROTOCOL = "derecho"  # a test module may run its tests on another protocol
     TICK_US = 1000  # true time per tick, for the members' clocks
 
-    def __init__(self, ids, *, protocol=None, seed=0, witnesses=(), clocks=None, **cfg):
+    def __init__(self, ids, *, protocol=None, seed=0, witnesses=(), clocks=None, dormancy=False, **cfg):
         self.ids = tuple(ids)
+        # dormancy: each member pings its peers and puts its dormant node to sleep, as `kdsync run` does
+        # (kdsync.core.liveness); pings travel the network like messages (cut, dropped, ...)
+        self.dormancy = dormancy
+        self.live: dict[str, PeerLiveness] = {}
+        self.dorm: dict[str, Dormancy] = {}
+        self.pings = 0
         self.rng = random.Random(seed)
         self.decodes = DecodeCache()  # one broadcast object reaches every node: decoded once
         self.cfg_base = dict(cfg)
@@ -96,6 +106,10 @@ class InMemoryNetwork:
             decodes=self.decodes,
         )
         m.up = True
+        if self.dormancy:  # a new process: its liveness starts afresh
+            cfg = m.node.cfg
+            self.live[i] = PeerLiveness([j for j in self.ids if j != i], cfg.heartbeat_ticks, cfg.suspect_ticks)
+            self.dorm[i] = Dormancy(self.live[i])
         self._clock(i)
 
     def crash(self, i: str) -> None:
@@ -207,6 +221,8 @@ class InMemoryNetwork:
 
     def flush(self, i: str) -> None:
         """Report everything written as durable (when durable_lag is set)."""
+        if self.dormancy:
+            self.dorm[i].wake(i, self.node(i))
         self.node(i).durable(self.members[i].length)
 
     def _clock(self, i: str) -> None:
@@ -215,14 +231,17 @@ class InMemoryNetwork:
             n.clock(self.clocks.get(i, PERFECT).read(self.time))
 
     def _input(self, i: str) -> None:
-        """Before an input reaches member i's node: the test's hook, its clock."""
+        """Before an input reaches member i's node: the test's hook, a sleeping node woken, its clock."""
         if self.before_input is not None:
             self.before_input(i)
+        if self.dormancy:
+            self.dorm[i].wake(i, self.members[i].node)
         self._clock(i)
 
     def _enqueue(self, a: str, b: str, data: bytes) -> None:
-        t = data[1]  # a msgpack array of < 16 items: the type code is its second byte
-        self.sent_by_type[t] = self.sent_by_type.get(t, 0) + 1
+        if data is not PING:
+            t = data[1]  # a msgpack array of < 16 items: the type code is its second byte
+            self.sent_by_type[t] = self.sent_by_type.get(t, 0) + 1
         if (a, b) in self.cut_links or not self.members[b].up:
             return
         p = self.drop_prob.get((a, b), 0.0)
@@ -240,6 +259,10 @@ class InMemoryNetwork:
             n = self.members[b].node
             if n is None or (a, b) in self.cut_links:
                 continue
+            if self.dormancy:
+                self.live[b].heard(a, ping=data is PING)
+                if data is PING:
+                    continue
             self._input(b)
             try:
                 n.receive(a, data)
@@ -257,11 +280,35 @@ class InMemoryNetwork:
         for _ in range(n):
             self.time += self.TICK_US
             for i in self.ids:
-                if self.members[i].node is not None:
-                    self._clock(i)
-                    self.members[i].node.tick()
+                node = self.members[i].node
+                if node is None:
+                    continue
+                if self.dormancy and not self._dormancy_tick(i, node):
+                    continue
+                self._clock(i)
+                node.tick()
             if settle:
                 self.stabilize(max_rounds=50)
+
+    def _dormancy_tick(self, i: str, node) -> bool:
+        """Member i's liveness tick (pings, a peer fallen silent wakes every
+        sleeper); False when its node sleeps (not ticked)."""
+        live, dorm = self.live[i], self.dorm[i]
+        if live.tick():
+            for j in live.peers:
+                self.pings += 1
+                self._enqueue(i, j, PING)
+        if live.newly_silent():
+            dorm.wake_all()
+        dorm.wake_due()
+        if dorm.try_sleep(i, node):
+            return False
+        dorm.refresh(node)
+        return True
+
+    def asleep(self) -> list[str]:
+        """Members whose node sleeps now (dormancy)."""
+        return [i for i in self.ids if self.dormancy and self.dorm[i].is_asleep(i)]
 
     def step(self) -> bool:
         """One round: every node's Ready handled, then every queued message

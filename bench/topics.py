@@ -1,0 +1,190 @@
+"""Many topics per member: start-up, idle cost and CPU per event against the
+number of source topics (issue 26, docs/topics.md).
+
+    python -m bench.topics [--topics 1 100 1000] [--idle 20] [--rate 1000] [--seconds 20] [--out results/topics.json]
+
+For each topic count N: three embedded Tansu clusters, N source topics
+`app-0000`... in each, one `kdsync run` member per cluster with
+`source = { allow = "^app-" }` and the default timing a new user has.  Then
+
+* start-up: seconds from the members' start until every member has logged
+  "topic ready" for all N topics and reports every group active (metric
+  `kdsync_status`);
+* idle: one record per topic per cluster written and ordered (each global
+  topic then holds 3 records), then `--idle` seconds with no traffic: each
+  member's CPU in % of one core and RSS, and the CPU the brokers use beyond
+  what the same brokers use with the members stopped (what kdsync adds);
+* spread: `--rate` events/s over all clusters for `--seconds`, keys spread
+  over the N topics: member CPU seconds per ordered event (records added to
+  the global topics), and the same rate into one topic in the same run
+  (`one_topic_cpu_per_event`, for N > 1).
+
+Every figure comes from process counters (psutil) and the members' metrics;
+a run where an event does not reach every global topic raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from kdsync.testing.load import cpu_s
+from kdsync.testing.local import LocalGroup
+
+PREFIX = "app-"
+ONE = "one"  # the topic of the one-topic comparison (matched by the same pattern)
+
+
+def topic_names(n: int) -> list[str]:
+    return [f"{PREFIX}{i:04d}" for i in range(n)]
+
+
+def _ready_count(g: LocalGroup, i: int) -> int:
+    return len(re.findall(r'msg="topic ready"', g.log_text(i)))
+
+
+def _active_topics(g: LocalGroup, i: int) -> int:
+    m = g.metrics(i)
+    return sum(1 for (name, labels), v in m.items() if name == "kdsync_status" and v == 1.0
+               and ("status", "active") in labels)
+
+
+def _delivered(g: LocalGroup, i: int, topics: set[str] | None = None) -> float:
+    """Positions member i has made durable in its global topics (metric kdsync_delivered)."""
+    m = g.metrics(i)
+    return sum(v for (name, labels), v in m.items() if name == "kdsync_delivered"
+               and (topics is None or dict(labels).get("topic") in topics))
+
+
+def _procs(g: LocalGroup):
+    import psutil
+
+    members = [psutil.Process(p.pid) for p in g.procs if p is not None]
+    brokers = [psutil.Process(c.pid) for c in g.clusters if c.pid is not None]
+    return members, brokers
+
+
+def _write_spread(g: LocalGroup, topics: list[str], per_cluster: int, rate: float | None, tag: str) -> None:
+    """`per_cluster` records into each cluster, round-robin over `topics`,
+    at `rate` events/s over all clusters (None: at once); waits for every
+    acknowledgement."""
+    from confluent_kafka import Producer
+
+    prods = [Producer({"bootstrap.servers": g.bootstrap(i), "linger.ms": 5, "enable.idempotence": True})
+             for i in range(g.n)]
+    start = time.monotonic()
+    sent = 0
+    for k in range(per_cluster):
+        for i, p in enumerate(prods):
+            p.produce(topics[k % len(topics)], key=f"{tag}-{i}-{k}".encode(), value=b"x" * 100)
+            sent += 1
+            if rate:
+                ahead = start + sent / rate - time.monotonic()
+                if ahead > 0:
+                    p.poll(0)
+                    time.sleep(ahead)
+        for p in prods:
+            p.poll(0)
+    for p in prods:
+        if p.flush(60) != 0:
+            raise RuntimeError("records not acknowledged by the brokers within 60 s")
+
+
+def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [_delivered(g, i, topics) for i in range(g.n)]
+        if all(x >= want for x in got):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"global topics hold {got} positions after {timeout}s, {want} expected")
+        time.sleep(0.5)
+
+
+def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path) -> dict:
+    topics = topic_names(n)
+    # the product's default timing (kdsync.config ProtocolSection)
+    g = LocalGroup(3, workdir, topic=ONE, metrics=True, tick_ms=50, heartbeat_ms=100, suspect_ms=500,
+                   retransmit_ms=50, extra={"topics": {"source": {"allow": f"^({PREFIX}|{ONE}$)"}}})
+    from kdsync.kafka.topic import TopicSpec, ensure_topics
+
+    out: dict = {"topics": n}
+    try:
+        g.start_brokers()  # creates ONE in every cluster
+        for i in range(g.n):
+            ensure_topics(g.bootstrap(i), [TopicSpec(t) for t in topics], timeout=60)
+        all_topics = n + 1
+        # the brokers alone, idle, with N topics: the base the members' cost is measured against
+        _, brokers = _procs(g)
+        b0, t0 = [cpu_s(b) for b in brokers], time.monotonic()
+        time.sleep(min(idle_s, 10))
+        base = sum(cpu_s(b) - x for b, x in zip(brokers, b0)) / (time.monotonic() - t0) / len(brokers)
+        t_start = time.monotonic()
+        g.start_members()
+        deadline = t_start + 300
+        while not all(_ready_count(g, i) >= all_topics and _active_topics(g, i) >= all_topics for i in range(g.n)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every group ready after 300 s: "
+                                   f"{[(_ready_count(g, i), _active_topics(g, i)) for i in range(g.n)]}")
+            for p in g.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a member exited: {g.log_text(g.procs.index(p))[-2000:]}")
+            time.sleep(0.2)
+        out["startup_s"] = round(time.monotonic() - t_start, 2)
+        # one record per topic per cluster, then idle
+        _write_spread(g, topics, n, None, "first")
+        _wait_delivered(g, 3 * n, 120, set(topics))
+        members, brokers = _procs(g)
+        time.sleep(2)  # the last checkpoints and delivery reports settle
+        m0, b0, t0 = [cpu_s(m) for m in members], [cpu_s(b) for b in brokers], time.monotonic()
+        time.sleep(idle_s)
+        dt = time.monotonic() - t0
+        out["idle_member_cpu_pct"] = round(100 * max(cpu_s(m) - x for m, x in zip(members, m0)) / dt, 2)
+        broker = sum(cpu_s(b) - x for b, x in zip(brokers, b0)) / dt / len(brokers)
+        out["idle_broker_cpu_pct"] = round(100 * broker, 2)
+        out["idle_broker_added_pct"] = round(100 * (broker - base), 2)
+        out["member_rss_mb"] = round(max(m.memory_info().rss for m in members) / 2**20, 1)
+        # CPU per event: the rate spread over the N topics, then the same rate into one topic
+        for name, into in (("spread", topics), ("one_topic", [ONE])):
+            if name == "one_topic" and n == 1:
+                break
+            before = sum(_delivered(g, i) for i in range(g.n))
+            c0 = sum(cpu_s(m) for m in members)
+            per = int(rate * seconds / g.n)
+            _write_spread(g, into, per, rate, name)
+            _wait_delivered(g, before / g.n + per * g.n, 120)
+            added = sum(_delivered(g, i) for i in range(g.n)) - before
+            out[f"{name}_cpu_per_event_us"] = round(1e6 * (sum(cpu_s(m) for m in members) - c0) / added, 1)
+        if n > 1:
+            out["spread_vs_one_topic"] = round(out["spread_cpu_per_event_us"] / out["one_topic_cpu_per_event_us"], 2)
+        return out
+    finally:
+        g.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--topics", type=int, nargs="+", default=[1, 100, 1000])
+    ap.add_argument("--idle", type=float, default=20.0, help="seconds of idle measured")
+    ap.add_argument("--rate", type=float, default=1000.0, help="events/s over all clusters in the spread phase")
+    ap.add_argument("--seconds", type=float, default=20.0, help="length of each spread phase")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rows = []
+    for n in a.topics:
+        with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
+            row = run_point(n, a.idle, a.rate, a.seconds, Path(d))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Per-peer liveness shared by every ordering node of a member, and the
+driver's rule for dormant nodes (docs/design/many-topics.md).
+
+A member runs one ordering node per source topic.  Without this module each
+node heartbeats every peer and is ticked every tick, so a member with a
+thousand idle topics pays a thousand times for knowing its peers are alive.
+With it (CockroachDB's coalesced heartbeats and quiesced ranges, TiKV's
+hibernate regions):
+
+* `PeerLiveness` is the member's one failure detector: it counts the
+  member's ticks, says when to ping every peer (one frame per peer per
+  `heartbeat_ticks`, whatever the number of topics), hears any frame from a
+  peer, and says which peers are silent (more than `suspect_ticks`).
+* `Dormancy` holds the nodes that sleep.  A node whose `dormant()` is true
+  (quiet: a tick could only heartbeat and count silence) is put to sleep:
+  the driver neither ticks it nor hears its heartbeats.  Before any input
+  reaches a sleeping node (a peer message, a submit, a durable report, a read
+  answered), the driver wakes it with `wake(key, node)`: the node's time
+  moves on by the ticks it slept and its last-heard time of each peer is
+  raised to the member's.  When a peer falls silent, the driver wakes every
+  sleeper (`wake_all`): each then suspects the peer at its next tick, within
+  `suspect_ticks` as before.  Awake nodes hear the member's liveness too
+  (`refresh`), so no node suspects a peer whose node sleeps.
+
+Safety never rests on this: suspicion only starts view changes, which are
+safe under any pattern of suspicion.  A node sleeps only when every peer
+speaks this protocol (has pinged): a peer of an older version heartbeats
+per topic and would suspect a sleeping node.
+
+Pure like the rest of kdsync.core: no clock, no I/O; the member, the
+simulator and the in-memory network drive it with ticks and frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+__all__ = ["Dormancy", "PeerLiveness"]
+
+
+class PeerLiveness:
+    """A member's liveness of its peers, in the member's ticks (module doc)."""
+
+    def __init__(self, peers: Iterable[str], heartbeat_ticks: int, suspect_ticks: int):
+        if heartbeat_ticks < 1 or suspect_ticks < 1:
+            raise ValueError("heartbeat_ticks and suspect_ticks must be >= 1")
+        self.peers = tuple(peers)
+        self.heartbeat_ticks = heartbeat_ticks
+        self.suspect_ticks = suspect_ticks
+        self.now = 0
+        self.heard_at = {p: 0 for p in self.peers}
+        self.speaks: set[str] = set()  # peers that ping (run this protocol): only then may nodes sleep
+        self._pinged = -heartbeat_ticks
+        self._silent: frozenset[str] = frozenset()
+
+    def tick(self) -> bool:
+        """One tick of the member; True when a ping to every peer is due now."""
+        self.now += 1
+        if self.now - self._pinged >= self.heartbeat_ticks:
+            self._pinged = self.now
+            return True
+        return False
+
+    def heard(self, peer: str, ping: bool = False) -> None:
+        """A frame from `peer` arrived (`ping`: the member-level ping)."""
+        if peer in self.heard_at:
+            self.heard_at[peer] = self.now
+            if ping:
+                self.speaks.add(peer)
+
+    def ago(self) -> dict[str, int]:
+        """Ticks since each peer was last heard."""
+        now = self.now
+        return {p: now - t for p, t in self.heard_at.items()}
+
+    def newly_silent(self) -> frozenset[str]:
+        """Peers silent for more than suspect_ticks that were not at the last call."""
+        now, limit = self.now, self.suspect_ticks
+        silent = frozenset(p for p, t in self.heard_at.items() if now - t > limit)
+        new = silent - self._silent
+        self._silent = silent
+        return new
+
+    def all_speak(self) -> bool:
+        return len(self.speaks) == len(self.peers)
+
+
+IDLE_ROUNDS = 10  # a sleeping node wakes for one heartbeat round every IDLE_ROUNDS * suspect_ticks
+
+
+class Dormancy:
+    """The sleeping nodes of one member, by key (the topic), with when each
+    fell asleep in `liveness` ticks (module doc).  A node that has slept
+    `idle_ticks` is woken for one heartbeat round (`wake_due`): a peer that
+    moved to a newer view without this member (an asymmetric partition
+    excluded it) tells it so when it hears that heartbeat, and a node of
+    ours left in an older view hears of the newer one — what per-topic
+    heartbeats did every heartbeat, done every `idle_ticks`."""
+
+    def __init__(self, liveness: PeerLiveness, idle_ticks: int | None = None):
+        self.liveness = liveness
+        self.idle_ticks = idle_ticks if idle_ticks is not None else IDLE_ROUNDS * liveness.suspect_ticks
+        self.asleep: dict[Hashable, tuple[int, object]] = {}  # key -> (fell asleep at, node); in that order
+        self._woken: set[Hashable] = set()  # woken since their last tick: ticked once before they sleep again
+        self.slept = 0  # nodes put to sleep (counter)
+        self.woken = 0  # nodes woken (counter)
+
+    def is_asleep(self, key: Hashable) -> bool:
+        return key in self.asleep
+
+    def try_sleep(self, key: Hashable, node) -> bool:
+        """Before a tick of `node`: put it to sleep if it is dormant, every
+        peer speaks this protocol, and it was ticked since it was last woken;
+        True when it sleeps (now or already): do not tick it."""
+        if key in self.asleep:
+            return True
+        if key in self._woken:  # its next tick first: it may suspect the peer whose silence woke it
+            self._woken.discard(key)
+            return False
+        if not self.liveness.all_speak() or not node.dormant():
+            return False
+        self.asleep[key] = (self.liveness.now, node)
+        self.slept += 1
+        return True
+
+    def wake(self, key: Hashable, node) -> None:
+        """Before input reaches `node`: if it sleeps, wake it (its time moves
+        on by the ticks it slept, its peers' liveness is the member's)."""
+        entry = self.asleep.pop(key, None)
+        if entry is not None:
+            self.woken += 1
+            self._woken.add(key)
+            node.wake(self.liveness.now - entry[0], self.liveness.ago())
+
+    def wake_all(self) -> None:
+        """Wake every sleeper (a peer fell silent: each then suspects it)."""
+        for key, (_, node) in list(self.asleep.items()):
+            self.wake(key, node)
+
+    def wake_due(self) -> None:
+        """Wake the sleepers that slept `idle_ticks` (oldest first: the dict
+        keeps the order they fell asleep in, so this stops at the first one
+        not due)."""
+        limit = self.liveness.now - self.idle_ticks
+        while self.asleep:
+            key, (since, node) = next(iter(self.asleep.items()))
+            if since > limit:
+                return
+            self.wake(key, node)
+
+    def forget(self, key: Hashable) -> None:
+        """`key`'s node is gone (its pipeline closed)."""
+        self.asleep.pop(key, None)
+        self._woken.discard(key)
+
+    def refresh(self, node) -> None:
+        """An awake node hears the member's liveness (before its tick)."""
+        node.heard(self.liveness.ago())
