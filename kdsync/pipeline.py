@@ -31,7 +31,7 @@ from kdsync.kafka.sink import GlobalWriter, check_global_partitions, ensure_glob
 from kdsync.kafka.topic import TopicSettingsError, TopicSpec, ensure_topics
 from kdsync.observability.logs import kv
 from kdsync.observability.stage_latency import StageClock
-from kdsync.state import HardStateFile
+from kdsync.state import StateLog
 
 if TYPE_CHECKING:
     from kdsync.config import Config
@@ -51,7 +51,7 @@ class TopicPipeline:
     topic: str
     global_topic: str
     node: OrderingNode
-    state: HardStateFile
+    state: StateLog  # the member's, holding this node's hard state (Member.process)
     writer: GlobalWriter | None = None
     reader: GlobalReader | None = None
     checkpoint: CheckpointWriter | None = None
@@ -61,6 +61,7 @@ class TopicPipeline:
     durable_end: int = 0
     status: str = ""  # the node's, as last logged
     process_scheduled: bool = False  # a ready() drain is queued on the loop
+    saving: bool = False  # a Ready waits for its hard state to be on disk (Member.process)
     stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
     consumed: int = 0  # source records submitted to the node
     delivered_end: int = 0  # next position the node has not delivered
@@ -203,8 +204,8 @@ async def open_pipeline(m: Member, topic: str, partitions: int | None = None,
                         "partitions seen only there", **kv(topic=topic, global_topic=gt,
                                                            lost=f"{start.lost[0]}..{start.lost[1] - 1}",
                                                            start_seq=start_seq))
-    state = HardStateFile(m.cfg.state_path() / f"{topic}.hardstate")
-    hs = state.load()
+    state = m.state_log
+    hs = state.get(topic)
     try:
         node = make_node(node_config(m.cfg), rng=random.Random(m.rng.getrandbits(64)), start_seq=start_seq,
                          watermarks=watermarks, hard_state=hs)

@@ -1,13 +1,27 @@
-"""The member's hard state on disk: one file per ordering node.
+"""The member's hard state on disk.
 
 The core hands out `Ready.hard_state` (incarnation, view, members, promise,
 accepted) whenever it changes; it must be on disk before any message of the
 same Ready is sent, and it survives restarts.
+
+`StateLog` keeps every ordering node's hard state of one member in one
+append-only file, `state_dir/hardstate.log`: the hard states of every group
+that changed in one loop iteration are appended and made durable with one
+fsync (a group commit).  One file per node with its own fsyncs cost a member
+with a hundred topics a hundred fsyncs on its loop whenever its groups
+changed view together — at start-up, long enough to miss the view change's
+timeouts round after round: the groups never formed.  Records are
+length-prefixed and checksummed; a torn last record (a crash mid-write) is
+cut off; the log is rewritten with the latest state of each node when it
+has grown well past them.  `HardStateFile` is the older one-file-per-node
+form: read once when the log has no state for a node (an upgrade).
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 from pathlib import Path
 
 import msgpack
@@ -15,7 +29,7 @@ import msgpack
 from kdsync.core import HardState
 from kdsync.fatal import FatalError
 
-__all__ = ["HardStateFile"]
+__all__ = ["HardStateFile", "StateLog"]
 
 
 class HardStateFile:
@@ -27,23 +41,7 @@ class HardStateFile:
     def save(self, hs: HardState) -> None:
         """Write `hs` atomically: temp file, fsync, rename, fsync of the
         directory.  Raises OSError when the disk refuses."""
-        path = self.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = msgpack.packb([hs.incarnation, hs.view_id, list(hs.members), list(hs.promised), hs.accepted],
-                             use_bin_type=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _write_atomically(self.path, _pack(hs))
 
     def load(self) -> HardState | None:
         """The saved hard state, None when there is none (a fresh member).
@@ -53,8 +51,139 @@ class HardStateFile:
         except FileNotFoundError:
             return None
         try:
-            inc, view_id, members, promised, accepted = msgpack.unpackb(data, raw=False)
-            return HardState(int(inc), int(view_id), tuple(members), (int(promised[0]), int(promised[1])),
-                             bytes(accepted))
+            return _unpack(msgpack.unpackb(data, raw=False))
         except Exception:
             raise FatalError(f"state file {self.path} is corrupt; move it away to start this member afresh") from None
+
+
+
+def _pack(hs: HardState) -> bytes:
+    return msgpack.packb(_fields(hs), use_bin_type=True)
+
+
+def _fields(hs: HardState) -> list:
+    return [hs.incarnation, hs.view_id, list(hs.members), list(hs.promised), hs.accepted]
+
+
+def _unpack(fields) -> HardState:
+    inc, view_id, members, promised, accepted = fields
+    return HardState(int(inc), int(view_id), tuple(members), (int(promised[0]), int(promised[1])), bytes(accepted))
+
+
+def _fsync_dir(d: Path) -> None:
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """temp file, fsync, rename, fsync of the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+_HEAD = struct.Struct(">II")  # payload length, crc32 of the payload
+
+
+def _record(topic: str, hs: HardState) -> bytes:
+    payload = msgpack.packb([topic, *_fields(hs)], use_bin_type=True)
+    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class StateLog:
+    """Every ordering node's hard state of one member, by topic, in one
+    append-only file (module doc).  Not thread-safe: the member's loop."""
+
+    NAME = "hardstate.log"
+
+    def __init__(self, directory: Path, compact_bytes: int = 1 << 20):
+        self.dir = Path(directory)
+        self.path = self.dir / self.NAME
+        self.compact_bytes = compact_bytes
+        self.states: dict[str, HardState] = {}
+        self._fd: int | None = None
+        self._size = 0
+
+    def load(self) -> dict[str, HardState]:
+        """Read the log (and the older per-node files of nodes it has no
+        state for); cut off a torn last record.  Raises FatalError when a
+        record is corrupt."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        pos, n = 0, len(data)
+        while pos < n:
+            if pos + _HEAD.size > n:
+                break  # a torn header
+            length, crc = _HEAD.unpack_from(data, pos)
+            end = pos + _HEAD.size + length
+            if end > n:
+                break  # a torn record: the crash came mid-write, nothing after it was acknowledged
+            payload = data[pos + _HEAD.size:end]
+            if zlib.crc32(payload) != crc:
+                raise FatalError(f"state file {self.path} is corrupt at byte {pos}; move it away to start this "
+                                 f"member afresh")
+            try:
+                topic, *fields = msgpack.unpackb(payload, raw=False)
+                self.states[topic] = _unpack(fields)
+            except Exception:
+                raise FatalError(f"state file {self.path} is corrupt at byte {pos}; move it away to start this "
+                                 f"member afresh") from None
+            pos = end
+        if pos < n:
+            with open(self.path, "r+b") as f:
+                f.truncate(pos)
+                os.fsync(f.fileno())
+        self._size = pos
+        for old in sorted(self.dir.glob("*.hardstate")) if self.dir.is_dir() else ():
+            topic = old.name[: -len(".hardstate")]
+            if topic not in self.states:
+                hs = HardStateFile(old).load()
+                if hs is not None:
+                    self.states[topic] = hs
+        return dict(self.states)
+
+    def get(self, topic: str) -> HardState | None:
+        return self.states.get(topic)
+
+    def append(self, items: list[tuple[str, HardState]]) -> None:
+        """Make the hard states of `items` (topic, state) durable, with one
+        fsync.  Raises OSError when the disk refuses."""
+        if self._fd is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            new = not self.path.exists()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if new:
+                _fsync_dir(self.dir)
+        data = b"".join(_record(topic, hs) for topic, hs in items)
+        os.write(self._fd, data)
+        os.fsync(self._fd)
+        self._size += len(data)
+        for topic, hs in items:
+            self.states[topic] = hs
+        if self._size > max(self.compact_bytes, 4 * 256 * len(self.states)):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the log with the latest state of each node (temp file,
+        fsync, rename, fsync of the directory)."""
+        data = b"".join(_record(topic, hs) for topic, hs in self.states.items())
+        self.close()
+        _write_atomically(self.path, data)
+        self._size = len(data)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
