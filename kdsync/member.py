@@ -5,7 +5,8 @@ Theory of operation
 One asyncio loop drives one ordering node (kdsync.core) per source topic as
 kdsync/core documents: peer messages, source events and ticks go in (the tick
 timer and the idle groups that sleep: kdsync.ticks); after every input batch
-the runtime drains `ready()` and does the I/O in the order Ready prescribes:
+the runtime drains `ready()` and does the I/O in the order Ready prescribes
+(kdsync.handshake):
 
 1. `hard_state` is appended to `state_dir/hardstate.log` (kdsync.state,
    one fsync for every group that changed in a loop iteration) before any
@@ -57,14 +58,14 @@ from kdsync.kafka.checkpoint import OffsetsConsumer
 from kdsync.kafka.sink import make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.observability.logs import KafkaClientLog, client_callback, kv
-from kdsync.pipeline import (TopicPipeline, close_pipelines, discover_topics, open_pipeline, serve_read, start_each,
-                             start_topics)
+from kdsync.pipeline import TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
+from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateLog
 from kdsync.ticks import Sleepers, TickClock, wall_us
-from kdsync.transport.channels import frame_channel, split_channel
+from kdsync.transport.channels import split_channel
 
 log = logging.getLogger("kdsync.member")
 
@@ -108,8 +109,7 @@ class Member:
         self.rng = random.Random()
         self._report_poll: asyncio.TimerHandle | None = None
         self.recovery = ProducerRecovery(self)
-        self.state_log = StateLog(cfg.state_path())  # every group's hard state (load() in _run)
-        self._to_save: list = []  # (pipeline, Ready) waiting for their hard states' fsync (process)
+        self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
         self._last_refresh = self._last_health = 0.0
         self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
 
@@ -173,7 +173,7 @@ class Member:
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
         try:
-            self.state_log.load()
+            self.handshake.state_log.load()
             if not self.witness:
                 await self._start_kafka()
             elif self.cfg.topics is not None and self.cfg.topics.fixed_names():
@@ -284,7 +284,7 @@ class Member:
                 self.source.add_topic(topic, {part: off + 1 for (origin, part), off in watermarks.items()
                                               if origin == self.me})
             self.metrics.delivered.labels(topic).set(p.durable_end)
-            self._note_status(p, p.node.status)
+            self.handshake.note_status(p, p.node.status)
             for peer, body in self._early.pop(topic, ()):
                 try:
                     p.node.receive(peer, body)
@@ -400,65 +400,10 @@ class Member:
         self.process(p)
 
     def process(self, p: TopicPipeline) -> None:
-        """Drain the node's Readys.  A Ready with a hard state waits for it to
-        be on disk (a worker thread) before anything else of it is done; the
-        loop goes on meanwhile (a hundred groups' view changes at once are a
-        hundred fsyncs: on the loop they held every group's messages)."""
-        if p.saving:
-            return  # process() again once the save is done
-        node = p.node
-        node.clock(wall_us())
-        while node.has_ready():
-            rd = node.ready()
-            if rd.hard_state is not None:
-                p.saving = True
-                if not self._to_save:
-                    self.loop.call_soon(self._save_states)
-                self._to_save.append((p, rd))
-                return
-            self._handle(p, rd)
-        self.clock.wake_if_busy(node)
+        """Drain `p`'s node (kdsync.handshake)."""
+        self.handshake.process(p)
 
-    def _save_states(self) -> None:
-        """The hard states of every Ready held this loop iteration, on disk
-        with one fsync (kdsync.state.StateLog); then the rest of each Ready."""
-        held, self._to_save = self._to_save, []
-        try:
-            self.state_log.append([(p.topic, rd.hard_state) for p, rd in held])
-        except OSError as e:
-            return self.fatal(f"state_dir: cannot write {self.state_log.path}: {e.strerror or e}")
-        for p, rd in held:
-            p.saving = False
-            self._handle(p, rd)
-            self.process(p)
-
-    def _handle(self, p: TopicPipeline, rd) -> None:
-        """A Ready whose hard state (if any) is on disk: messages, deliveries, views, reads, advance."""
-        node = p.node
-        send = self.transport.send
-        if rd.messages and p.stages.unsent:
-            p.stages.sent(time.monotonic())
-        for m in rd.messages:
-            try:
-                send(m.to, frame_channel(p.topic, m.data))
-            except Exception as e:  # unknown peer / oversized: a core bug, not fatal
-                log.error("send failed", **kv(peer=m.to, error=str(e)))
-        for d in rd.deliveries:
-            self._deliver(p, d)
-        for v in rd.views:
-            self.metrics.view_id.labels(p.topic).set(v.view_id)
-            self.metrics.live_members.labels(p.topic).set(len(v.members))
-            log.info("view installed", **kv(topic=p.topic, view=v.view_id, members=",".join(v.members),
-                                            start_seq=v.start_seq))
-        self._note_status(p, rd.status)
-        for r in rd.reads:
-            asyncio.ensure_future(serve_read(self, p, r.start, r.stop))
-        node.advance(rd)
-        if self.witness and rd.deliveries:
-            node.durable(p.durable_end)
-            self.metrics.delivered.labels(p.topic).set(p.durable_end)
-
-    def _deliver(self, p: TopicPipeline, d: Delivery) -> None:
+    def deliver(self, p: TopicPipeline, d: Delivery) -> None:
         p.delivered_end = d.end_seq
         own = p.own_next
         for b in d.batches:
@@ -486,12 +431,6 @@ class Member:
         self.producer.poll(0)
         if any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None):
             self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
-
-    def _note_status(self, p: TopicPipeline, status: str) -> None:
-        if status and status != p.status:
-            log.info("status", **kv(topic=p.topic, status=status, previous=p.status or "-"))
-            p.status = status
-            self.metrics.set_status(p.topic, status)
 
     # ------------------------------------------------------------ the global topic's reports
     def on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:
@@ -522,7 +461,7 @@ class Member:
             await asyncio.to_thread(self.source.close, 15)
         await close_pipelines(list(self.pipelines.values()), self.offsets_consumer,
                               final=self.producer is not None and self._fatal is None)
-        self.state_log.close()
+        self.handshake.state_log.close()
         if self.transport is not None:
             await self.transport.close()
         if self.metrics is not None:

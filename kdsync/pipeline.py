@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from kdsync.config import Config
     from kdsync.member import Member
 
-__all__ = ["TopicPipeline", "close_pipelines", "discover_topics", "node_config", "open_pipeline", "prepare_topics", "serve_read", "at_most", "start_each", "start_topics"]
+__all__ = ["TopicPipeline", "at_most", "close_pipelines", "discover_topics", "node_config", "open_pipeline",
+           "prepare_topics", "serve_read", "start_each", "start_topics"]
 
 log = logging.getLogger("kdsync.member")
 
@@ -204,7 +205,7 @@ async def open_pipeline(m: Member, topic: str, partitions: int | None = None,
                         "partitions seen only there", **kv(topic=topic, global_topic=gt,
                                                            lost=f"{start.lost[0]}..{start.lost[1] - 1}",
                                                            start_seq=start_seq))
-    state = m.state_log
+    state = m.handshake.state_log
     hs = state.get(topic)
     try:
         node = make_node(node_config(m.cfg), rng=random.Random(m.rng.getrandbits(64)), start_seq=start_seq,

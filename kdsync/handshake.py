@@ -1,0 +1,101 @@
+"""The Ready handshake of `kdsync run`'s ordering nodes, as kdsync/core
+prescribes it: a Ready's hard state on disk before anything else of it,
+then its messages, deliveries, views and reads, then `advance`.
+
+Hard states go to the member's one log (kdsync.state.StateLog): every
+Ready with a hard state in one loop iteration waits, and at the end of the
+iteration their states are appended with one fsync (a group commit); then
+the rest of each Ready is done and its node drained again.  The loop goes
+on meanwhile.  Saved one file and one fsync at a time, on the loop, the
+view changes of a hundred groups at once held every group's messages past
+the view change's timeouts, round after round: they never formed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kdsync.observability.logs import kv
+from kdsync.pipeline import TopicPipeline, serve_read
+from kdsync.state import StateLog
+from kdsync.ticks import wall_us
+from kdsync.transport.channels import frame_channel
+
+if TYPE_CHECKING:
+    from kdsync.member import Member
+
+__all__ = ["ReadyHandshake"]
+
+log = logging.getLogger("kdsync.member")
+
+
+class ReadyHandshake:
+    """The handshake of every node of member `m`, with its hard states in `state_log`."""
+
+    def __init__(self, m: Member, state_log: StateLog):
+        self.m = m
+        self.state_log = state_log
+        self._held: list = []  # (pipeline, Ready) whose hard state waits for this iteration's fsync
+
+    def process(self, p: TopicPipeline) -> None:
+        """Drain `p`'s node: each Ready done, or held for its hard state (module doc)."""
+        if p.saving:
+            return  # drained again once the hard state is on disk
+        node = p.node
+        node.clock(wall_us())
+        while node.has_ready():
+            rd = node.ready()
+            if rd.hard_state is not None:
+                p.saving = True
+                if not self._held:
+                    self.m.loop.call_soon(self._save_held)
+                self._held.append((p, rd))
+                return
+            self._done(p, rd)
+        self.m.clock.wake_if_busy(node)
+
+    def _save_held(self) -> None:
+        held, self._held = self._held, []
+        try:
+            self.state_log.append([(p.topic, rd.hard_state) for p, rd in held])
+        except OSError as e:
+            return self.m.fatal(f"state_dir: cannot write {self.state_log.path}: {e.strerror or e}")
+        for p, rd in held:
+            p.saving = False
+            self._done(p, rd)
+            self.process(p)
+
+    def _done(self, p: TopicPipeline, rd) -> None:
+        """A Ready whose hard state (if any) is on disk: messages, deliveries, views, reads, advance."""
+        m, node = self.m, p.node
+        send = m.transport.send
+        if rd.messages and p.stages.unsent:
+            p.stages.sent(time.monotonic())
+        for msg in rd.messages:
+            try:
+                send(msg.to, frame_channel(p.topic, msg.data))
+            except Exception as e:  # unknown peer / oversized: a core bug, not fatal
+                log.error("send failed", **kv(peer=msg.to, error=str(e)))
+        for d in rd.deliveries:
+            m.deliver(p, d)
+        for v in rd.views:
+            m.metrics.view_id.labels(p.topic).set(v.view_id)
+            m.metrics.live_members.labels(p.topic).set(len(v.members))
+            log.info("view installed", **kv(topic=p.topic, view=v.view_id, members=",".join(v.members),
+                                            start_seq=v.start_seq))
+        self.note_status(p, rd.status)
+        for r in rd.reads:
+            asyncio.ensure_future(serve_read(m, p, r.start, r.stop))
+        node.advance(rd)
+        if m.witness and rd.deliveries:
+            node.durable(p.durable_end)
+            m.metrics.delivered.labels(p.topic).set(p.durable_end)
+
+    def note_status(self, p: TopicPipeline, status: str) -> None:
+        if status and status != p.status:
+            log.info("status", **kv(topic=p.topic, status=status, previous=p.status or "-"))
+            p.status = status
+            self.m.metrics.set_status(p.topic, status)
