@@ -145,11 +145,25 @@ def _guard(key: str, title: str, fn: Callable[[], Section], prog: Progress) -> S
 
 
 def _git_commit() -> str:
+    """HEAD, with " + uncommitted changes" when the code the bench runs
+    (members and simulations are started from this tree) differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD") or "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "kdsync", "sim", "bench")
+        return head + (" + uncommitted changes" if dirty else "")
     except Exception:
         return "unknown"
+
+
+def _commit_of_run(at_start: str) -> str:
+    """The commit a run measured: the one at its start, or both when the tree
+    moved meanwhile (processes started later ran the newer code: run make
+    bench from a clone, or keep the tree still, to measure one commit)."""
+    now = _git_commit()
+    return at_start if now == at_start else f"{at_start}, then {now} (the tree changed during the run)"
 
 
 def _md_table(t: Table) -> list[str]:
@@ -264,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _clean(out)
     t_start = time.perf_counter()
+    commit_at_start = _git_commit()
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
 
     from bench import plots as plot
@@ -376,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                                         reason=reason or "not selected by --sections"))
         sections.sort(key=lambda s: SECTIONS.index(s.key) if s.key in SECTIONS else len(SECTIONS))
         meta = {"when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "command": "python -m bench.run " + " ".join(argv), "commit": _git_commit(),
+                "command": "python -m bench.run " + " ".join(argv), "commit": _commit_of_run(commit_at_start),
                 "mode": "quick" if args.quick else "full", "wall_s": time.perf_counter() - t_start,
                 "load_before": load_before, "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg())}
         report = write_report(out, sections, meta)
