@@ -54,9 +54,9 @@ def _active_topics(g: LocalGroup, i: int) -> int:
 
 
 def _delivered(g: LocalGroup, i: int, topics: set[str] | None = None) -> float:
-    """Positions member i has made durable in its global topics (metric kdsync_delivered)."""
+    """Positions member i has made durable in its global topics (metric kdsync_delivered_position)."""
     m = g.metrics(i)
-    return sum(v for (name, labels), v in m.items() if name == "kdsync_delivered"
+    return sum(v for (name, labels), v in m.items() if name == "kdsync_delivered_position"
                and (topics is None or dict(labels).get("topic") in topics))
 
 
