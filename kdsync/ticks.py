@@ -153,6 +153,3 @@ class Sleepers:
         """Before input reaches `node`."""
         if self.dorm.asleep:
             self.dorm.wake(topic, node)
-
-    def sleeping(self) -> int:
-        return len(self.dorm.asleep)

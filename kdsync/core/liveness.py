@@ -103,7 +103,6 @@ class Dormancy:
         self.asleep: dict[Hashable, tuple[int, object]] = {}  # key -> (fell asleep at, node); in that order
         self._woken: set[Hashable] = set()  # woken since their last tick: ticked once before they sleep again
         self.slept = 0  # nodes put to sleep (counter)
-        self.woken = 0  # nodes woken (counter)
 
     def is_asleep(self, key: Hashable) -> bool:
         return key in self.asleep
@@ -128,7 +127,6 @@ class Dormancy:
         on by the ticks it slept, its peers' liveness is the member's)."""
         entry = self.asleep.pop(key, None)
         if entry is not None:
-            self.woken += 1
             self._woken.add(key)
             node.wake(self.liveness.now - entry[0], self.liveness.ago())
 
@@ -147,11 +145,6 @@ class Dormancy:
             if since > limit:
                 return
             self.wake(key, node)
-
-    def forget(self, key: Hashable) -> None:
-        """`key`'s node is gone (its pipeline closed)."""
-        self.asleep.pop(key, None)
-        self._woken.discard(key)
 
     def refresh(self, node) -> None:
         """An awake node hears the member's liveness (before its tick)."""
