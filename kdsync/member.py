@@ -58,18 +58,19 @@ from kdsync.kafka.checkpoint import OffsetsConsumer
 from kdsync.kafka.sink import make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.observability.logs import KafkaClientLog, client_callback, kv
-from kdsync.pipeline import TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
+from kdsync.pipeline import Prepared, TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateLog
-from kdsync.ticks import Sleepers, TickClock, wall_us
+from kdsync.ticks import FormingSlots, Sleepers, TickClock, wall_us
 from kdsync.transport.channels import split_channel
 
 log = logging.getLogger("kdsync.member")
 
 EARLY_MESSAGES = 10_000  # peer messages kept per topic while its pipeline starts
+FORMING_SLOTS = 64  # groups in a view change ticked at once (kdsync.ticks.FormingSlots)
 REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
 
 
@@ -93,6 +94,7 @@ class Member:
         self.kafka_conf = consumer_conf(self.me, {**cfg.kafka.consumer_conf(), "logger": self.kafka_log})
         self.pipelines: dict[str, TopicPipeline] = {}
         self.starting: set[str] = set()
+        self.planned: set[str] = set()  # topics start_topics will start (a peer's message for one waits)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transport = None
         self.producer = None
@@ -167,6 +169,7 @@ class Member:
         except TransportError as e:
             raise FatalError(str(e)) from None
         pc = self.pcfg
+        self.forming = FormingSlots(FORMING_SLOTS, 4 * pc.ticks(pc.suspect_ms))
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
@@ -174,12 +177,14 @@ class Member:
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
         try:
             self.handshake.state_log.load()
-            if not self.witness:
-                await self._start_kafka()
-            elif self.cfg.topics is not None and self.cfg.topics.fixed_names():
-                await start_each(self.cfg.topics.fixed_names(), self.start_pipeline)
+            # ticks from the start: a group forms as soon as its pipeline is
+            # ready here and at its peers, not once a thousand others are
             self._start_ticks()
             try:
+                if not self.witness:
+                    await self._start_kafka()
+                elif self.cfg.topics is not None and self.cfg.topics.fixed_names():
+                    await start_each(self.cfg.topics.fixed_names(), self.start_pipeline)
                 await self._stop.wait()
             finally:
                 self.clock.stop()
@@ -272,12 +277,12 @@ class Member:
         await start_topics(self, topics)
         self.source.start()
 
-    async def start_pipeline(self, topic: str, partitions: int | None = None) -> None:
+    async def start_pipeline(self, topic: str, prepared: Prepared | None = None) -> None:
         if topic in self.pipelines or topic in self.starting:
             return
         self.starting.add(topic)
         try:
-            p, start, hs = await open_pipeline(self, topic, partitions)
+            p, start, hs = await open_pipeline(self, topic, prepared)
             self.pipelines[topic] = p
             watermarks = start.watermarks if start is not None else {}
             if self.source is not None:
@@ -314,8 +319,9 @@ class Member:
 
     def _on_ticks(self, n: int, now: float) -> None:
         self.sleepers.on_ticks(n)
+        self.forming.refill()
         for p in list(self.pipelines.values()):
-            if self.sleepers.skip(p.topic, p.node):
+            if self.sleepers.skip(p.topic, p.node) or not self.forming.tick_wanted(p.topic, p.node.status, n):
                 continue
             p.node.clock(wall_us())
             for _ in range(n):
@@ -336,7 +342,8 @@ class Member:
         except Exception as e:
             log.warning("topic discovery failed", **kv(error=str(e)))
             return
-        await start_topics(self, [t for t in topics if t not in self.pipelines and t not in self.starting])
+        await start_topics(self, [t for t in topics if t not in self.pipelines and t not in self.starting
+                                  and t not in self.planned])
 
     def _on_peer_message(self, peer: str, data: bytes) -> None:
         try:
@@ -349,7 +356,7 @@ class Member:
                     return
                 # kept until the pipeline is ready (bounded; beyond that the peer retransmits)
                 self._early.setdefault(topic, deque(maxlen=EARLY_MESSAGES)).append((peer, body))
-                if topic not in self.starting:
+                if topic not in self.starting and topic not in self.planned:
                     asyncio.ensure_future(self.start_pipeline(topic))
                 return
             self.clock.due()

@@ -20,15 +20,15 @@ import logging
 import random
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kdsync.core import HardState, LocalProtocolError, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.fatal import FatalError
 from kdsync.kafka.checkpoint import (Checkpoint, CheckpointWriter, EndOffsets, OffsetsConsumer, checkpoint_topic,
                                      checkpoint_topic_spec, ensure_checkpoint_topic)
-from kdsync.kafka.reader import GlobalReader, GlobalStart, load_start
+from kdsync.kafka.reader import FROM_START, GlobalReader, GlobalStart, PartitionRead, decide_start, load_start
 from kdsync.kafka.sink import GlobalWriter, check_global_partitions, ensure_global
-from kdsync.kafka.topic import TopicSettingsError, TopicSpec, ensure_topics
+from kdsync.kafka.topic import TopicSettingsError, TopicSpec, empty_topics, ensure_topics
 from kdsync.observability.logs import kv
 from kdsync.observability.stage_latency import StageClock
 from kdsync.state import StateLog
@@ -37,12 +37,19 @@ if TYPE_CHECKING:
     from kdsync.config import Config
     from kdsync.member import Member
 
-__all__ = ["TopicPipeline", "at_most", "close_pipelines", "discover_topics", "node_config", "open_pipeline",
+__all__ = ["Prepared", "TopicPipeline", "at_most", "close_pipelines", "discover_topics", "node_config", "open_pipeline",
            "prepare_topics", "serve_read", "start_each", "start_topics"]
 
 log = logging.getLogger("kdsync.member")
 
 AT_ONCE = 4  # topics starting (or taking their last checkpoint) at once: each holds a worker thread while it waits
+
+
+class Prepared(NamedTuple):
+    """What `prepare_topics` found out about a source topic's global topic."""
+
+    partitions: int
+    empty: bool  # the global and checkpoint topics never held a record: nothing to read at start
 
 
 @dataclass
@@ -109,22 +116,28 @@ def node_config(cfg: Config) -> NodeConfig:
 
 async def start_topics(m: Member, topics: list[str]) -> None:
     """Start the pipelines of `topics` (source topics of a member with
-    Kafka): their global and checkpoint topics made in one batch, then
-    `start_each`."""
+    Kafka): their global and checkpoint topics made and measured in one
+    batch (`prepare_topics`), then `start_each`.  Until each has started, a
+    peer's message for one of them waits for it (`m.planned`) instead of
+    starting it alone."""
     if topics:
-        parts = await m.retry(f"creating the global and checkpoint topics of {len(topics)} source topics",
-                              prepare_topics, m.cfg, m.kafka_conf, topics)
-        await start_each(topics, m.start_pipeline, parts)
+        m.planned.update(topics)
+        try:
+            prepared = await m.retry(f"creating the global and checkpoint topics of {len(topics)} source topics",
+                                     prepare_topics, m.cfg, m.kafka_conf, topics)
+            await start_each(topics, m.start_pipeline, prepared)
+        finally:
+            m.planned.difference_update(topics)
 
 
-async def start_each(topics: list[str], start: Callable[[str, int | None], Awaitable[None]],
-                     partitions: dict[str, int] | None = None) -> None:
-    """`start(topic, partitions)` every topic of `topics`, AT_ONCE at a time:
+async def start_each(topics: list[str], start: Callable[[str, Prepared | None], Awaitable[None]],
+                     prepared: dict[str, Prepared] | None = None) -> None:
+    """`start(topic, prepared)` every topic of `topics`, AT_ONCE at a time:
     a start waits on its cluster (the checkpoint and the global topic's
     tail), not on this process, so a thousand topics start in seconds rather
     than one by one.  The first failure cancels the others and is raised as
     it is (a FatalError stops the member)."""
-    await at_most(AT_ONCE, [start(t, None if partitions is None else partitions[t]) for t in topics])
+    await at_most(AT_ONCE, [start(t, None if prepared is None else prepared[t]) for t in topics])
 
 
 async def at_most(n: int, aws: list[Awaitable]) -> None:
@@ -160,11 +173,12 @@ async def close_pipelines(pipelines: list[TopicPipeline], offsets: OffsetsConsum
         await asyncio.to_thread(offsets.close)
 
 
-def prepare_topics(cfg: Config, kafka_conf: dict, topics: list[str]) -> dict[str, int]:
+def prepare_topics(cfg: Config, kafka_conf: dict, topics: list[str]) -> dict[str, Prepared]:
     """Create the global and checkpoint topics of every source topic in
-    `topics` that lacks them, in one batch (kdsync.kafka.topic.ensure_topics);
-    return each source topic's global partition count as `open_pipeline`'s
-    `partitions` wants it.  Blocking: run in a thread.  Raises FatalError as
+    `topics` that lacks them, in one batch (kdsync.kafka.topic.ensure_topics),
+    and find those that never held a record (`empty_topics`, one request):
+    `open_pipeline` reads nothing of those.  Returns each source topic's
+    `Prepared`.  Blocking: run in a thread.  Raises FatalError as
     ensure_global does."""
     tc = cfg.topics
     globals_ = {t: tc.global_topic(t) for t in topics}
@@ -175,21 +189,32 @@ def prepare_topics(cfg: Config, kafka_conf: dict, topics: list[str]) -> dict[str
         have = ensure_topics(kafka_conf, specs, timeout=10.0)
     except TopicSettingsError as e:  # the cluster refuses [topics] settings: no retry can fix that
         raise FatalError(f"topics: {e}") from None
-    return {t: check_global_partitions(gt, have[gt], want, tc.shards) for t, gt in globals_.items()}
+    parts = {t: check_global_partitions(gt, have[gt], want, tc.shards) for t, gt in globals_.items()}
+    measure = {gt: have[gt] for gt in globals_.values()}
+    measure.update({checkpoint_topic(gt): have[checkpoint_topic(gt)] for gt in globals_.values()})
+    empty = empty_topics(kafka_conf, measure, timeout=10.0)
+    return {t: Prepared(parts[t], gt in empty and checkpoint_topic(gt) in empty) for t, gt in globals_.items()}
 
 
-async def open_pipeline(m: Member, topic: str, partitions: int | None = None,
+def empty_start(global_topic: str, partitions: int, shard: int | None) -> GlobalStart:
+    """What `load_start` finds in a global topic and checkpoint topic that
+    never held a record, without reading them."""
+    ids = [shard] if shard is not None else list(range(partitions))
+    return decide_start(global_topic, [PartitionRead(p, 0, 0, how=FROM_START) for p in ids], None, [])
+
+
+async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
                         ) -> tuple[TopicPipeline, GlobalStart | None, HardState | None]:
     """The pipeline of `topic` for member `m`, started from its global topic
     (none read on a witness), with the start state read and the hard state
-    loaded.  `partitions`: the global topic's, its global and checkpoint
-    topics already made by `prepare_topics`; None: made here."""
+    loaded.  `prepared`: its global and checkpoint topics already made and
+    measured by `prepare_topics`; None: made and read here."""
     gt = m.cfg.topics.global_topic(topic) if m.cfg.topics else topic + "-global"
     start_seq, watermarks, parts, present, start = 0, {}, 1, set(), None
     if not m.witness:
         tc = m.cfg.topics
-        if partitions is not None:
-            parts = partitions
+        if prepared is not None:
+            parts = prepared.partitions
         else:
             parts = await m.retry(f"creating {gt}", ensure_global, m.kafka_conf, gt, tc.partition_count(),
                                   tc.replication_factor, tc.global_topic_config(), tc.shards)
@@ -197,7 +222,11 @@ async def open_pipeline(m: Member, topic: str, partitions: int | None = None,
                           tc.replication_factor, tc.min_insync_replicas)
         if m.shard is not None:
             parts = 1  # this shard's partition of gt alone
-        start = await m.retry(f"reading {gt} from its checkpoint", load_start, m.kafka_conf, gt, parts, 60.0, m.shard)
+        if prepared is not None and prepared.empty:
+            start = empty_start(gt, parts, m.shard)
+        else:
+            start = await m.retry(f"reading {gt} from its checkpoint", load_start, m.kafka_conf, gt, parts, 60.0,
+                                  m.shard)
         start_seq, watermarks, present = start.end, start.watermarks, start.present
         if start.lost is not None:
             log.warning("positions were deleted from the global topic (retention) before a checkpoint "

@@ -332,3 +332,31 @@ provider = sockets
     line = [x for x in text.splitlines() if "transport from derecho.cfg" in x]
     assert len(line) == 1 and "provider=sockets" in line[0] and "transport=tcp" in line[0], text
     assert f"file={tmp_path / 'derecho.cfg'} " in line[0], line
+
+
+def test_prepare_topics_skips_reading_topics_that_never_held_a_record(tmp_path):
+    """A member starting a thousand new topics reads none of them
+    (issue 26): prepare_topics marks the source topics whose global and
+    checkpoint topics never held a record, and their start (empty_start) is
+    what load_start reads from them; a topic with a record is read."""
+    from confluent_kafka import Producer
+
+    from kdsync.config import config_from_dict
+    from kdsync.kafka.reader import load_start
+    from kdsync.member import Member
+    from kdsync.pipeline import Prepared, empty_start, prepare_topics
+
+    with EmbeddedCluster("new", log_dir=tmp_path) as c:
+        cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
+                                "kafka": {"bootstrap.servers": c.bootstrap},
+                                "topics": {"source": {"allow": "^s"}, "global_partitions": 3}},
+                               base_dir=str(tmp_path))
+        conf = Member(cfg).kafka_conf
+        first = prepare_topics(cfg, conf, ["s1", "s2"])
+        assert first == {"s1": Prepared(3, True), "s2": Prepared(3, True)}
+        assert empty_start("s1-global", 3, None) == load_start(conf, "s1-global", 3)
+        assert empty_start("s1-global", 3, 1) == load_start(conf, "s1-global", 1, shard=1)
+        p = Producer({"bootstrap.servers": c.bootstrap})
+        p.produce("s2-global", key=b"k", value=b"v", partition=1, headers=global_headers(0, "dc1", 0, 0, 1))
+        assert p.flush(10) == 0
+        assert prepare_topics(cfg, conf, ["s1", "s2"]) == {"s1": Prepared(3, True), "s2": Prepared(3, False)}

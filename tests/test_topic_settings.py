@@ -185,3 +185,28 @@ def test_ensure_topics_makes_hundreds_at_once_and_warns_once_per_weaker_existing
         with caplog.at_level("WARNING", logger="kdsync.kafka.topic"):
             assert ensure_topics(c.bootstrap, specs, timeout=30) == have
         assert len([r for r in caplog.records if "weaker settings" in r.getMessage()]) == 1, [(r.getMessage(), getattr(r, "kv", None)) for r in caplog.records]
+
+
+def test_empty_topics_finds_the_topics_that_never_held_a_record(tmp_path):
+    """The start of a thousand new topics skips reading each one
+    (kdsync.pipeline.prepare_topics): empty_topics asks ListOffsets for every
+    partition at once, LIST_AT_ONCE per request.  A topic holding one
+    multi-record batch (Tansu then reports too low an end) or one record in
+    one partition of several is not empty."""
+    from confluent_kafka import Producer
+
+    from kdsync.kafka import topic as kt
+    from kdsync.kafka.topic import TopicSpec, empty_topics, ensure_topics
+
+    with EmbeddedCluster("dc1", log_dir=tmp_path) as c:
+        specs = [TopicSpec(f"t-{i:03d}", 3) for i in range(250)]  # 750 partitions: two requests
+        ensure_topics(c.bootstrap, specs, timeout=30)
+        p = Producer({"bootstrap.servers": c.bootstrap, "linger.ms": 50})
+        for k in range(5):  # one batch of five records
+            p.produce("t-007", value=b"x", partition=0)
+        p.produce("t-123", value=b"y", partition=2)
+        assert p.flush(30) == 0
+        parts = {s.name: 3 for s in specs}
+        assert kt.LIST_AT_ONCE < 750
+        empty = empty_topics(c.bootstrap, parts, timeout=30)
+        assert empty == set(parts) - {"t-007", "t-123"}

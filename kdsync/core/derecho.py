@@ -143,6 +143,7 @@ class DerechoNode(NodeBase):
         self.view_wm: dict[tuple[str, int], int] = dict(self.watermarks)  # watermarks at view start
         self.joined_views = 0
         self._minority = False
+        self._heard_shared = False  # the driver shares the member's liveness (`heard`)
         self._reset_view_state()
         if kw.get("hard_state") is not None:
             self.state = State.REJOINING  # a restart: ask to be taken back
@@ -412,12 +413,18 @@ class DerechoNode(NodeBase):
                         self.vc.round = None
             elif silent - self.suspected:
                 self._suspect(silent - self.suspected)
-            # heartbeats: they also carry the acknowledgements of nulls
+            # heartbeats: they also carry the acknowledgements of nulls.  In a
+            # view change nothing is acknowledged: when the member's liveness
+            # tells us who is alive (`heard`), they only let a peer in a newer
+            # view answer with it, and go out once per suspect interval (a
+            # member forming hundreds of groups at once is not flooded)
+            slow = cfg.suspect_ticks if self._heard_shared and state is not State.ACTIVE \
+                and state is not State.CATCHING_UP else cfg.heartbeat_ticks
             for p in v.members:
                 if p == self.me:
                     continue
                 # suspected peers still hear from us, slowly: a newer view there answers with it
-                every = cfg.heartbeat_ticks * (4 if p in self.suspected else 1)
+                every = cfg.heartbeat_ticks * 4 if p in self.suspected else slow
                 if now - self.last_sent[p] >= every:
                     self._send_ack(p)
         # retransmit own slots to lagging peers
@@ -475,6 +482,7 @@ class DerechoNode(NodeBase):
         return self.quiet()
 
     def heard(self, heard_ago) -> None:
+        self._heard_shared = True
         now, last = self.now, self.last_heard
         for p, ago in heard_ago.items():
             t = last.get(p)

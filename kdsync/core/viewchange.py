@@ -70,11 +70,14 @@ Ballot = tuple[int, int]
 NO_BALLOT: Ballot = (0, -1)
 
 
+MAX_PATIENCE = 8  # a view change's rounds wait at most 8x suspect_ticks (ViewChange.step)
+
+
 class LeaderRound:
     """The leader's side of one ballot: COLLECT, then ACCEPT (exists only while
     this member leads a view change)."""
 
-    __slots__ = ("ballot", "phase", "reports", "accepts", "proposal", "acceptors", "started", "sent")
+    __slots__ = ("ballot", "phase", "reports", "accepts", "proposal", "acceptors", "started", "sent", "gap")
 
     COLLECT = "collect"
     ACCEPT = "accept"
@@ -88,6 +91,7 @@ class LeaderRound:
         self.acceptors: tuple[str, ...] = ()
         self.started = now
         self.sent = -10**9
+        self.gap = 0  # ticks from the last send to the next retransmission (0: retransmit_ticks)
 
 
 class ViewChange:
@@ -118,6 +122,7 @@ class ViewChange:
         self.unresponsive: set[str] = set()  # heard from, but not answering our COLLECT
         self.rejoined: dict[str, int] = {}  # view member -> its new incarnation
         self.round: LeaderRound | None = None  # the round this member leads
+        self.patience = 1  # x the round's timeouts: doubles with each round that timed out in this view
 
     # ------------------------------------------------------------ leadership
     def leader(self) -> str | None:
@@ -164,14 +169,22 @@ class ViewChange:
         lr = self.round
         now = n.now
         cfg = n.cfg
-        if lead == n.me and lr is not None and lr.phase == LeaderRound.COLLECT and now - lr.started >= cfg.suspect_ticks:
+        # a round that timed out may only have been slow (a member busy forming
+        # hundreds of groups answers late): each one in this view waits twice
+        # as long, and retransmissions within a round back off up to
+        # suspect_ticks, so the load does not grow while answers are late
+        wait = cfg.suspect_ticks * self.patience
+        if lead == n.me and lr is not None and lr.phase == LeaderRound.COLLECT and now - lr.started >= wait:
             # heard from but not reporting (an asymmetric link): leave them out
             self.unresponsive |= {m for m in live if m not in lr.reports}
             live = self.live()
         if lead == n.me and self.majority(len(live)):
-            if lr is None or now - lr.started >= cfg.suspect_ticks * 2:
+            if lr is None or now - lr.started >= wait * 2:
+                if lr is not None:
+                    self.patience = min(self.patience * 2, MAX_PATIENCE)
                 self.start_collect()  # first attempt, or a higher ballot may be blocking us
-            elif now - lr.sent >= cfg.retransmit_ticks:
+            elif now - lr.sent >= (lr.gap or cfg.retransmit_ticks):
+                lr.gap = min(2 * (lr.gap or cfg.retransmit_ticks), max(cfg.suspect_ticks, cfg.retransmit_ticks))
                 self.broadcast()
         elif lr is not None:
             self.round = None
@@ -266,6 +279,7 @@ class ViewChange:
         lr.acceptors = tuple(live)
         lr.phase = LeaderRound.ACCEPT
         lr.accepts = set()
+        lr.gap = 0
         self.accept_local(lr.ballot, prop)
         self.broadcast()
         self.leader_accept_progress()

@@ -115,7 +115,8 @@ class SourceConsumer:
         self.on_restart = on_restart  # (new fetch.wait.max.ms), consumer thread: a stalled fetch was re-asked
         self.restarts = 0
         self.held_back = True  # paused, back-pressured or not started: not fetching is no stall (kdsync.observability.stalls)
-        self._unfetched: dict[tuple[str, int], int] = {}  # records above the consumed position (last high watermark)
+        # topic -> partition -> records above the consumed position (last high watermark)
+        self._unfetched: dict[str, dict[int, int]] = {}
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -335,7 +336,7 @@ class SourceConsumer:
     def unfetched(self, topic: str) -> int:
         """Records of `topic` above the consumed position, as of the last
         high watermarks (any thread)."""
-        return sum(n for (t, _), n in list(self._unfetched.items()) if t == topic)
+        return sum(list(self._unfetched.get(topic, {}).values()))
 
     def _update_lag(self, c, assigned, consumed: dict[tuple[str, int], int]) -> None:
         """lag = source high watermark (from fetch responses, which Tansu
@@ -351,7 +352,7 @@ class SourceConsumer:
             if hi is not None and hi >= 0:
                 done = self._committed.get((t, p), 0)
                 self.on_lag(t, p, max(0, hi - done))
-                self._unfetched[(t, p)] = max(0, hi - consumed.get((t, p), done))
+                self._unfetched.setdefault(t, {})[p] = max(0, hi - consumed.get((t, p), done))
 
     def _drain_commits(self, c, final: bool = False) -> None:
         """Take the queued commits (durable below: back-pressure and lag see

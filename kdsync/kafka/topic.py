@@ -40,6 +40,7 @@ _SETTINGS_ERRORS = {KafkaError.INVALID_CONFIG, KafkaError.INVALID_REPLICATION_FA
 # topics per DescribeConfigs request: Tansu 0.6 answers one for a few hundred topics with a
 # response librdkafka cannot parse (found by tests/test_topic_settings.py)
 DESCRIBE_AT_ONCE = 50
+LIST_AT_ONCE = 500  # partitions per ListOffsets request (empty_topics)
 
 
 class TopicSettingsError(ValueError):
@@ -291,6 +292,28 @@ def ensure_topics(conf: str | dict, specs: list[TopicSpec], timeout: float = 10.
             raise TimeoutError(f"topic {waiting[0]} not visible after creation"
                                + (f" (and {len(waiting) - 1} more)" if len(waiting) > 1 else ""))
         time.sleep(0.05)
+
+
+def empty_topics(conf: str | dict, partitions: dict[str, int], timeout: float = 10.0) -> set[str]:
+    """The topics of `partitions` (topic -> partition count) whose every
+    partition holds no record and never did: ListOffsets(latest) is 0 for
+    each (Tansu reports too low an end after multi-record batches, but never
+    0 for a partition with a record).  One ListOffsets per LIST_AT_ONCE
+    partitions, however many topics: a member starting a thousand new topics
+    skips reading each.  Raises KafkaException / TimeoutError when the
+    cluster cannot be reached."""
+    from confluent_kafka.admin import OffsetSpec
+
+    admin = AdminClient(admin_conf(conf))
+    tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n)]
+    latest = OffsetSpec.latest()
+    full: set[str] = set()
+    for i in range(0, len(tps), LIST_AT_ONCE):
+        futs = admin.list_offsets({tp: latest for tp in tps[i:i + LIST_AT_ONCE]}, request_timeout=timeout)
+        for tp, f in futs.items():
+            if f.result(timeout).offset != 0:
+                full.add(tp.topic)
+    return set(partitions) - full
 
 
 def topic_settings(conf: str | dict, topic: str, timeout: float = 10.0) -> tuple[int, dict[str, str]]:

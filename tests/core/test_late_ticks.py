@@ -166,3 +166,42 @@ def test_late_ticks_keep_every_invariant_under_faults(seed):
     clock.run_until(delivered(net, IDS, n), 600)
     assert clock.skipped > 0  # the late path ran
     assert check_invariants(net, submitted=keys(sent)) == []
+
+
+def test_forming_slots_bound_the_view_changes_ticked_at_once_and_starve_none():
+    """kdsync.ticks.FormingSlots (issue 26): at most `slots` groups in a
+    view change are ticked at once, first come first served; a group still
+    in its view change after `slice` ticks goes behind the others waiting
+    (so groups that cannot form never starve those that can); a group out of
+    its view change is always ticked and frees its slot."""
+    from kdsync.ticks import FormingSlots
+
+    fs = FormingSlots(slots=2, slice_ticks=3)
+    topics = [f"t{i}" for i in range(5)]
+    ticked: dict[str, int] = {t: 0 for t in topics}
+    first_tick: dict[str, int] = {}
+    for tick in range(60):
+        fs.refill()
+        now = [t for t in topics if fs.tick_wanted(t, "forming")]
+        assert len(now) <= 2
+        for t in now:
+            ticked[t] += 1
+            first_tick.setdefault(t, tick)
+    # every group had turns, in arrival order, and nobody waited more than a round of turns
+    assert all(n >= 60 * 2 // 5 - 3 for n in ticked.values()), ticked
+    assert sorted(first_tick, key=first_tick.get) == topics
+    assert max(first_tick.values()) <= 1 + 3 * 2
+    # an active group is ticked whatever the slots, and a group leaving its view change frees a slot
+    assert fs.tick_wanted("other", "active")
+    fs.refill()
+    admitted = set(fs.admitted)
+    t = next(iter(admitted))
+    assert fs.tick_wanted(t, "active") and t not in fs.admitted
+    fs.refill()
+    assert len(fs.admitted) == 2 and fs.waiting == 5 - 1 - 2  # t left its view change
+    # alone in its view change, a group keeps its slot past the slice
+    solo = FormingSlots(slots=1, slice_ticks=2)
+    solo.refill()
+    assert not solo.tick_wanted("a", "wedged")
+    solo.refill()
+    assert all(solo.tick_wanted("a", "wedged") for _ in range(10))
