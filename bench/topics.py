@@ -1,7 +1,8 @@
 """Many topics per member: start-up, idle cost and CPU per event against the
-number of source topics (issue 26, docs/topics.md).
+number of source topics (issue 26, docs/operations.md "Many source topics per member").
 
     python -m bench.topics [--topics 1 100 1000] [--idle 20] [--rate 1000] [--seconds 20] [--out results/topics.json]
+    python -m bench.topics --topics 300 1000 --startup-only   # start-up alone, with progress
 
 For each topic count N: three embedded Tansu clusters, N source topics
 `app-0000`... in each, one `kdsync run` member per cluster with
@@ -48,9 +49,14 @@ def _ready_count(g: LocalGroup, i: int) -> int:
 
 
 def _active_topics(g: LocalGroup, i: int) -> int:
-    m = g.metrics(i)
-    return sum(1 for (name, labels), v in m.items() if name == "kdsync_status" and v == 1.0
-               and ("status", "active") in labels)
+    """Topics whose last status line in member i's log says active (the log,
+    not the metrics: a scrape of a thousand topics' series takes seconds)."""
+    last = dict(re.findall(r"msg=status topic=(\S+) status=(\S+)", g.log_text(i)))
+    return sum(1 for v in last.values() if v == "active")
+
+
+def _views(g: LocalGroup, i: int) -> int:
+    return len(re.findall(r'msg="view installed"', g.log_text(i)))
 
 
 def _delivered(g: LocalGroup, i: int, topics: set[str] | None = None) -> float:
@@ -105,7 +111,7 @@ def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str]
         time.sleep(0.5)
 
 
-def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path) -> dict:
+def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path, startup_only: bool = False) -> dict:
     topics = topic_names(n)
     # the product's default timing (kdsync.config ProtocolSection)
     g = LocalGroup(3, workdir, topic=ONE, metrics=True, tick_ms=50, heartbeat_ms=100, suspect_ms=500,
@@ -126,15 +132,24 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path)
         t_start = time.monotonic()
         g.start_members()
         deadline = t_start + 300
+        shown = t_start
         while not all(_ready_count(g, i) >= all_topics and _active_topics(g, i) >= all_topics for i in range(g.n)):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise RuntimeError(f"not every group ready after 300 s: "
                                    f"{[(_ready_count(g, i), _active_topics(g, i)) for i in range(g.n)]}")
+            if now - shown >= 5:
+                shown = now
+                print(f"  {n} topics, {now - t_start:5.1f} s: (ready, views installed, active) per member "
+                      f"{[(_ready_count(g, i), _views(g, i), _active_topics(g, i)) for i in range(g.n)]}",
+                      flush=True)
             for p in g.procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"a member exited: {g.log_text(g.procs.index(p))[-2000:]}")
             time.sleep(0.2)
         out["startup_s"] = round(time.monotonic() - t_start, 2)
+        if startup_only:
+            return out
         # one record per topic per cluster, then idle
         _write_spread(g, topics, n, None, "first")
         _wait_delivered(g, 3 * n, 120, set(topics))
@@ -173,11 +188,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=1000.0, help="events/s over all clusters in the spread phase")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each spread phase")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--startup-only", action="store_true",
+                    help="measure the start-up alone (progress every 5 s: topics ready, views, groups active)")
     a = ap.parse_args(argv)
     rows = []
     for n in a.topics:
         with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
-            row = run_point(n, a.idle, a.rate, a.seconds, Path(d))
+            row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:
