@@ -50,6 +50,8 @@ import sys
 import time
 from collections import deque
 
+from confluent_kafka import KafkaException
+
 from kdsync.config import Config, parse_address
 from kdsync.core import Delivery, RemoteProtocolError
 from kdsync.fatal import FatalError
@@ -227,8 +229,7 @@ class Member:
             except Exception as e:  # broker down / not ready: log and retry
                 log.warning(f"{what} failed, retrying", **kv(error=str(e).splitlines()[0] if str(e) else repr(e),
                                                              retry_in=f"{delay:.1f}s"))
-                if self.producer is not None:
-                    self.producer.poll(0)  # its client's log lines (the tick loop serves them once running)
+                self.poll_producer()  # its client's log lines (the tick loop serves them once running)
                 try:
                     await asyncio.wait_for(self._stop.wait(), delay)
                 except asyncio.TimeoutError:
@@ -327,8 +328,7 @@ class Member:
             for _ in range(n):
                 p.node.tick()
             self.process(p)
-        if self.producer is not None:
-            self.producer.poll(0)
+        self.poll_producer()
         if now - self._last_health >= 1.0:
             self._last_health = now
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
@@ -342,8 +342,11 @@ class Member:
         except Exception as e:
             log.warning("topic discovery failed", **kv(error=str(e)))
             return
-        await start_topics(self, [t for t in topics if t not in self.pipelines and t not in self.starting
-                                  and t not in self.planned])
+        await start_topics(self, [t for t in topics if not self._known(t)])
+
+    def _known(self, topic: str) -> bool:
+        """`topic` has a pipeline, or one starting or about to start."""
+        return topic in self.pipelines or topic in self.starting or topic in self.planned
 
     def _on_peer_message(self, peer: str, data: bytes) -> None:
         try:
@@ -356,7 +359,7 @@ class Member:
                     return
                 # kept until the pipeline is ready (bounded; beyond that the peer retransmits)
                 self._early.setdefault(topic, deque(maxlen=EARLY_MESSAGES)).append((peer, body))
-                if topic not in self.starting and topic not in self.planned:
+                if not self._known(topic):
                     asyncio.ensure_future(self.start_pipeline(topic))
                 return
             self.clock.due()
@@ -428,6 +431,19 @@ class Member:
         if self._report_poll is None:
             self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
 
+    def poll_producer(self) -> None:
+        """Serve the producer's callbacks.  A fatal error may also be raised
+        by poll() itself instead of reaching error_cb (seen in CI: the
+        broker forgot the idempotent producer's sequence): either way the
+        producer is re-created in place (kdsync.producer_recovery)."""
+        if self.producer is None:
+            return
+        try:
+            self.producer.poll(0)
+        except KafkaException as e:
+            err = e.args[0] if e.args else None
+            self.recovery.failed(f"kafka producer: {err.str() if err is not None else e}")
+
     def _poll_reports(self) -> None:
         """Serve delivery reports while some are outstanding (the tick serves
         them too, but a tick is long: durable ends and commits follow the
@@ -435,7 +451,7 @@ class Member:
         self._report_poll = None
         if self.stopping:
             return  # _shutdown serves the last reports itself
-        self.producer.poll(0)
+        self.poll_producer()
         if any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None):
             self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
 

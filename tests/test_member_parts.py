@@ -254,6 +254,32 @@ def test_a_producer_that_refuses_a_record_is_recovered_and_the_delivery_written_
     assert w.durable_end == 5 and w.outstanding == 0 and got["fatal"] == []
 
 
+def test_a_fatal_error_raised_by_poll_recovers_the_producer_instead_of_stopping_the_member(tmp_path):
+    """A fatal producer error may come out of poll() itself rather than its
+    error callback (CI of 2520368: the tick's poll raised
+    OUT_OF_ORDER_SEQUENCE_NUMBER and the member stopped with "tick failed").
+    Member.poll_producer hands it to the producer recovery, like error_cb."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from kdsync.config import config_from_dict
+    from kdsync.member import Member
+
+    class Raising:
+        def poll(self, timeout=0):
+            raise KafkaException(KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, "sequence desynchronization",
+                                            fatal=True))
+
+    m = Member(config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"}, "peers": {"dc1": "127.0.0.1:1"},
+                                 "kafka": {"bootstrap.servers": "127.0.0.1:1"}, "topics": {"source": "t"}},
+                                base_dir=str(tmp_path)))
+    failed = []
+    m.recovery.failed = failed.append
+    m.poll_producer()  # no producer yet: nothing to serve
+    m.producer = Raising()
+    m.poll_producer()
+    assert failed == ["kafka producer: sequence desynchronization"]
+
+
 def test_read_present_and_floors_come_from_reports():
     """The writer's floors (where a tail read starts) advance with the offsets
     of durable reports, never past a record whose position is not durable."""

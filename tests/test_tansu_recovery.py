@@ -64,3 +64,26 @@ def test_recovery_of_a_consistent_log_changes_nothing():
         assert c.recoveries == []
         got = [int(m.value()) for m in iter_partition(c.bootstrap, "t", 0, timeout=30)]
         assert got == list(range(20))
+
+
+def test_a_broker_restarted_on_its_data_does_not_call_a_written_topic_empty():
+    """A member starts without reading a topic that never held a record
+    (kdsync.kafka.topic.empty_topics, issue 26): a durable broker killed
+    and restarted on its S3 data must still report a written partition's
+    end above 0, whether it holds one multi-record batch or single records."""
+    from kdsync.kafka.topic import empty_topics
+
+    with embedded_clusters(1, durable=True) as (c,):
+        for t in ("batch", "single", "empty"):
+            ensure_topic(c.bootstrap, t, 2)
+        p = Producer({"bootstrap.servers": c.bootstrap, "linger.ms": 50})
+        for _ in range(5):
+            p.produce("batch", value=b"x", partition=1)
+        assert p.flush(30) == 0
+        p.produce("single", value=b"y", partition=0)
+        assert p.flush(30) == 0
+        parts = {"batch": 2, "single": 2, "empty": 2}
+        assert empty_topics(c.bootstrap, parts, timeout=30) == {"empty"}
+        c.kill()
+        c.start()
+        assert empty_topics(c.bootstrap, parts, timeout=30) == {"empty"}

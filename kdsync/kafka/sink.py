@@ -199,7 +199,11 @@ class GlobalWriter:
                                     on_delivery=partial(report, gen, seq), headers=headers)
                             break
                         except BufferError:  # local queue full: serve reports, then retry
-                            self.producer.poll(0.05)
+                            try:
+                                self.producer.poll(0.05)
+                            except KafkaException as e:  # fatal, raised by poll (Member.poll_producer)
+                                self._refused(seq, e)
+                                return
                         except KafkaException as e:  # the producer is fatal (or refuses this record)
                             self._refused(seq, e)
                             return
