@@ -119,29 +119,33 @@ class Sleepers:
         self.sleep = sleep
         self._send = send
         self._ping = frame_channel(PING_CHANNEL, b"")
+        self._ago = self.live.ago()
 
     def on_ticks(self, n: int) -> None:
         """The member ticks (before its nodes): pings due go out; a peer
         fallen silent wakes every sleeping node (each then suspects it);
         nodes that slept long wake for a heartbeat round (Dormancy.wake_due)."""
         live = self.live
+        due = False
         for _ in range(n):
-            if live.tick():
-                for peer in live.peers:
-                    try:
-                        self._send(peer, self._ping)
-                    except Exception:  # noqa: BLE001 - a peer link down: its silence says the rest
-                        pass
+            due |= live.tick()
+        if due:  # once, however many ticks a late pass runs
+            for peer in live.peers:
+                try:
+                    self._send(peer, self._ping)
+                except Exception:  # noqa: BLE001 - a peer link down: its silence says the rest
+                    pass
         if live.newly_silent():
             self.dorm.wake_all()
         self.dorm.wake_due()
+        self._ago = live.ago()  # what every awake node hears this pass (nothing arrives during it)
 
     def skip(self, topic: str, node) -> bool:
         """Before a node's ticks: True when it sleeps (do not tick it);
         otherwise it hears the member's liveness first."""
         if self.sleep and self.dorm.try_sleep(topic, node):
             return True
-        self.dorm.refresh(node)
+        node.heard(self._ago)  # Dormancy.refresh, with the pass's one reading of the liveness
         return False
 
     def heard(self, peer: str, channel: str) -> bool:
@@ -210,11 +214,6 @@ class FormingSlots:
             return False
         self.admitted[topic] = used + n
         return True
-
-    def forget(self, topic: str) -> None:
-        """`topic`'s pipeline is gone."""
-        self.admitted.pop(topic, None)
-        self._waiting.discard(topic)
 
     @property
     def waiting(self) -> int:

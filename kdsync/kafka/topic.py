@@ -25,7 +25,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, Resourc
 from kdsync.observability.logs import client_log
 
 __all__ = ["FetchStalledError", "PartitionEndError", "TopicSettingsError", "TopicSpec", "admin_conf", "consumer",
-           "ensure_topic", "ensure_topics",
+           "empty_topics", "ensure_topic", "ensure_topics",
            "fetch_wait_ms", "iter_partition",
            "partition_count", "read_partition", "read_to_eof", "topic_settings", "weaker_settings"]
 
@@ -252,14 +252,16 @@ def ensure_topics(conf: str | dict, specs: list[TopicSpec], timeout: float = 10.
     have: dict[str, int] = {}
     missing: list[TopicSpec] = []
     check: list[tuple[TopicSpec, int]] = []
+    asked: set[str] = set()
     for s in specs:
         t = md.topics.get(s.name)
         if t is not None and t.error is None and t.partitions:
             have[s.name] = len(t.partitions)
             if s.replication_factor is not None or s.config:
                 check.append((s, min(len(p.replicas) for p in t.partitions.values())))
-        elif s.name not in {m.name for m in missing}:
+        elif s.name not in asked:
             missing.append(s)
+        asked.add(s.name)
     if check:
         _warn_if_weaker(admin, check, timeout)
     if not missing:
