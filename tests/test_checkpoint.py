@@ -418,3 +418,29 @@ def test_an_idle_topic_asks_its_cluster_nothing_until_a_delivery_or_a_failed_wri
         assert len(calls) == 6, "a clean stop of an idle topic read its global topic again"
 
     asyncio.run(scenario())
+
+
+def test_a_topic_started_at_known_end_offsets_measures_nothing_until_a_delivery():
+    """A member starting a thousand topics read (or, new topics, knew) each
+    one's end offsets at start (known_exact): their checkpoint writers ask
+    the cluster nothing until a position is delivered."""
+    calls = []
+    prod = FakeProducer()
+
+    def measure(exact=False):
+        calls.append(exact)
+        return (3,)
+
+    async def scenario():
+        w = CheckpointWriter(prod, T, 1, "dc1", start_seq=0, watermarks={}, min_seq=0, last=None,
+                             measure=measure, interval_s=3600, positions=1000)
+        w.known_exact(0, (0,))
+        for _ in range(3):
+            await w.take()
+        assert calls == []
+        w.delivered(_delivery(0, "a", 0, 3))
+        w.durable(3)
+        await w.take()
+        assert calls == [False] and Checkpoint.decode(prod.records[-1][2]).seq == 3
+
+    asyncio.run(scenario())

@@ -360,8 +360,14 @@ class CheckpointWriter:
     def known_exact(self, seq: int, offsets: tuple[int, ...]) -> None:
         """The global topic's partitions end at `offsets` at position `seq`
         (read to their end at start): a clean stop with nothing delivered
-        since, once a checkpoint of it is confirmed, needs no last read."""
+        since, once a checkpoint of it is confirmed, needs no last read; and
+        until a position is delivered there is nothing to measure (a member
+        starting a thousand topics does not ask its cluster a thousand
+        times: measured, those reads held every worker thread and the GIL
+        for seconds)."""
         self._exact = (seq, tuple(offsets))
+        if seq == self.next_seq:
+            self._quiet_at = seq
 
     def write_now(self, cp: Checkpoint) -> None:
         """Write `cp` (already durable and valid, e.g. the start-up state)."""

@@ -33,6 +33,7 @@ where the stage does not apply: other members' batches).  With shards
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from array import array
@@ -83,6 +84,20 @@ def _first_ts(batch) -> int:
     return int.from_bytes(batch.timestamps[:8], "little", signed=True)
 
 
+class _Children(dict):
+    """A histogram's children by stage, each made at its first observation:
+    a member with a thousand idle topics does not build (and serve on every
+    scrape) seven histograms for each."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, stage):
+        child = self[stage] = self._make(stage)
+        return child
+
+
 class StageClock:
     """The stage times of one topic's batches (module doc), fed by the member:
     `submitted(run, now)`, `sent(now)`, `delivered(delivery, now)` on the
@@ -92,15 +107,18 @@ class StageClock:
         self.me = me
         self.topic = topic
         self.trace = trace
-        h = metrics.stage
-        self.h = {st: h.labels(topic, st) for st in STAGES}
-        self.e2e = metrics.latency.labels(topic)
+        self.h = _Children(lambda st, h=metrics.stage: h.labels(topic, st))
+        self._latency = metrics.latency
         self.consumed = metrics.consumed.labels(topic)
         self.written_c = metrics.written.labels(topic)
         self.own: dict[tuple[int, int], list] = {}  # (partition, first offset) -> record (see submitted)
         self.unsent: list[list] = []
         self.inflight: deque = deque()  # (end_seq, delivered_t, trace rows, source timestamps) per Delivery
         self.wall = time.time() - time.monotonic()  # monotonic -> wall clock
+
+    @functools.cached_property
+    def e2e(self):
+        return self._latency.labels(self.topic)
 
     def submitted(self, run, now: float) -> None:
         b = run.batch
