@@ -228,8 +228,13 @@ class _RecoveringWriter:
 
     def __init__(self, bootstrap: str, topic: str, tag: str, linger_ms: float, timeout: float):
         self.bootstrap, self.topic, self.tag, self.timeout = bootstrap, topic, tag, timeout
+        # librdkafka keeps a failed producer's in-flight records until
+        # message.timeout.ms (default 300 s) when their broker is down; half
+        # the timeout lets them settle in time for the read-back (CI: "10
+        # records still in flight after 240 s" after a restarted broker).
         self.conf = {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": linger_ms,
-                     "log_level": 3, "logger": client_log(), "error_cb": self._on_error}
+                     "message.timeout.ms": int(timeout * 500), "log_level": 3, "logger": client_log(),
+                     "error_cb": self._on_error}
         self.unacked: set[int] = set()  # produced, no successful report yet
         self.acked = 0
         self.failed = None  # the KafkaError that failed the current producer
