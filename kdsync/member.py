@@ -54,7 +54,7 @@ from confluent_kafka import KafkaException
 
 from kdsync.config import Config, parse_address
 from kdsync.core import Delivery, RemoteProtocolError
-from kdsync.fatal import FatalError
+from kdsync.fatal import FatalError, retry
 from kdsync.observability.stalls import StallDetector, sample_pipelines
 from kdsync.kafka.checkpoint import OffsetsConsumer
 from kdsync.kafka.sink import make_producer, producer_conf
@@ -66,7 +66,7 @@ from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateLog
-from kdsync.ticks import FormingSlots, Sleepers, TickClock, wall_us
+from kdsync.ticks import FormingSlots, Sleepers, TickClock, TickPasses, wall_us
 from kdsync.transport.channels import split_channel
 
 log = logging.getLogger("kdsync.member")
@@ -174,6 +174,9 @@ class Member:
         self.forming = FormingSlots(FORMING_SLOTS, 4 * pc.ticks(pc.suspect_ms))
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
+        self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
+        self.passes = TickPasses(self.loop, self._visit, on_slice=self.sleepers.refresh,
+                                 on_error=self._on_tick_error, stopping=lambda: self.stopping)
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
@@ -219,23 +222,8 @@ class Member:
         self._stop.set()
 
     async def retry(self, what: str, fn, *args):
-        """Run blocking `fn` in a thread until it succeeds, with backoff."""
-        delay = 0.2
-        while not self._stop.is_set():
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except FatalError:
-                raise
-            except Exception as e:  # broker down / not ready: log and retry
-                log.warning(f"{what} failed, retrying", **kv(error=str(e).splitlines()[0] if str(e) else repr(e),
-                                                             retry_in=f"{delay:.1f}s"))
-                self.poll_producer()  # its client's log lines (the tick loop serves them once running)
-                try:
-                    await asyncio.wait_for(self._stop.wait(), delay)
-                except asyncio.TimeoutError:
-                    pass
-                delay = min(delay * 2, 2.0)
-        raise asyncio.CancelledError
+        """Run blocking `fn` in a thread until it succeeds, with backoff (kdsync.fatal.retry)."""
+        return await retry(self._stop, what, fn, *args, on_failure=self.poll_producer)
 
     def _on_kafka_error(self, err) -> None:
         # called from producer.poll() (loop thread) or the consumer thread
@@ -321,13 +309,7 @@ class Member:
     def _on_ticks(self, n: int, now: float) -> None:
         self.sleepers.on_ticks(n)
         self.forming.refill()
-        for p in list(self.pipelines.values()):
-            if self.sleepers.skip(p.topic, p.node) or not self.forming.tick_wanted(p.topic, p.node.status, n):
-                continue
-            p.node.clock(wall_us())
-            for _ in range(n):
-                p.node.tick()
-            self.process(p)
+        self.passes.add(n, self.pipelines.values)  # in slices of the loop (TickPasses)
         self.poll_producer()
         if now - self._last_health >= 1.0:
             self._last_health = now
@@ -335,6 +317,26 @@ class Member:
         if now - self._last_refresh > 5.0 and not self.witness and self.cfg.topics.fixed_names() is None:
             self._last_refresh = now
             asyncio.ensure_future(self._refresh_topics())
+
+    def _visit(self, p: TopicPipeline) -> None:
+        if self._run_owed(p):
+            self.process(p)
+
+    def _run_owed(self, p: TopicPipeline) -> bool:
+        """Tick `p`'s node as often as it is owed (TickPasses); True if it ran."""
+        n = self.passes.owed(p.topic)
+        if not n or self.sleepers.skip(p.topic, p.node) or not self.forming.tick_wanted(p.topic, p.node.status, n):
+            return False
+        p.node.clock(wall_us())
+        for _ in range(n):
+            p.node.tick()
+        return True
+
+    def before_input(self, p: TopicPipeline) -> None:
+        """Before any input reaches `p`'s node: its owed ticks, then wake it."""
+        if self.passes.running:
+            self._run_owed(p)
+        self.sleepers.wake(p.topic, p.node)
 
     async def _refresh_topics(self) -> None:
         try:
@@ -363,7 +365,7 @@ class Member:
                     asyncio.ensure_future(self.start_pipeline(topic))
                 return
             self.clock.due()
-            self.sleepers.wake(topic, p.node)
+            self.before_input(p)
             p.node.clock(wall_us())
             p.node.receive(peer, body)
             if not p.process_scheduled:
@@ -399,7 +401,7 @@ class Member:
             p.consumed += b.count
             p.submitted_next[b.partition] = b.first_offset + b.count
             p.own_next.setdefault(b.partition, b.first_offset)  # below its first submission: ordered before
-            self.sleepers.wake(p.topic, p.node)
+            self.before_input(p)
             p.node.submit([run.batch])
             touched[run.topic] = p
         for p in touched.values():
@@ -458,7 +460,7 @@ class Member:
     # ------------------------------------------------------------ the global topic's reports
     def on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:
         p.durable_end = end
-        self.sleepers.wake(p.topic, p.node)
+        self.before_input(p)
         p.node.durable(end)
         p.checkpoint.durable(end)
         self.metrics.delivered.labels(p.topic).set(end)

@@ -293,6 +293,6 @@ async def serve_read(m: Member, p: TopicPipeline, start: int, stop: int) -> None
             return
     log.info("served a read from the global topic", **kv(topic=p.topic, start=start, stop=stop, events=len(events)))
     for i in range(0, len(events), chunk):
-        m.sleepers.wake(p.topic, p.node)
+        m.before_input(p)
         p.node.step(LogChunk(start + i, tuple(batches_from_events(events[i:i + chunk]))))
         m.process(p)

@@ -111,6 +111,10 @@ class PeerQueue:
         return msgs
 
 
+def _nothing(_peer: str) -> None:
+    pass
+
+
 class Transport(abc.ABC):
     """Abstract transport between the members of one kdsync group.
 
@@ -156,6 +160,10 @@ class Transport(abc.ABC):
         self.listen = (listen[0], int(listen[1]))
         self.peers = {p: (a[0], int(a[1])) for p, a in peers.items() if p != member_id}
         self.on_message = on_message
+        # any bytes from an authenticated peer, before their messages reach
+        # on_message (they may wait their turn): the peer is alive (the
+        # member's liveness, kdsync.ticks.Sleepers)
+        self.on_heard: Callable[[str], None] = _nothing
         self.secret = secret
         self.tls = tls
         self.max_frame_bytes = int(max_frame_bytes)

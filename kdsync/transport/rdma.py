@@ -859,6 +859,7 @@ class RdmaTransport(Transport):
                 return
             if conn.state == "up":
                 if f.kind == BATCH and conn.role == "listener":
+                    self.on_heard(conn.peer)
                     st = self.stats[conn.peer]
                     st.frames_in += 1
                     try:
