@@ -61,7 +61,7 @@ def _views(g: LocalGroup, i: int) -> int:
 
 def _delivered(g: LocalGroup, i: int, topics: set[str] | None = None) -> float:
     """Positions member i has made durable in its global topics (metric kdsync_delivered_position)."""
-    m = g.metrics(i)
+    m = g.metrics(i, timeout=60)  # a thousand topics' series take seconds to scrape
     return sum(v for (name, labels), v in m.items() if name == "kdsync_delivered_position"
                and (topics is None or dict(labels).get("topic") in topics))
 
@@ -190,11 +190,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--startup-only", action="store_true",
                     help="measure the start-up alone (progress every 5 s: topics ready, views, groups active)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="run in DIR/<topics> and keep it (member and broker logs) instead of a temporary directory")
     a = ap.parse_args(argv)
     rows = []
     for n in a.topics:
-        with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
-            row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only)
+        if a.keep is not None:
+            d = a.keep / str(n)
+            d.mkdir(parents=True, exist_ok=True)
+            row = run_point(n, a.idle, a.rate, a.seconds, d, a.startup_only)
+        else:
+            with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
+                row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:

@@ -257,7 +257,7 @@ class Member:
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
             on_commit=lambda t, delay: self.metrics.stage.labels(t, "committed").observe(delay),
-            on_restart=self.metrics.source_restarted,
+            on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(),
             shard=None if self.shard is None else (self.shard, self.shards))
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))
         topics = await self.retry("listing source topics", discover_topics, self.cfg, self.kafka_conf)

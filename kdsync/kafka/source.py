@@ -14,6 +14,9 @@ Assignment is manual: a topic is consumed once the member adds it
 member gives), and partitions that appear later are picked up by the next
 metadata refresh.
 
+Idle partitions: with many partitions, one that brought no record for a while
+is paused and its end offset watched instead of fetched (kdsync.kafka.idle_watch).
+
 Fetches that come back empty while records wait (stalled fetch): a broker
 that answers every fetch with nothing although its high watermark is ahead
 of the consumer is re-asked by a new client at the same positions with twice
@@ -36,6 +39,7 @@ import time
 from typing import Callable
 
 from kdsync.core import Batch, Event
+from kdsync.kafka.idle_watch import IdleWatch
 from kdsync.kafka.records import pack_payload
 from kdsync.observability.logs import kv
 from kdsync.observability.profiler import profiler
@@ -48,6 +52,8 @@ POLL_S = 0.25  # an idle consumer thread wakes 4 times/s (commits and stop wait 
 MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
 STALL_S = 2.0  # records wait and every fetch came back empty this long: a new client with a longer wait
 MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
+IDLE_DEFAULTS = (10.0, 0.5, 100)  # [topics] idle_after_ms, idle_watch_ms, idle_min_partitions (idle_watch)
+IDLE_POLL_S = 0.05  # the consumer's poll while partitions are watched: a watch's answer is picked up soon
 
 
 def consumer_conf(member_id: str, overrides: dict) -> dict:
@@ -93,7 +99,7 @@ class SourceConsumer:
                  on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT,
                  commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None,
                  shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
-                 on_restart: Callable[[int], None] | None = None):
+                 on_restart: Callable[[int], None] | None = None, idle: tuple[float, float, int] = IDLE_DEFAULTS):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -121,6 +127,8 @@ class SourceConsumer:
         self._resume = threading.Event()
         self._resume.set()
         self._thread: threading.Thread | None = None
+        # idle partitions paused and watched (kdsync.kafka.idle_watch): (after s, watch s, min partitions)
+        self.idle = IdleWatch(self.conf, *idle)
 
     # ------------------------------------------------------------ the loop's side
     def add_topic(self, topic: str, start: dict[int, int]) -> None:
@@ -173,6 +181,7 @@ class SourceConsumer:
                     last_meta = now
                     self._refresh(c, assigned)
                 self._drain_commits(c)
+                self.idle.step(c, now)
                 if assigned and now - last_record > self._stall_after():
                     last_record = now
                     waiting = self._waiting(c, assigned, consumed)
@@ -197,7 +206,7 @@ class SourceConsumer:
                     self._update_lag(c, assigned, consumed)
                 # poll() returns as soon as one record is there; consume(n, timeout) would
                 # wait for n records or the timeout, adding up to the timeout to latency
-                first = c.poll(POLL_S)
+                first = c.poll(POLL_S if not self.idle.paused else IDLE_POLL_S)
                 if first is None:
                     continue
                 last_record = time.monotonic()
@@ -240,6 +249,7 @@ class SourceConsumer:
             cur[5].append(ts)
         for topic, part, first, nxt, payloads, tss in parts:
             consumed[(topic, part)] = nxt
+            self.idle.consumed((topic, part), nxt, mono)
             runs.append(SourceRun(topic, part, Batch.of(origin, part, first, payloads, tss), wall, mono))
         return runs
 
@@ -297,6 +307,7 @@ class SourceConsumer:
         c.close()
         c = Consumer(self.conf)
         c.incremental_assign(positions)
+        self.idle.reset(time.monotonic())
         if self.on_restart is not None:
             self.on_restart(wait)
         return c
@@ -330,6 +341,7 @@ class SourceConsumer:
             tp.offset = start
             self._committed.setdefault((tp.topic, tp.partition), start)
             assigned[(tp.topic, tp.partition)] = True
+            self.idle.assigned((tp.topic, tp.partition), start, time.monotonic())
             log.info("consuming", **kv(topic=tp.topic, partition=tp.partition, offset=start))
         c.incremental_assign(committed)
 

@@ -584,7 +584,7 @@ class LocalGroup:
         self.procs[i] = None
         return p.returncode
 
-    def metrics(self, i: int, port_offset: int = 0) -> dict[tuple[str, tuple], float]:
+    def metrics(self, i: int, port_offset: int = 0, timeout: float = 2.0) -> dict[tuple[str, tuple], float]:
         """Member i's Prometheus samples {(name, sorted label items): value};
         empty when the endpoint does not answer (yet).  `port_offset`: with
         workers, 1 + w reads worker w's endpoint (0: the supervisor's)."""
@@ -595,7 +595,7 @@ class LocalGroup:
         if not self.metrics_ports:
             raise RuntimeError("LocalGroup(metrics=True) is needed to read metrics")
         try:
-            with urlopen(f"http://127.0.0.1:{self.metrics_ports[i] + port_offset}/metrics", timeout=2) as r:
+            with urlopen(f"http://127.0.0.1:{self.metrics_ports[i] + port_offset}/metrics", timeout=timeout) as r:
                 text = r.read().decode()
         except OSError:
             return {}

@@ -1,0 +1,169 @@
+"""Idle source partitions, paused and watched (issue 26, docs/operations.md
+"Many source topics per member").
+
+The source consumer fetches every partition it is assigned with a short wait
+(`fetch.wait.max.ms` = 10: an event reaches the ordering within ~10 ms).  A
+fetch costs the broker per partition, data or not: measured on Tansu, one
+idle consumer over 1 000 partitions keeps the broker at 89 % of a core with a
+10 ms wait and still 25 % with 500 ms (Tansu answers a fetch when its wait is
+over, not when a record arrives, so a long wait is also a slow one).  A
+ListOffsets over the same 1 000 partitions every 0.5 s costs it ~3 %.
+
+So, once a member consumes `min_partitions` partitions or more, a partition
+that brought no record for `after_s` and is caught up (its high watermark,
+from the last fetch response, is the next offset to consume) is paused: the
+consumer stops fetching it.  Every `watch_s` the paused partitions' end
+offsets are asked with ListOffsets, without blocking the consumer thread
+(the answers are picked up by a later call), and a partition whose end is
+above its next offset is resumed; its record is then fetched like any other.
+The cost: the first record after a pause waits up to `watch_s` more.
+
+Sound on brokers that report a low end: Tansu answers the end of a partition
+as the last batch's base offset + 1, never more than the true end and always
+above the first offset of any batch appended after the next offset to
+consume — so "end > next" is exactly "a record waits" (a test checks it on a
+real broker).  Nothing is lost when a watch fails: the partition stays paused
+and is asked again at the next watch (one warning per minute).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kdsync.observability.logs import kv
+
+__all__ = ["IdleWatch"]
+
+log = logging.getLogger("kdsync.source")
+
+LIST_AT_ONCE = 500  # partitions per ListOffsets request
+ASSIGNED_IDLE_S = 1.0  # a partition that brought nothing since its assignment is idle this soon
+
+
+class IdleWatch:
+    """The idle partitions of one source consumer (module doc).  Every
+    method runs in the consumer's thread."""
+
+    def __init__(self, conf: dict, after_s: float, watch_s: float, min_partitions: int):
+        self.conf = conf
+        self.after_s, self.watch_s, self.min_partitions = after_s, watch_s, min_partitions
+        self.next: dict[tuple[str, int], int] = {}  # next offset to consume, per assigned partition
+        self.last: dict[tuple[str, int], float] = {}  # when a record (or the assignment) last came
+        self.paused: set[tuple[str, int]] = set()
+        self.pauses = self.resumes = 0  # counters (tests, metrics)
+        self._admin = None
+        self._asked: dict | None = None  # the ListOffsets futures of the watch under way
+        self._next_watch = self._next_scan = 0.0
+        self._warned = float("-inf")
+
+    @property
+    def enabled(self) -> bool:
+        return self.after_s > 0 and len(self.next) >= self.min_partitions
+
+    def assigned(self, tp: tuple[str, int], offset: int, now: float) -> None:
+        """A new partition: idle once it brought nothing for ASSIGNED_IDLE_S
+        (a thousand new, empty topics are watched within a second, not
+        fetched at full speed for `after_s` while their groups form)."""
+        self.next[tp] = offset
+        self.last[tp] = now - self.after_s + min(self.after_s, ASSIGNED_IDLE_S)
+
+    def consumed(self, tp: tuple[str, int], nxt: int, now: float) -> None:
+        self.next[tp] = nxt
+        self.last[tp] = now
+
+    def reset(self, now: float) -> None:
+        """The consumer was replaced: nothing is paused in the new one."""
+        self.paused.clear()
+        self._asked = None
+        for tp in self.last:
+            self.last[tp] = now
+
+    def step(self, c, now: float) -> None:
+        """Pause the partitions that fell idle, resume the watched ones a
+        record came to; cheap when there is nothing to do."""
+        if self._asked is not None:
+            self._answers(c)
+        if not self.enabled:
+            if self.paused:
+                self._resume(c, list(self.paused))
+            return
+        if now >= self._next_scan:
+            self._next_scan = now + min(1.0, self.after_s / 4)
+            self._pause_idle(c, now)
+        if self.paused and self._asked is None and now >= self._next_watch:
+            self._next_watch = now + self.watch_s
+            self._ask()
+
+    def _pause_idle(self, c, now: float) -> None:
+        from confluent_kafka import TopicPartition
+
+        limit = now - self.after_s
+        idle = []
+        for tp, t in self.last.items():
+            if t > limit or tp in self.paused:
+                continue
+            try:
+                _, hi = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
+            except Exception:  # noqa: BLE001 - no fetch answer yet: not known to be caught up
+                continue
+            if hi is not None and 0 <= hi <= self.next[tp]:
+                idle.append(tp)
+        if idle:
+            c.pause([TopicPartition(t, p) for t, p in idle])
+            self.paused.update(idle)
+            self.pauses += len(idle)
+            log.debug("source partitions idle: paused and watched", **kv(partitions=len(idle)))
+
+    def _ask(self) -> None:
+        from confluent_kafka import TopicPartition
+        from confluent_kafka.admin import AdminClient, OffsetSpec
+
+        from kdsync.kafka.topic import admin_conf
+
+        try:
+            if self._admin is None:
+                self._admin = AdminClient(admin_conf(self.conf))
+            latest = OffsetSpec.latest()
+            tps = [TopicPartition(t, p) for t, p in self.paused]
+            asked: dict = {}
+            for i in range(0, len(tps), LIST_AT_ONCE):
+                asked.update(self._admin.list_offsets({tp: latest for tp in tps[i:i + LIST_AT_ONCE]},
+                                                      request_timeout=max(1.0, 4 * self.watch_s)))
+            self._asked = asked
+        except Exception as e:  # noqa: BLE001 - asked again at the next watch
+            self._failed(e)
+
+    def _answers(self, c) -> None:
+        asked = self._asked
+        if not all(f.done() for f in asked.values()):
+            return
+        self._asked = None
+        moved = []
+        for tp, f in asked.items():
+            key = (tp.topic, tp.partition)
+            try:
+                end = f.result().offset
+            except Exception as e:  # noqa: BLE001 - stays paused, asked again at the next watch
+                self._failed(e)
+                continue
+            if key in self.paused and end > self.next[key]:
+                moved.append(key)
+        if moved:
+            self._resume(c, moved)
+
+    def _resume(self, c, tps: list[tuple[str, int]]) -> None:
+        from confluent_kafka import TopicPartition
+
+        c.resume([TopicPartition(t, p) for t, p in tps])
+        now = time.monotonic()
+        for tp in tps:
+            self.paused.discard(tp)
+            self.last[tp] = now
+        self.resumes += len(tps)
+
+    def _failed(self, e: Exception) -> None:
+        now = time.monotonic()
+        if now - self._warned >= 60:
+            self._warned = now
+            log.warning("watching idle source partitions failed; they are asked again", **kv(error=str(e)))

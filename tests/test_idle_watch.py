@@ -1,0 +1,96 @@
+"""Idle source partitions paused and watched (kdsync.kafka.idle_watch) on a
+real broker: a partition that fell idle stops being fetched, and a record
+written to it at any moment — one, or a batch Tansu reports with a low end
+offset — is still consumed, once, in order."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from kdsync.kafka.embedded import embedded_clusters
+from kdsync.kafka.source import SourceConsumer, consumer_conf
+from kdsync.kafka.topic import TopicSpec, ensure_topics
+
+pytestmark = pytest.mark.timeout(240)
+
+TOPICS = [f"idle-{i}" for i in range(4)]
+
+
+def produce(bootstrap: str, records: list[tuple[str, bytes]], linger_ms: int = 0) -> None:
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": linger_ms, "log_level": 3})
+    for topic, value in records:
+        p.produce(topic, value=value, partition=0)
+    assert p.flush(30) == 0
+
+
+async def consume_while(bootstrap: str, body, idle=(0.3, 0.1, 1)):
+    """Run a SourceConsumer over TOPICS while `body(source, got)` runs (in a thread)."""
+    loop = asyncio.get_running_loop()
+    got: dict[str, list[int]] = {t: [] for t in TOPICS}  # source offsets consumed
+    fatal: list[str] = []
+
+    def on_runs(runs):
+        for r in runs:
+            got[r.topic].extend(e.offset for e in r.events)
+
+    src = SourceConsumer(consumer_conf("w", {"bootstrap.servers": bootstrap}), "w", loop, on_runs=on_runs,
+                         on_fatal=fatal.append, on_lag=lambda *a: None, idle=idle)
+    for t in TOPICS:
+        src.add_topic(t, {})
+    src.start()
+    try:
+        await asyncio.to_thread(body, src, got)
+    finally:
+        src.close()
+    assert not fatal, fatal
+    return src, got
+
+
+def until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_idle_partitions_are_paused_and_every_record_written_later_is_consumed_once_in_order(tmp_path):
+    rng = random.Random(7)
+    with embedded_clusters(1, log_dir=tmp_path) as (c,):
+        ensure_topics(c.bootstrap, [TopicSpec(t) for t in TOPICS], timeout=60)
+        sent: dict[str, list[bytes]] = {t: [] for t in TOPICS}
+
+        def body(src, got):
+            idle = src.idle
+            until(lambda: len(idle.next) == len(TOPICS), what="assignment")
+            until(lambda: len(idle.paused) == len(TOPICS), what="every idle partition paused")
+            for round_ in range(12):
+                # records at random moments around the pause: before it, right after it, while watched
+                time.sleep(rng.choice([0.0, 0.05, 0.2, 0.35, 0.5]))
+                topic = rng.choice(TOPICS)
+                batch = [(topic, b"%s-%d-%d" % (topic.encode(), round_, i)) for i in range(rng.choice([1, 1, 5]))]
+                produce(c.bootstrap, batch, linger_ms=20)  # a batch of 5 is one batch: Tansu's end is low
+                sent[topic].extend(v for _, v in batch)
+            until(lambda: all(len(got[t]) >= len(sent[t]) for t in TOPICS), what="every record consumed")
+            until(lambda: len(idle.paused) == len(TOPICS), what="paused again")
+
+        src, got = asyncio.run(consume_while(c.bootstrap, body))
+        assert got == {t: list(range(len(sent[t]))) for t in TOPICS}  # exactly once, in order
+        assert src.idle.resumes >= len({t for t in TOPICS if sent[t]}) and src.idle.pauses > len(TOPICS)
+
+
+def test_below_min_partitions_nothing_is_paused(tmp_path):
+    with embedded_clusters(1, log_dir=tmp_path) as (c,):
+        ensure_topics(c.bootstrap, [TopicSpec(t) for t in TOPICS], timeout=60)
+
+        def body(src, got):
+            until(lambda: len(src.idle.next) == len(TOPICS), what="assignment")
+            time.sleep(1.0)  # ten idle periods: would pause every partition with min_partitions = 1
+            assert not src.idle.paused and src.idle.pauses == 0
+            produce(c.bootstrap, [(TOPICS[0], b"x")])
+            until(lambda: got[TOPICS[0]] == [0], what="the record")
+
+        asyncio.run(consume_while(c.bootstrap, body, idle=(0.1, 0.1, len(TOPICS) + 1)))
