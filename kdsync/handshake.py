@@ -96,6 +96,8 @@ class ReadyHandshake:
 
     def note_status(self, p: TopicPipeline, status: str) -> None:
         if status and status != p.status:
-            log.info("status", **kv(topic=p.topic, status=status, previous=p.status or "-"))
+            # why a view ends: the peers this node suspects (none: a peer's suspicion or a newer view)
+            why = {"suspected": ",".join(sorted(getattr(p.node, "suspected", ())))} if status == "wedged" else {}
+            log.info("status", **kv(topic=p.topic, status=status, previous=p.status or "-", **why))
             p.status = status
             self.m.metrics.set_status(p.topic, status)

@@ -66,7 +66,7 @@ from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateLog
-from kdsync.ticks import FormingSlots, Sleepers, TickClock, TickPasses, wall_us
+from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, TickPasses, wall_us
 from kdsync.transport.channels import split_channel
 
 log = logging.getLogger("kdsync.member")
@@ -175,6 +175,7 @@ class Member:
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
+        self.to_process = Coalesced(self.loop, self.process)  # nodes that received peer messages
         self.passes = TickPasses(self.loop, self._visit, on_slice=self.sleepers.refresh,
                                  on_error=self._on_tick_error, stopping=lambda: self.stopping)
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
@@ -368,11 +369,9 @@ class Member:
             self.before_input(p)
             p.node.clock(wall_us())
             p.node.receive(peer, body)
-            if not p.process_scheduled:
-                # every message of this loop iteration first, then one ready(): peer
-                # messages arrive in batches, so this cuts one slot and one ack for many
-                p.process_scheduled = True
-                self.loop.call_soon(self._process_scheduled, p)
+            # every message of this loop iteration first, then one ready(): peer
+            # messages arrive in batches, so this cuts one slot and one ack for many
+            self.to_process.add(p)
             return
         except RemoteProtocolError as e:
             self.metrics.bad_messages.labels(peer).inc()
@@ -406,10 +405,6 @@ class Member:
             touched[run.topic] = p
         for p in touched.values():
             self.process(p)
-
-    def _process_scheduled(self, p: TopicPipeline) -> None:
-        p.process_scheduled = False
-        self.process(p)
 
     def process(self, p: TopicPipeline) -> None:
         """Drain `p`'s node (kdsync.handshake)."""

@@ -68,7 +68,6 @@ class TopicPipeline:
     read_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one read of the global topic at a time
     durable_end: int = 0
     status: str = ""  # the node's, as last logged
-    process_scheduled: bool = False  # a ready() drain is queued on the loop
     saving: bool = False  # a Ready waits for its hard state to be on disk (Member.process)
     stages: StageClock | None = None  # per-batch stage times (metrics, --trace-latency)
     consumed: int = 0  # source records submitted to the node
@@ -273,7 +272,10 @@ def _start_checkpoints(m: Member, p: TopicPipeline, start: GlobalStart, parts: i
     cp = start.checkpoint
     if not start.present:
         p.checkpoint.known_exact(start.end, start.ends)
-        if cp is None or cp.seq != start.end or cp.offsets != start.ends:
+        # a topic that never held a record needs none (its restart finds it empty
+        # again): a thousand new topics would otherwise write a thousand at start
+        nothing = start.end == 0 and not start.watermarks and not any(start.ends)
+        if (cp is None and not nothing) or (cp is not None and (cp.seq != start.end or cp.offsets != start.ends)):
             p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, m.me,
                                               shard=m.shard))
     p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
