@@ -1,7 +1,8 @@
 """Many topics per member: start-up, idle cost and CPU per event against the
 number of source topics (issue 26, docs/operations.md "Many source topics per member").
 
-    python -m bench.topics [--topics 1 100 1000] [--idle 20] [--rate 1000] [--seconds 20] [--out results/topics.json]
+    python -m bench.topics [--topics 1 100 1000] [--idle 20] [--rate 1000] [--seconds 20] [--first-rate 100]
+                           [--out results/topics.json] [--keep DIR]
     python -m bench.topics --topics 300 1000 --startup-only   # start-up alone, with progress
 
 For each topic count N: three embedded Tansu clusters, N source topics
@@ -11,8 +12,8 @@ For each topic count N: three embedded Tansu clusters, N source topics
 * start-up: seconds from the members' start until every member has logged
   "topic ready" for all N topics and reports every group active (metric
   `kdsync_status`);
-* idle: one record per topic per cluster written and ordered (each global
-  topic then holds 3 records), then `--idle` seconds with no traffic: each
+* idle: one record per topic per cluster written (at FIRST_RATE) and ordered
+  (each global topic then holds 3 records), then `--idle` seconds with no traffic: each
   member's CPU in % of one core and RSS, and the CPU the brokers use beyond
   what the same brokers use with the members stopped (what kdsync adds);
 * spread: `--rate` events/s over all clusters for `--seconds`, keys spread
@@ -38,6 +39,7 @@ from kdsync.testing.local import LocalGroup
 
 PREFIX = "app-"
 ONE = "one"  # the topic of the one-topic comparison (matched by the same pattern)
+FIRST_RATE = 100.0  # events/s over all clusters of the first record of every topic
 
 
 def topic_names(n: int) -> list[str]:
@@ -111,7 +113,8 @@ def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str]
         time.sleep(0.5)
 
 
-def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path, startup_only: bool = False) -> dict:
+def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path, startup_only: bool = False,
+              first_rate: float = FIRST_RATE) -> dict:
     topics = topic_names(n)
     # the product's default timing (kdsync.config ProtocolSection)
     g = LocalGroup(3, workdir, topic=ONE, metrics=True, tick_ms=50, heartbeat_ms=100, suspect_ms=500,
@@ -151,7 +154,9 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         if startup_only:
             return out
         # one record per topic per cluster, then idle
-        _write_spread(g, topics, n, None, "first")
+        # paced: Tansu appends to a partition in ~2 ms with an idempotent producer, so a
+        # thousand topics written at once take its brokers a minute (kdsync's writes too)
+        _write_spread(g, topics, n, first_rate, "first")
         _wait_delivered(g, 3 * n, 120, set(topics))
         members, brokers = _procs(g)
         time.sleep(2)  # the last checkpoints and delivery reports settle
@@ -187,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--idle", type=float, default=20.0, help="seconds of idle measured")
     ap.add_argument("--rate", type=float, default=1000.0, help="events/s over all clusters in the spread phase")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each spread phase")
+    ap.add_argument("--first-rate", type=float, default=FIRST_RATE,
+                    help="events/s over all clusters of the first record of every topic (before the idle phase)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--startup-only", action="store_true",
                     help="measure the start-up alone (progress every 5 s: topics ready, views, groups active)")
@@ -198,10 +205,10 @@ def main(argv=None) -> int:
         if a.keep is not None:
             d = a.keep / str(n)
             d.mkdir(parents=True, exist_ok=True)
-            row = run_point(n, a.idle, a.rate, a.seconds, d, a.startup_only)
+            row = run_point(n, a.idle, a.rate, a.seconds, d, a.startup_only, a.first_rate)
         else:
             with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
-                row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only)
+                row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only, a.first_rate)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:

@@ -169,11 +169,11 @@ class TopicsSection(_Model):
     # idle source partitions paused and watched with ListOffsets (kdsync.kafka.idle_watch); 0: never
     idle_after_ms: Annotated[int, Field(ge=0, le=86_400_000)] = 10_000
     idle_watch_ms: Annotated[int, Field(ge=20, le=60_000)] = 500
-    idle_min_partitions: Annotated[int, Field(ge=1)] = 100
+    hot_partitions: Annotated[int, Field(ge=1)] = 100
 
     def idle(self) -> tuple[float, float, int]:
         """SourceConsumer's `idle` argument."""
-        return self.idle_after_ms / 1000, self.idle_watch_ms / 1000, self.idle_min_partitions
+        return self.idle_after_ms / 1000, self.idle_watch_ms / 1000, self.hot_partitions
 
     @field_validator("config", mode="before")
     @classmethod

@@ -82,15 +82,33 @@ def test_idle_partitions_are_paused_and_every_record_written_later_is_consumed_o
         assert src.idle.resumes >= len({t for t in TOPICS if sent[t]}) and src.idle.pauses > len(TOPICS)
 
 
-def test_below_min_partitions_nothing_is_paused(tmp_path):
+def test_with_no_more_partitions_than_hot_nothing_is_paused(tmp_path):
     with embedded_clusters(1, log_dir=tmp_path) as (c,):
         ensure_topics(c.bootstrap, [TopicSpec(t) for t in TOPICS], timeout=60)
 
         def body(src, got):
             until(lambda: len(src.idle.next) == len(TOPICS), what="assignment")
-            time.sleep(1.0)  # ten idle periods: would pause every partition with min_partitions = 1
+            time.sleep(1.0)  # ten idle periods: would pause every partition with hot = 1
             assert not src.idle.paused and src.idle.pauses == 0
             produce(c.bootstrap, [(TOPICS[0], b"x")])
             until(lambda: got[TOPICS[0]] == [0], what="the record")
 
         asyncio.run(consume_while(c.bootstrap, body, idle=(0.1, 0.1, len(TOPICS) + 1)))
+
+
+def test_beyond_the_hot_partitions_the_least_recently_active_are_watched(tmp_path):
+    with embedded_clusters(1, log_dir=tmp_path) as (c,):
+        ensure_topics(c.bootstrap, [TopicSpec(t) for t in TOPICS], timeout=60)
+
+        def body(src, got):
+            idle = src.idle
+            until(lambda: len(idle.next) == len(TOPICS), what="assignment")
+            until(lambda: len(idle.paused) == len(TOPICS), what="new empty partitions watched")
+            for i, t in enumerate(TOPICS):  # one record each, oldest first: the last two are the hot ones
+                produce(c.bootstrap, [(t, b"r")])
+                until(lambda: got[t] == [0], what=f"the record of {t}")
+            until(lambda: idle.paused == {(t, 0) for t in TOPICS[:2]}, what="the two least recently active paused")
+
+        # idle_after 60 s: only the hot limit pauses here
+        src, got = asyncio.run(consume_while(c.bootstrap, body, idle=(60.0, 0.1, 2)))
+        assert got == {t: [0] for t in TOPICS}

@@ -9,13 +9,17 @@ idle consumer over 1 000 partitions keeps the broker at 89 % of a core with a
 over, not when a record arrives, so a long wait is also a slow one).  A
 ListOffsets over the same 1 000 partitions every 0.5 s costs it ~3 %.
 
-So, once a member consumes `min_partitions` partitions or more, a partition
-that brought no record for `after_s` and is caught up (its high watermark,
-from the last fetch response, is the next offset to consume) is paused: the
-consumer stops fetching it.  Every `watch_s` the paused partitions' end
+So a member fetches at most `hot` partitions continuously.  When it
+consumes more, a partition that brought no record for `after_s`, and beyond
+the `hot` most recently active ones any that is caught up, is paused (its
+high watermark from the last fetch response is the next offset to consume):
+the consumer stops fetching it.  Every `watch_s` the paused partitions' end
 offsets are asked with ListOffsets, without blocking the consumer thread
 (the answers are picked up by a later call), and a partition whose end is
 above its next offset is resumed; its record is then fetched like any other.
+A burst over a thousand partitions thus makes them hot for a second, not for
+`after_s` (measured: one record into each of 1 000 topics, fetched at once,
+saturated each broker for the whole idle period and its producers timed out).
 The cost: the first record after a pause waits up to `watch_s` more.
 
 Sound on brokers that report a low end: Tansu answers the end of a partition
@@ -45,9 +49,9 @@ class IdleWatch:
     """The idle partitions of one source consumer (module doc).  Every
     method runs in the consumer's thread."""
 
-    def __init__(self, conf: dict, after_s: float, watch_s: float, min_partitions: int):
+    def __init__(self, conf: dict, after_s: float, watch_s: float, hot: int):
         self.conf = conf
-        self.after_s, self.watch_s, self.min_partitions = after_s, watch_s, min_partitions
+        self.after_s, self.watch_s, self.hot = after_s, watch_s, hot
         self.next: dict[tuple[str, int], int] = {}  # next offset to consume, per assigned partition
         self.last: dict[tuple[str, int], float] = {}  # when a record (or the assignment) last came
         self.paused: set[tuple[str, int]] = set()
@@ -59,7 +63,7 @@ class IdleWatch:
 
     @property
     def enabled(self) -> bool:
-        return self.after_s > 0 and len(self.next) >= self.min_partitions
+        return self.after_s > 0 and len(self.next) > self.hot
 
     def assigned(self, tp: tuple[str, int], offset: int, now: float) -> None:
         """A new partition: idle once it brought nothing for ASSIGNED_IDLE_S
@@ -99,16 +103,22 @@ class IdleWatch:
         from confluent_kafka import TopicPartition
 
         limit = now - self.after_s
+        awake = [(t, tp) for tp, t in self.last.items() if tp not in self.paused]
+        over = len(awake) - self.hot  # beyond the hot ones: the least recently active go first
+        if over <= 0 and all(t > limit for t, _ in awake):
+            return
+        awake.sort()
         idle = []
-        for tp, t in self.last.items():
-            if t > limit or tp in self.paused:
-                continue
+        for t, tp in awake:
+            if t > limit and over <= 0:
+                break
             try:
                 _, hi = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
             except Exception:  # noqa: BLE001 - no fetch answer yet: not known to be caught up
                 continue
             if hi is not None and 0 <= hi <= self.next[tp]:
                 idle.append(tp)
+                over -= 1
         if idle:
             c.pause([TopicPartition(t, p) for t, p in idle])
             self.paused.update(idle)

@@ -52,7 +52,7 @@ POLL_S = 0.25  # an idle consumer thread wakes 4 times/s (commits and stop wait 
 MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
 STALL_S = 2.0  # records wait and every fetch came back empty this long: a new client with a longer wait
 MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
-IDLE_DEFAULTS = (10.0, 0.5, 100)  # [topics] idle_after_ms, idle_watch_ms, idle_min_partitions (idle_watch)
+IDLE_DEFAULTS = (10.0, 0.5, 100)  # [topics] idle_after_ms, idle_watch_ms, hot_partitions (idle_watch)
 IDLE_POLL_S = 0.05  # the consumer's poll while partitions are watched: a watch's answer is picked up soon
 
 
@@ -127,7 +127,7 @@ class SourceConsumer:
         self._resume = threading.Event()
         self._resume.set()
         self._thread: threading.Thread | None = None
-        # idle partitions paused and watched (kdsync.kafka.idle_watch): (after s, watch s, min partitions)
+        # idle partitions paused and watched (kdsync.kafka.idle_watch): (after s, watch s, hot partitions)
         self.idle = IdleWatch(self.conf, *idle)
 
     # ------------------------------------------------------------ the loop's side
