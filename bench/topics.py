@@ -102,7 +102,10 @@ def _write_spread(g: LocalGroup, topics: list[str], per_cluster: int, rate: floa
             raise RuntimeError("records not acknowledged by the brokers within 60 s")
 
 
-def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str] | None = None) -> None:
+def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str] | None = None,
+                    poll: float = 0.5) -> None:
+    """Until every member's global topics hold `want` positions (metrics;
+    `poll`: a scrape of a thousand topics' series costs a member ~0.3 s of CPU)."""
     deadline = time.monotonic() + timeout
     while True:
         got = [_delivered(g, i, topics) for i in range(g.n)]
@@ -110,7 +113,7 @@ def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str]
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"global topics hold {got} positions after {timeout}s, {want} expected")
-        time.sleep(0.5)
+        time.sleep(poll)
 
 
 def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path, startup_only: bool = False,
@@ -157,7 +160,8 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         # paced: Tansu appends to a partition in ~2 ms with an idempotent producer, so a
         # thousand topics written at once take its brokers a minute (kdsync's writes too)
         _write_spread(g, topics, n, first_rate, "first")
-        _wait_delivered(g, 3 * n, 120, set(topics))
+        poll = max(0.5, n / 200)
+        _wait_delivered(g, 3 * n, 120 + n / first_rate, set(topics), poll)
         members, brokers = _procs(g)
         time.sleep(2)  # the last checkpoints and delivery reports settle
         m0, b0, t0 = [cpu_s(m) for m in members], [cpu_s(b) for b in brokers], time.monotonic()
@@ -176,7 +180,7 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
             c0 = sum(cpu_s(m) for m in members)
             per = int(rate * seconds / g.n)
             _write_spread(g, into, per, rate, name)
-            _wait_delivered(g, before / g.n + per * g.n, 120)
+            _wait_delivered(g, before / g.n + per * g.n, 120, poll=poll)
             added = sum(_delivered(g, i) for i in range(g.n)) - before
             out[f"{name}_cpu_per_event_us"] = round(1e6 * (sum(cpu_s(m) for m in members) - c0) / added, 1)
         if n > 1:
