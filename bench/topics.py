@@ -159,9 +159,10 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         # one record per topic per cluster, then idle
         # paced: Tansu appends to a partition in ~2 ms with an idempotent producer, so a
         # thousand topics written at once take its brokers a minute (kdsync's writes too)
-        _write_spread(g, topics, n, first_rate, "first")
         poll = max(0.5, n / 200)
-        _wait_delivered(g, 3 * n, 120 + n / first_rate, set(topics), poll)
+        if first_rate > 0:
+            _write_spread(g, topics, n, first_rate, "first")
+            _wait_delivered(g, 3 * n, 120 + n / first_rate, set(topics), poll)
         members, brokers = _procs(g)
         time.sleep(2)  # the last checkpoints and delivery reports settle
         m0, b0, t0 = [cpu_s(m) for m in members], [cpu_s(b) for b in brokers], time.monotonic()
@@ -172,6 +173,9 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         out["idle_broker_cpu_pct"] = round(100 * broker, 2)
         out["idle_broker_added_pct"] = round(100 * (broker - base), 2)
         out["member_rss_mb"] = round(max(m.memory_info().rss for m in members) / 2**20, 1)
+        if first_rate <= 0:
+            out["idle_after"] = "formation (nothing written)"
+            return out
         # CPU per event: the rate spread over the N topics, then the same rate into one topic
         for name, into in (("spread", topics), ("one_topic", [ONE])):
             if name == "one_topic" and n == 1:
@@ -197,7 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=1000.0, help="events/s over all clusters in the spread phase")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each spread phase")
     ap.add_argument("--first-rate", type=float, default=FIRST_RATE,
-                    help="events/s over all clusters of the first record of every topic (before the idle phase)")
+                    help="events/s over all clusters of the first record of every topic (before the idle phase); "
+                         "0: nothing written, idle measured right after the groups formed, no spread phase")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--startup-only", action="store_true",
                     help="measure the start-up alone (progress every 5 s: topics ready, views, groups active)")
