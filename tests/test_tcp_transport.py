@@ -145,6 +145,15 @@ async def test_one_loop_iteration_of_sends_leaves_as_one_frame_without_the_write
         await close_all(ts)
 
 
+@pytest.fixture
+def sliced(monkeypatch):
+    """Deliveries cut into 20 ms slices (off by default: kdsync.transport.tcp)."""
+    import kdsync.transport.tcp as tcp
+
+    monkeypatch.setattr(tcp, "_DELIVER_BUDGET_S", 0.02)
+
+
+@pytest.mark.usefixtures("sliced")
 @async_test
 async def test_a_big_read_is_delivered_in_slices_in_order_with_the_loop_running_between():
     """A read of thousands of messages does not hold the loop: they reach
