@@ -310,7 +310,7 @@ class Member:
     def _on_ticks(self, n: int, now: float) -> None:
         self.sleepers.on_ticks(n)
         self.forming.refill()
-        self.passes.add(n, self.pipelines.values)  # in slices of the loop (TickPasses)
+        self.passes.add(n, self.pipelines.values)  # one pass (TickPasses; slices off by default)
         self.poll_producer()
         if now - self._last_health >= 1.0:
             self._last_health = now
