@@ -66,7 +66,7 @@ from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateLog
-from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, TickPasses, wall_us
+from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
 from kdsync.transport.channels import split_channel
 
 log = logging.getLogger("kdsync.member")
@@ -176,8 +176,6 @@ class Member:
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
         self.to_process = Coalesced(self.loop, self.process)  # nodes that received peer messages
-        self.passes = TickPasses(self.loop, self._visit, on_slice=self.sleepers.refresh,
-                                 on_error=self._on_tick_error, stopping=lambda: self.stopping)
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
@@ -310,7 +308,14 @@ class Member:
     def _on_ticks(self, n: int, now: float) -> None:
         self.sleepers.on_ticks(n)
         self.forming.refill()
-        self.passes.add(n, self.pipelines.values)  # one pass (TickPasses; slices off by default)
+        asleep = self.sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
+        for t, p in list(self.pipelines.items()):
+            if t in asleep or self.sleepers.skip(t, p.node) or not self.forming.tick_wanted(t, p.node.status, n):
+                continue
+            p.node.clock(wall_us())
+            for _ in range(n):
+                p.node.tick()
+            self.process(p)
         self.poll_producer()
         if now - self._last_health >= 1.0:
             self._last_health = now
@@ -319,24 +324,8 @@ class Member:
             self._last_refresh = now
             asyncio.ensure_future(self._refresh_topics())
 
-    def _visit(self, p: TopicPipeline) -> None:
-        if self._run_owed(p):
-            self.process(p)
-
-    def _run_owed(self, p: TopicPipeline) -> bool:
-        """Tick `p`'s node as often as it is owed (TickPasses); True if it ran."""
-        n = self.passes.owed(p.topic)
-        if not n or self.sleepers.skip(p.topic, p.node) or not self.forming.tick_wanted(p.topic, p.node.status, n):
-            return False
-        p.node.clock(wall_us())
-        for _ in range(n):
-            p.node.tick()
-        return True
-
     def before_input(self, p: TopicPipeline) -> None:
-        """Before any input reaches `p`'s node: its owed ticks, then wake it."""
-        if self.passes.running:
-            self._run_owed(p)
+        """Before any input reaches `p`'s node: wake it if it sleeps."""
         self.sleepers.wake(p.topic, p.node)
 
     async def _refresh_topics(self) -> None:

@@ -16,22 +16,21 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable, Iterable
+from typing import Callable
 
 from kdsync.core.liveness import Dormancy, PeerLiveness
 from kdsync.observability.logs import kv
 
 log = logging.getLogger("kdsync.member")
 
-__all__ = ["PING_CHANNEL", "Coalesced", "FormingSlots", "Sleepers", "TickClock", "TickPasses", "wall_us"]
+__all__ = ["PING_CHANNEL", "Coalesced", "FormingSlots", "Sleepers", "TickClock", "wall_us"]
 
 MAX_CATCH_UP = 5  # a stalled loop catches up a few ticks, not hundreds
-# A tick pass yields the loop after this long (peer frames, pings, the timer).  Off
-# (one pass per callback, as before TickPasses) until a regression is understood:
-# with 20 ms slices, 100 topics at 1 000 events/s had groups stalled 10-17 s in view
-# changes after one peer was judged silent (bisected to the slicing; without it the
-# same run is clean, and 1 000 topics still form in 14 s).
-PASS_BUDGET_S = float("inf")
+# Coalesced drains in one callback unless given a budget.  Cutting the member's work
+# into 20 ms slices (tick passes, TCP reads, drains) was tried for 1 000 topics and
+# removed: with slices, 100 topics at 1 000 events/s had groups stalled 10-17 s in view
+# changes after one peer was judged silent (docs/design/many-topics.md).
+DRAIN_BUDGET_S = float("inf")
 
 
 def wall_us() -> int:
@@ -109,79 +108,6 @@ class TickClock:
             self._on_ticks(n, now)
 
 
-class TickPasses:
-    """The member's passes over its nodes, cut into slices of the loop.
-
-    A pass visits every node (`visit(item)`) with the ticks it is owed; a
-    pass over a thousand awake nodes took 200-540 ms in one callback, and
-    meanwhile no frame was read: the member heard its peers' pings late and
-    its nodes suspected them (issue 26, waves of view changes).  So a pass
-    yields the loop every `budget_s` and goes on in the next callback; the
-    ticks that come meanwhile (`add`) are owed to every node and a node
-    visited later in the pass runs them too.  A node is owed the member's
-    ticks since its last visit (`owed`, at most MAX_CATCH_UP run at once):
-    before any input reaches a node the driver runs what it is owed (the
-    rule TickClock.due keeps for the whole member), so a node's time is
-    exact at every input whatever its place in the pass."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, visit: Callable[[object], None], *,
-                 on_slice: Callable[[], None] = lambda: None, on_error: Callable[[Exception], None],
-                 stopping: Callable[[], bool] = lambda: False, budget_s: float = PASS_BUDGET_S):
-        self.loop = loop
-        self.ticks = 0  # the member's ticks so far
-        self.budget = budget_s
-        self.passes = self.slices = 0  # counters (tests, metrics)
-        self._visit, self._on_slice, self._on_error, self._stopping = visit, on_slice, on_error, stopping
-        self._at: dict[str, int] = {}  # key -> the member's ticks at its last visit
-        self._todo: deque = deque()
-        self._scheduled = False
-
-    def owed(self, key: str) -> int:
-        """The ticks `key`'s node is owed, now counted as run (at most
-        MAX_CATCH_UP; a node first seen is owed nothing)."""
-        n = self.ticks - self._at.get(key, self.ticks)
-        self._at[key] = self.ticks
-        return min(n, MAX_CATCH_UP)
-
-    def add(self, n: int, items: Callable[[], Iterable]) -> None:
-        """`n` ticks of the member: a pass over `items()` starts unless one
-        is under way (it visits the rest with these ticks too); its first
-        slice runs now."""
-        self.ticks += n
-        if not self._todo:
-            self._todo.extend(items())
-            self.passes += 1
-            self._slice()
-
-    @property
-    def running(self) -> bool:
-        return bool(self._todo)
-
-    def _next_slice(self) -> None:
-        self._scheduled = False
-        try:
-            self._slice()
-        except Exception as e:  # noqa: BLE001 - as TickClock: reported, the member stops
-            self._todo.clear()
-            self._on_error(e)
-
-    def _slice(self) -> None:
-        if self._stopping():
-            self._todo.clear()
-            return
-        self.slices += 1
-        self._on_slice()
-        todo, visit = self._todo, self._visit
-        end = time.perf_counter() + self.budget
-        while todo:
-            visit(todo.popleft())
-            if time.perf_counter() >= end:
-                break
-        if todo and not self._scheduled:
-            self._scheduled = True
-            self.loop.call_soon(self._next_slice)
-
-
 class Coalesced:
     """`run(item)` once soon for every item added (`add`), however often it
     is added before it runs, first added first run, in slices of the loop
@@ -195,7 +121,7 @@ class Coalesced:
     callback for all of them, cut by time, keeps every iteration short."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, run: Callable[[object], None],
-                 budget_s: float = PASS_BUDGET_S):
+                 budget_s: float = DRAIN_BUDGET_S):
         self.loop, self._run, self.budget = loop, run, budget_s
         self._todo: dict[int, object] = {}  # id(item) -> item, in the order added
         self._scheduled = False
@@ -269,8 +195,7 @@ class Sleepers:
         self.refresh()
 
     def refresh(self) -> None:
-        """What every awake node hears until the next refresh (once per
-        slice of a tick pass: frames are read between slices)."""
+        """What every awake node hears until the next refresh (once per tick)."""
         self._ago = self.live.ago()
 
     def skip(self, topic: str, node) -> bool:

@@ -43,15 +43,9 @@ and middleboxes never see a flow that is silent one way.
 
 Receiving.  The handshake runs on asyncio streams; once it succeeds, the
 socket is handed to a plain `asyncio.Protocol` (`_Inbound`) that feeds each
-chunk straight into the frame decoder (no stream-buffer copies, no task
-switch per read) and calls `on_message` for its messages in the loop callback
-itself, for at most `_DELIVER_BUDGET_S`; the rest are delivered in the next
-callbacks, in order, so a read of a megabyte (ten thousand messages) does not
-hold the loop for a second: timers (the member's pings) and the other links
-run in between.  Reading goes on meanwhile (`on_heard` says the peer is
-alive while its messages wait) until `_PAUSE_MESSAGES` wait, then pauses
-until they are delivered.  A malformed frame closes that connection only,
-after the messages before it.
+chunk straight into the frame decoder and calls `on_message` for each
+message, in the loop callback itself (no stream-buffer copies, no task switch
+per read).  A malformed frame closes that connection only.
 
 Handshake (over the framed stream, before any BATCH)::
 
@@ -88,14 +82,12 @@ Threading.  Everything runs in one asyncio event loop; `send()` and
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import os
 import random
 import socket
 import ssl
-import time
 from typing import cast
 
 from kdsync.transport import PeerQueue, TLSSettings, Transport, TransportError
@@ -120,12 +112,6 @@ from kdsync.transport.framing import (
 __all__ = ["TcpTransport", "HandshakeError"]
 
 _READ_CHUNK = 1 << 20
-# messages delivered per loop callback, in time (module doc, Receiving).  Off (every
-# message of a read in its callback, as before) until a regression is understood: with
-# 20 ms slices, 100 topics at 1 000 events/s stalled groups 10-17 s in view changes in
-# 4 of 5 runs (0 of 2 without; docs/design/many-topics.md)
-_DELIVER_BUDGET_S = float("inf")
-_PAUSE_MESSAGES = 50_000  # reading pauses while this many received messages wait
 _STABLE_LINK_S = 5.0
 _HANDSHAKE_FRAME_BYTES = 64 * 1024  # largest frame accepted before authentication
 _PING_FRAME = encode_frame(PING)
@@ -197,9 +183,6 @@ class _Inbound(asyncio.Protocol):
         self.last_rx = loop.time()
         self._idle = loop.call_later(owner.idle_timeout / 2, self._check_idle)
         self._ping = loop.call_later(owner.ping_interval, self._send_ping)
-        self._queue: collections.deque[bytes] = collections.deque()  # received, not yet delivered
-        self._error: FrameError | None = None  # a malformed frame after the waiting messages
-        self._scheduled = self._paused = False
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
@@ -210,44 +193,18 @@ class _Inbound(asyncio.Protocol):
         try:
             frames = self.dec.feed(data)
         except FrameError as exc:
-            self.take(exc.frames, exc)
-        else:
-            self.take(frames)
-
-    def take(self, frames: list[Frame], error: FrameError | None = None) -> None:
-        """Deliver the messages of `frames` (now or in the next callbacks);
-        after them, a malformed frame (`error`) drops the connection."""
-        if frames:
-            msgs, bad = self.owner._messages(self.peer, frames)
-            self._queue.extend(msgs)
-            error = error or bad
-        self._error = self._error or error
-        if not self._scheduled:
-            self._deliver()
-
-    def _deliver(self) -> None:
-        """Deliver waiting messages for at most _DELIVER_BUDGET_S (module
-        doc, Receiving); then the next callback goes on."""
-        self._scheduled = False
-        q, deliver = self._queue, self.owner._deliver_one
-        end = time.perf_counter() + _DELIVER_BUDGET_S
-        while q:
-            deliver(self.peer, q.popleft())
-            if time.perf_counter() >= end:
-                break
-        if q:
-            self._scheduled = True
-            self.loop.call_soon(self._deliver)
-            if len(q) >= _PAUSE_MESSAGES and not self._paused and not self.done.done():
-                self._paused = True
-                self.transport.pause_reading()
+            self.handle(exc.frames, exc)
             return
-        if self._paused:
-            self._paused = False
-            if not self.done.done():
-                self.transport.resume_reading()
-        if self._error is not None:
-            exc, self._error = self._error, None
+        if frames:
+            self.handle(frames)
+
+    def handle(self, frames: list[Frame], error: FrameError | None = None) -> None:
+        """Deliver `frames`; on a malformed frame (or `error`), log it and drop the connection."""
+        try:
+            self.owner._deliver(self.peer, frames)
+            if error is not None:
+                raise error
+        except FrameError as exc:
             self.owner.log.warning("closed connection from %s at %s: malformed frame: %s", self.peer, self.addr_s, exc)
             self.transport.abort()
             self.connection_lost(None)
@@ -458,26 +415,19 @@ class TcpTransport(Transport):
         except OSError:
             pass
 
-    def _messages(self, peer: str, frames: list[Frame]) -> tuple[list[bytes], FrameError | None]:
-        """The messages of `frames`, up to the first bad frame (then its error)."""
+    def _deliver(self, peer: str, frames: list[Frame]) -> None:
+        """Hand the messages of `frames` to on_message.  Raises FrameError on a bad frame."""
         st = self.stats[peer]
         st.frames_in += len(frames)
-        out: list[bytes] = []
         for f in frames:
             if f.kind == BATCH:
-                try:
-                    out.extend(decode_batch(f.body))
-                except FrameError as exc:
-                    return out, exc
+                for msg in decode_batch(f.body):
+                    try:
+                        self.on_message(peer, msg)
+                    except Exception:  # the member's bug must not kill the link
+                        self.log.exception("on_message failed for a message from %s", peer)
             elif f.kind != PING:
-                return out, FrameError(f"unexpected frame kind {f.kind} after handshake")
-        return out, None
-
-    def _deliver_one(self, peer: str, msg: bytes) -> None:
-        try:
-            self.on_message(peer, msg)
-        except Exception:  # the member's bug must not kill the link
-            self.log.exception("on_message failed for a message from %s", peer)
+                raise FrameError(f"unexpected frame kind {f.kind} after handshake")
 
     # ------------------------------------------------------------ listener side
 
@@ -619,7 +569,7 @@ class TcpTransport(Transport):
             dec.max_frame_bytes = self.max_frame_bytes  # authenticated: full-size frames from now on
             inbound = _Inbound(self, hs.peer, writer.transport, dec)
             writer.transport.set_protocol(inbound)
-            inbound.take(list(pending))  # frames that came with AUTH (a well-behaved dialer sends none)
+            inbound.handle(list(pending))  # frames that came with AUTH (a well-behaved dialer sends none)
             pending.clear()
         except (FrameError, HandshakeError) as exc:
             if hs.unknown_member:

@@ -1,0 +1,36 @@
+"""kdsync.ticks.Coalesced: the member drains each node once for all the
+peer messages that reached it in a loop iteration."""
+
+import asyncio
+
+
+def test_coalesced_runs_each_item_once_in_order_in_slices_and_survives_an_error():
+    from kdsync.ticks import Coalesced
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ran: list[str] = []
+
+        def run(item: str) -> None:
+            ran.append(item)
+            if item == "bad":
+                raise RuntimeError("a bug in one drain")
+
+        errors: list[str] = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(str(ctx.get("exception"))))
+        q = Coalesced(loop, run, budget_s=0.0)  # one item per slice
+        for item in ["a", "b", "a", "bad", "c", "b"]:
+            q.add(item)
+        assert ran == []  # soon, not now: the messages of this iteration first
+        other: list[int] = []
+        loop.call_soon(lambda: other.append(len(ran)))
+        while len(ran) < 4:
+            await asyncio.sleep(0)
+        assert ran == ["a", "b", "bad", "c"]  # once each, first added first
+        assert other and 0 < other[0] < 4  # the loop ran other callbacks between slices
+        assert errors == ["a bug in one drain"]
+        q.add("a")  # once run, an item can be added again
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert ran[-1] == "a" and len(ran) == 5
+    asyncio.run(main())
