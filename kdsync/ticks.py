@@ -192,11 +192,18 @@ class Sleepers:
                 log.warning("peer silent", **kv(peer=peer, ticks=ago[peer], asleep=len(self.dorm.asleep)))
             self.dorm.wake_all()
         self.dorm.wake_due()
-        self.refresh()
+        self.refresh(n)
 
-    def refresh(self) -> None:
-        """What every awake node hears until the next refresh (once per tick)."""
-        self._ago = self.live.ago()
+    def refresh(self, n: int = 1) -> None:
+        """What every awake node hears before the `n` ticks it runs next:
+        how long ago each peer was heard, counted from the node's time after
+        them (ago - n; negative: heard during them).  The node runs its ticks
+        after hearing this, so the member's plain reading would have it count
+        the pass's ticks of silence twice: with a loop 5 ticks late, every
+        awake group would suspect a peer heard 6 ticks ago (suspect_ticks 10)
+        that the member still hears.  So a node suspects a peer in the pass
+        where the member finds it silent, and not before."""
+        self._ago = {p: a - n for p, a in self.live.ago().items()}
 
     def skip(self, topic: str, node) -> bool:
         """Before a node's ticks: True when it sleeps (do not tick it);
