@@ -319,10 +319,20 @@ class Member:
         self.poll_producer()
         if now - self._last_health >= 1.0:
             self._last_health = now
+            self._loop_delay(self.clock.take_delay())
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
-        if now - self._last_refresh > 5.0 and not self.witness and self.cfg.topics.fixed_names() is None:
+        if now - self._last_refresh > max(5.0, 0.02 * len(self.pipelines)) and not self.witness \
+                and self.cfg.topics.fixed_names() is None:  # 1 000 topics: every 20 s (a listing costs ~0.1 s)
             self._last_refresh = now
             asyncio.ensure_future(self._refresh_topics())
+
+    def _loop_delay(self, delay: float) -> None:
+        """The longest tick delay of the last second: a metric, and a warning
+        when it reached half of suspect_ms (peers then may judge us silent)."""
+        self.metrics.loop_delay.set(delay)
+        if delay * 2000 >= self.pcfg.suspect_ms:
+            log.warning("loop late", **kv(delay_ms=round(delay * 1000), groups=len(self.pipelines),
+                                         asleep=len(self.sleepers.dorm.asleep)))
 
     def before_input(self, p: TopicPipeline) -> None:
         """Before any input reaches `p`'s node: wake it if it sleeps."""

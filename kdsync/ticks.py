@@ -51,7 +51,9 @@ class TickClock:
         self.period = tick_ms / 1000.0
         self.next = 0.0
         self.late = False  # the timer skips a period: every node was quiet
+        self.worst_delay = 0.0  # the longest the timer ran after its time since the last `take_delay` (s)
         self._timer: asyncio.TimerHandle | None = None
+        self._when = 0.0
         self._quiet, self._on_ticks, self._on_error, self._stopping = quiet, on_ticks, on_error, stopping
 
     def start(self) -> None:
@@ -80,11 +82,18 @@ class TickClock:
     def _arm(self) -> None:
         late = self._quiet()
         self.late = late
-        when = self.next + self.period if late else self.next
+        self._when = when = self.next + self.period if late else self.next
         self._timer = self.loop.call_at(when, self._on_timer)
+
+    def take_delay(self) -> float:
+        """The longest the tick timer ran after its time since the last call
+        (the member's loop was busy or starved of CPU), and reset it."""
+        d, self.worst_delay = self.worst_delay, 0.0
+        return d
 
     def _on_timer(self) -> None:
         self._timer = None
+        self.worst_delay = max(self.worst_delay, self.loop.time() - self._when)
         if self._stopping():
             return
         try:

@@ -15,7 +15,9 @@ the `hot` most recently active ones any that is caught up, is paused (its
 high watermark from the last fetch response is the next offset to consume):
 the consumer stops fetching it.  Every `watch_s` the paused partitions' end
 offsets are asked with ListOffsets, without blocking the consumer thread
-(the answers are picked up by a later call), and a partition whose end is
+(one query for them all runs in the watch's own thread with a client of its
+own, `Consumer.offsets_for_times` with LATEST; the answers are picked up by a
+later call), and a partition whose end is
 above its next offset is resumed; its record is then fetched like any other.
 A burst over a thousand partitions thus makes them hot for a second, not for
 `after_s` (measured: one record into each of 1 000 topics, fetched at once,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kdsync.observability.logs import kv
 
@@ -41,7 +44,7 @@ __all__ = ["IdleWatch"]
 
 log = logging.getLogger("kdsync.source")
 
-LIST_AT_ONCE = 500  # partitions per ListOffsets request
+LATEST = -1  # ListOffsets' timestamp for "the end" (offsets_for_times passes it through)
 ASSIGNED_IDLE_S = 1.0  # a partition that brought nothing since its assignment is idle this soon
 
 
@@ -56,8 +59,9 @@ class IdleWatch:
         self.last: dict[tuple[str, int], float] = {}  # when a record (or the assignment) last came
         self.paused: set[tuple[str, int]] = set()
         self.pauses = self.resumes = 0  # counters (tests, metrics)
-        self._admin = None
-        self._asked: dict | None = None  # the ListOffsets futures of the watch under way
+        self._pool: ThreadPoolExecutor | None = None  # the watch's thread and client, made when first needed
+        self._client = None
+        self._asked: Future | None = None  # the query under way: its answer, a list of TopicPartition
         self._next_watch = self._next_scan = 0.0
         self._warned = float("-inf")
 
@@ -127,40 +131,53 @@ class IdleWatch:
 
     def _ask(self) -> None:
         from confluent_kafka import TopicPartition
-        from confluent_kafka.admin import AdminClient, OffsetSpec
 
-        from kdsync.kafka.topic import admin_conf
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kdsync-idle-watch")
+        tps = [TopicPartition(t, p, LATEST) for t, p in self.paused]
+        self._asked = self._pool.submit(self._query, tps, max(1.0, 4 * self.watch_s))
 
-        try:
-            if self._admin is None:
-                self._admin = AdminClient(admin_conf(self.conf))
-            latest = OffsetSpec.latest()
-            tps = [TopicPartition(t, p) for t, p in self.paused]
-            asked: dict = {}
-            for i in range(0, len(tps), LIST_AT_ONCE):
-                asked.update(self._admin.list_offsets({tp: latest for tp in tps[i:i + LIST_AT_ONCE]},
-                                                      request_timeout=max(1.0, 4 * self.watch_s)))
-            self._asked = asked
-        except Exception as e:  # noqa: BLE001 - asked again at the next watch
-            self._failed(e)
+    def _query(self, tps: list, timeout: float) -> list:
+        """The watch's thread: the end offsets of `tps` (one call in the
+        client for them all: a Python future per partition cost a member
+        with 1 000 idle partitions ~10 % of a core)."""
+        from kdsync.kafka.topic import consumer
+
+        if self._client is None:
+            self._client = consumer(self.conf)
+        return self._client.offsets_for_times(tps, timeout=timeout)
 
     def _answers(self, c) -> None:
         asked = self._asked
-        if not all(f.done() for f in asked.values()):
+        if not asked.done():
             return
         self._asked = None
+        try:
+            answers = asked.result()
+        except Exception as e:  # noqa: BLE001 - they stay paused, asked again at the next watch
+            self._failed(e)
+            return
         moved = []
-        for tp, f in asked.items():
+        for tp in answers:
             key = (tp.topic, tp.partition)
-            try:
-                end = f.result().offset
-            except Exception as e:  # noqa: BLE001 - stays paused, asked again at the next watch
-                self._failed(e)
-                continue
-            if key in self.paused and end > self.next[key]:
+            if tp.error is not None:
+                self._failed(tp.error)
+            elif key in self.paused and tp.offset > self.next[key]:
                 moved.append(key)
         if moved:
             self._resume(c, moved)
+
+    def close(self) -> None:
+        """Stop the watch's thread and close its client (the consumer's thread, at its end)."""
+        if self._pool is not None:
+            self._pool.submit(self._close_client)
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def _resume(self, c, tps: list[tuple[str, int]]) -> None:
         from confluent_kafka import TopicPartition

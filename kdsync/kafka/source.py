@@ -53,6 +53,7 @@ MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed b
 STALL_S = 2.0  # records wait and every fetch came back empty this long: a new client with a longer wait
 MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
 IDLE_DEFAULTS = (10.0, 0.5, 100)  # [topics] idle_after_ms, idle_watch_ms, hot_partitions (idle_watch)
+METADATA_S = 30.0  # metadata refresh once every topic's partitions are assigned (added partitions)
 IDLE_POLL_S = 0.05  # the consumer's poll while partitions are watched: a watch's answer is picked up soon
 
 
@@ -109,6 +110,8 @@ class SourceConsumer:
         self.max_inflight = max_inflight
         self.shard = shard  # (s, K): consume only source partitions p with p % K == s (docs/shards.md)
         self._topics: dict[str, dict[int, int]] = {}  # topic -> partition -> lowest offset to consume
+        self._pending = False  # an added topic not yet seen in the metadata
+        self._lag_sent: dict[tuple[str, int], int] = {}  # the lag last told on_lag, per partition
         self._commit_q: queue.Queue = queue.Queue()
         self._committed: dict[tuple[str, int], int] = {}  # source offsets durably ordered below (committed soon)
         self._to_commit: dict[tuple[str, int], int] = {}  # of those, not sent to the coordinator yet
@@ -134,6 +137,7 @@ class SourceConsumer:
     def add_topic(self, topic: str, start: dict[int, int]) -> None:
         """Consume `topic`, each partition p from at least offset start.get(p, 0)."""
         self._topics[topic] = dict(start)
+        self._pending = True  # metadata soon: its partitions are assigned within 0.5 s
 
     def commit(self, topic: str, offsets: dict[int, int]) -> None:
         """Commit `offsets` (partition -> next offset) of `topic` soon, in the consumer thread."""
@@ -177,7 +181,10 @@ class SourceConsumer:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if now - last_meta > (0.5 if not assigned else 5.0):
+                # metadata every 0.5 s while an added topic waits for its partitions,
+                # else every METADATA_S (added partitions; a thousand topics' metadata
+                # every 5 s cost a member ~1 % of a core)
+                if now - last_meta > (0.5 if self._pending or not assigned else METADATA_S):
                     last_meta = now
                     self._refresh(c, assigned)
                 self._drain_commits(c)
@@ -218,6 +225,7 @@ class SourceConsumer:
         finally:
             self._drain_commits(c, final=True)
             c.close()
+            self.idle.close()
 
     def _runs(self, msgs: list, consumed: dict[tuple[str, int], int]) -> list[SourceRun]:
         """Cut consumed messages into runs (a new run at every change of
@@ -259,7 +267,10 @@ class SourceConsumer:
         from confluent_kafka import TopicPartition
 
         out = {}
+        paused = self.idle.paused  # not fetched: no fetch answer to be stalled (the watch asks their ends)
         for (t, p) in list(assigned):
+            if (t, p) in paused:
+                continue
             try:
                 _, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
                 pos = c.position([TopicPartition(t, p)])[0].offset
@@ -322,9 +333,11 @@ class SourceConsumer:
         except Exception as e:
             log.warning("source metadata unavailable", **kv(error=str(e)))
             return
+        self._pending = False
         for t in list(self._topics):
             tm = md.topics.get(t)
             if tm is None or tm.error is not None:
+                self._pending = True  # not in the metadata yet: asked again soon
                 continue
             for p in tm.partitions:
                 if (t, p) not in assigned and (self.shard is None or p % self.shard[1] == self.shard[0]):
@@ -356,6 +369,7 @@ class SourceConsumer:
         also the records above the consumed position (`unfetched`)."""
         from confluent_kafka import TopicPartition
 
+        last = self._lag_sent
         for (t, p) in list(assigned):
             try:
                 lo, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
@@ -363,7 +377,10 @@ class SourceConsumer:
                 continue
             if hi is not None and hi >= 0:
                 done = self._committed.get((t, p), 0)
-                self.on_lag(t, p, max(0, hi - done))
+                lag = max(0, hi - done)
+                if last.get((t, p)) != lag:  # a thousand idle partitions: nothing to tell
+                    last[(t, p)] = lag
+                    self.on_lag(t, p, lag)
                 self._unfetched.setdefault(t, {})[p] = max(0, hi - consumed.get((t, p), done))
 
     def _drain_commits(self, c, final: bool = False) -> None:
