@@ -82,6 +82,7 @@ class ReadyHandshake:
         for d in rd.deliveries:
             m.deliver(p, d)
         for v in rd.views:
+            m.sleepers.views.set(p.topic, v.view_id)  # the pings' digest (kdsync.core.liveness.ViewDigest)
             m.metrics.view_id.labels(p.topic).set(v.view_id)
             m.metrics.live_members.labels(p.topic).set(len(v.members))
             log.info("view installed", **kv(topic=p.topic, view=v.view_id, members=",".join(v.members),

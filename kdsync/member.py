@@ -272,6 +272,8 @@ class Member:
         try:
             p, start, hs = await open_pipeline(self, topic, prepared)
             self.pipelines[topic] = p
+            if getattr(p.node, "view", None) is not None:  # restored: its view counts in the pings' digest
+                self.sleepers.views.set(topic, p.node.view.view_id)
             watermarks = start.watermarks if start is not None else {}
             if self.source is not None:
                 self.source.add_topic(topic, {part: off + 1 for (origin, part), off in watermarks.items()
@@ -353,7 +355,7 @@ class Member:
     def _on_peer_message(self, peer: str, data: bytes) -> None:
         try:
             topic, body = split_channel(data)
-            if self.sleepers.heard(peer, topic):
+            if self.sleepers.heard(peer, topic, body):
                 return
             p = self.pipelines.get(topic)
             if p is None:

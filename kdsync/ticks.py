@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from kdsync.core.liveness import Dormancy, PeerLiveness
+from kdsync.core.liveness import Dormancy, PeerLiveness, ViewDigest
 from kdsync.observability.logs import kv
 
 log = logging.getLogger("kdsync.member")
@@ -177,7 +177,8 @@ class Sleepers:
         self.dorm = Dormancy(self.live)
         self.sleep = sleep
         self._send = send
-        self._ping = frame_channel(PING_CHANNEL, b"")
+        self._frame = frame_channel
+        self.views = ViewDigest()  # the member's groups' views (the handshake sets them as installed)
         self._ago = self.live.ago()
 
     def on_ticks(self, n: int) -> None:
@@ -189,9 +190,11 @@ class Sleepers:
         for _ in range(n):
             due |= live.tick()
         if due:  # once, however many ticks a late pass runs
+            live.views = self.views.value()
+            ping = self._frame(PING_CHANNEL, live.views)
             for peer in live.peers:
                 try:
-                    self._send(peer, self._ping)
+                    self._send(peer, ping)
                 except Exception:  # noqa: BLE001 - a peer link down: its silence says the rest
                     pass
         silent = live.newly_silent()
@@ -222,10 +225,11 @@ class Sleepers:
         node.heard(self._ago)  # Dormancy.refresh, with the pass's one reading of the liveness
         return False
 
-    def heard(self, peer: str, channel: str) -> bool:
-        """A frame from `peer` on `channel`; True when it was a ping (nothing more to do)."""
+    def heard(self, peer: str, channel: str, body: bytes = b"") -> bool:
+        """A frame from `peer` on `channel`; True when it was a ping (nothing
+        more to do; its body is the peer's ViewDigest, b"" from older members)."""
         ping = channel == PING_CHANNEL
-        self.live.heard(peer, ping)
+        self.live.heard(peer, ping, bytes(body) if ping else b"")
         return ping
 
     def wake(self, topic: str, node) -> None:

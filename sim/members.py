@@ -55,15 +55,14 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
-from kdsync.core.liveness import Dormancy, PeerLiveness
+from kdsync.core.liveness import Dormancy, Ping, PeerLiveness, views_of
 from kdsync.testing.clocks import ClockFault
 from sim.kafka import Cluster
 from sim.quantiles import inverse_cdf
 from sim.scenario import MemberCostSpec
 
-__all__ = ["PING", "Host", "SimMember"]
+__all__ = ["Host", "SimMember"]
 
-PING = b"ping"  # the member-level ping of `quiesce` (by identity: never handed to a node)
 
 SERVICE_RECORDS = 5_000  # records one service takes at most (cost model)
 
@@ -255,8 +254,9 @@ class SimMember:
         if not self.up:
             return  # a dead process receives nothing
         if self.dorm is not None:
-            self.dorm.liveness.heard(src, ping=data is PING)
-            if data is PING:
+            ping = isinstance(data, Ping)  # the member-level ping of `quiesce`: never handed to a node
+            self.dorm.liveness.heard(src, ping, bytes(data) if ping else b"")
+            if ping:
                 return
         self._input(lambda: self._receive(src, data), msgs=1)
 
@@ -295,8 +295,9 @@ class SimMember:
         if d is not None:  # the member's liveness tick: pings, a silent peer wakes the node, which may sleep
             live = d.liveness
             if live.tick():
+                live.views = views_of(self.node)
                 for p in live.peers:
-                    self.host.send(self.id, p, PING, self.shard)
+                    self.host.send(self.id, p, Ping(live.views), self.shard)
             if live.newly_silent():
                 d.wake_all()
             d.wake_due()

@@ -21,6 +21,13 @@ hibernate regions):
   sleeper (`wake_all`): each then suspects the peer at its next tick, within
   `suspect_ticks` as before.  Awake nodes hear the member's liveness too
   (`refresh`), so no node suspects a peer whose node sleeps.
+* `ViewDigest` sums up the views of a member's groups in 8 bytes, carried by
+  every ping (`Ping`).  While every peer's digest equals the member's, every
+  group is in the same view at every member and sleeping nodes need no idle
+  heartbeat round (`Dormancy.wake_due` does nothing): an idle member sends
+  its pings and nothing else.  A digest that differs (a group changing view,
+  a member left in an older view, a topic one member does not have yet)
+  brings the idle rounds back until they agree again.
 
 Safety never rests on this: suspicion only starts view changes, which are
 safe under any pattern of suspicion.  A node sleeps only when every peer
@@ -33,9 +40,50 @@ simulator and the in-memory network drive it with ticks and frames.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Iterable
 
-__all__ = ["Dormancy", "PeerLiveness"]
+__all__ = ["Dormancy", "PeerLiveness", "Ping", "ViewDigest", "views_of"]
+
+
+class Ping(bytes):
+    """A member-level ping as the in-memory network and the simulator carry
+    it: its bytes are the sender's ViewDigest (b"": none, an older member)."""
+
+
+class ViewDigest:
+    """The views of a member's groups in 8 bytes: the XOR over its groups of
+    a hash of (group key, view id), kept as views are installed (`set`).
+    Two members with equal digests have (but with odds of 2**-64) the same
+    groups in the same views."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, int] = {}
+        self._x = 0
+
+    @staticmethod
+    def _h(key: str, view_id: int) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{key}\0{view_id}".encode(), digest_size=8).digest(), "big")
+
+    def set(self, key: str, view_id: int) -> None:
+        """Group `key` installed view `view_id`."""
+        h = self._h(key, view_id)
+        self._x ^= self._of.get(key, 0) ^ h
+        self._of[key] = h
+
+    def value(self) -> bytes:
+        return self._x.to_bytes(8, "big")
+
+
+def views_of(node) -> bytes:
+    """The ViewDigest of a driver with the one group `node` (the in-memory
+    network, the simulator); b"" before it has a view."""
+    view = getattr(node, "view", None)
+    if view is None:
+        return b""
+    d = ViewDigest()
+    d.set("", view.view_id)
+    return d.value()
 
 
 class PeerLiveness:
@@ -50,6 +98,8 @@ class PeerLiveness:
         self.now = 0
         self.heard_at = {p: 0 for p in self.peers}
         self.speaks: set[str] = set()  # peers that ping (run this protocol): only then may nodes sleep
+        self.views = b""  # this member's ViewDigest, as its pings carry it (the driver keeps it)
+        self.peer_views: dict[str, bytes] = {}  # each peer's, from its last ping
         self._pinged = -heartbeat_ticks
         self._silent: frozenset[str] = frozenset()
 
@@ -61,12 +111,14 @@ class PeerLiveness:
             return True
         return False
 
-    def heard(self, peer: str, ping: bool = False) -> None:
-        """A frame from `peer` arrived (`ping`: the member-level ping)."""
+    def heard(self, peer: str, ping: bool = False, views: bytes = b"") -> None:
+        """A frame from `peer` arrived (`ping`: the member-level ping, which
+        carries the peer's ViewDigest `views`)."""
         if peer in self.heard_at:
             self.heard_at[peer] = self.now
             if ping:
                 self.speaks.add(peer)
+                self.peer_views[peer] = views
 
     def ago(self) -> dict[str, int]:
         """Ticks since each peer was last heard."""
@@ -83,6 +135,12 @@ class PeerLiveness:
 
     def all_speak(self) -> bool:
         return len(self.speaks) == len(self.peers)
+
+    def views_agree(self) -> bool:
+        """Every peer's last ping carried this member's (non-empty) ViewDigest."""
+        v = self.views
+        return bool(v) and len(self.peer_views) == len(self.peers) and all(
+            self.peer_views.get(p) == v for p in self.peers)
 
 
 IDLE_ROUNDS = 10  # a sleeping node wakes for one heartbeat round every IDLE_ROUNDS * suspect_ticks
@@ -144,7 +202,11 @@ class Dormancy:
         all in one tick, whose heartbeats and answers would hold the member's
         loop past its peers' suspect interval (measured: every group of
         1 000 fell back into a view change every 20-30 s).  A sleeper's idle
-        round thus comes within 1.5 x idle_ticks."""
+        round thus comes within 1.5 x idle_ticks.  Nothing while every peer's
+        views agree with the member's (ViewDigest): no group of any member
+        is in another view, so there is nothing an idle round could tell."""
+        if self.liveness.views_agree():
+            return
         limit = self.liveness.now - self.idle_ticks
         budget = max(1, -(-2 * len(self.asleep) // self.idle_ticks))
         while self.asleep and budget:

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from kdsync.invariants import OffsetRanges, ViewRecord, check, runs_from_batches, watermarks
 from kdsync.core import Batch, Event, HardState, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.core.batch import read_positions
-from kdsync.core.liveness import Dormancy, PeerLiveness
+from kdsync.core.liveness import Dormancy, PeerLiveness, Ping, views_of
 from kdsync.core.messages import DecodeCache
 from kdsync.testing.clocks import PERFECT, ClockFault
 
 
-PING = b"ping"  # a member-level ping (dormancy): by identity, never handed to a node
 
 
 @dataclass
@@ -239,7 +238,7 @@ class InMemoryNetwork:
         self._clock(i)
 
     def _enqueue(self, a: str, b: str, data: bytes) -> None:
-        if data is not PING:
+        if not isinstance(data, Ping):
             t = data[1]  # a msgpack array of < 16 items: the type code is its second byte
             self.sent_by_type[t] = self.sent_by_type.get(t, 0) + 1
         if (a, b) in self.cut_links or not self.members[b].up:
@@ -260,8 +259,9 @@ class InMemoryNetwork:
             if n is None or (a, b) in self.cut_links:
                 continue
             if self.dormancy:
-                self.live[b].heard(a, ping=data is PING)
-                if data is PING:
+                ping = isinstance(data, Ping)
+                self.live[b].heard(a, ping, bytes(data) if ping else b"")
+                if ping:
                     continue
             self._input(b)
             try:
@@ -295,9 +295,10 @@ class InMemoryNetwork:
         sleeper); False when its node sleeps (not ticked)."""
         live, dorm = self.live[i], self.dorm[i]
         if live.tick():
+            live.views = views_of(node)
             for j in live.peers:
                 self.pings += 1
-                self._enqueue(i, j, PING)
+                self._enqueue(i, j, Ping(live.views))
         if live.newly_silent():
             dorm.wake_all()
         dorm.wake_due()
