@@ -53,6 +53,7 @@ MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed b
 STALL_S = 2.0  # records wait and every fetch came back empty this long: a new client with a longer wait
 MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
 IDLE_DEFAULTS = (10.0, 0.5, 100)  # [topics] idle_after_ms, idle_watch_ms, hot_partitions (idle_watch)
+LAG_PER_S = 200  # lag sampled every second, or this many partitions a second (1 000: every 5 s)
 METADATA_S = 30.0  # metadata refresh once every topic's partitions are assigned (added partitions)
 IDLE_POLL_S = 0.05  # the consumer's poll while partitions are watched: a watch's answer is picked up soon
 
@@ -208,7 +209,7 @@ class SourceConsumer:
                     self._stop.wait(0.1)
                     continue
                 self.held_back = False
-                if now - last_lag > 1.0:
+                if now - last_lag > max(1.0, len(assigned) / LAG_PER_S):
                     last_lag = now
                     self._update_lag(c, assigned, consumed)
                 # poll() returns as soon as one record is there; consume(n, timeout) would

@@ -100,7 +100,7 @@ class MemberMetrics:
         self.source_fetch_wait = Gauge("kdsync_source_fetch_wait_ms", "fetch.wait.max.ms of the source client",
                                        registry=reg)
         self.loop_delay = Gauge("kdsync_loop_delay_seconds", "the longest the member's tick timer ran after its "
-                                "time in the last second (a busy or CPU-starved loop)", registry=reg)
+                                "time since the last health sample (a busy or CPU-starved loop)", registry=reg)
         self.bad_messages = Counter("kdsync_bad_peer_messages", "malformed peer messages dropped", ["peer"], registry=reg)
         self.checkpoint_position = Gauge("kdsync_checkpoint_position",
                                          "position of the latest checkpoint the cluster confirmed (a restart reads "
