@@ -320,6 +320,10 @@ class HealthSection(_Model):
 
 class MetricsSection(_Model):
     listen: str | None = None
+    # histograms (e2e latency, stage times) per topic while a member orders at most
+    # this many source topics; the topics it opens beyond share topic="_all"
+    # (docs/metrics.md: a thousand topics' histograms made a scrape cost seconds)
+    topic_histograms: Annotated[int, Field(ge=0)] = 100
 
     @field_validator("listen")
     @classmethod

@@ -55,7 +55,7 @@ from confluent_kafka import KafkaException
 from kdsync.config import Config, parse_address
 from kdsync.core import Delivery, RemoteProtocolError
 from kdsync.fatal import FatalError, retry
-from kdsync.observability.stalls import StallDetector, sample_pipelines
+from kdsync.observability.stalls import StallDetector, loop_delay, sample_pipelines
 from kdsync.kafka.checkpoint import OffsetsConsumer
 from kdsync.kafka.sink import make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
@@ -258,7 +258,7 @@ class Member:
             {**self.kafka_conf, "error_cb": client_callback(self._on_kafka_error, "source error_cb")}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
-            on_commit=lambda t, delay: self.metrics.stage.labels(t, "committed").observe(delay),
+            on_commit=self._committed_delay,
             on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(),
             shard=None if self.shard is None else (self.shard, self.shards))
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))
@@ -324,20 +324,18 @@ class Member:
         self.poll_producer()
         if now - self._last_health >= max(1.0, len(self.pipelines) / SAMPLED_PER_S):
             self._last_health = now
-            self._loop_delay(self.clock.take_delay())
+            loop_delay(self.metrics, self.clock.take_delay(), self.pcfg.suspect_ms, len(self.pipelines),
+                       len(self.sleepers.dorm.asleep))
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
         if now - self._last_refresh > max(5.0, 0.02 * len(self.pipelines)) and not self.witness \
                 and self.cfg.topics.fixed_names() is None:  # 1 000 topics: every 20 s (a listing costs ~0.1 s)
             self._last_refresh = now
             asyncio.ensure_future(self._refresh_topics())
 
-    def _loop_delay(self, delay: float) -> None:
-        """The longest tick delay since the last health sample: a metric, and a warning
-        when it reached half of suspect_ms (peers then may judge us silent)."""
-        self.metrics.loop_delay.set(delay)
-        if delay * 2000 >= self.pcfg.suspect_ms:
-            log.warning("loop late", **kv(delay_ms=round(delay * 1000), groups=len(self.pipelines),
-                                         asleep=len(self.sleepers.dorm.asleep)))
+    def _committed_delay(self, topic: str, delay: float) -> None:
+        p = self.pipelines.get(topic)
+        if p is not None:
+            p.stages.h["committed"].observe(delay)
 
     def before_input(self, p: TopicPipeline) -> None:
         """Before any input reaches `p`'s node: wake it if it sleeps."""

@@ -30,7 +30,7 @@ from kdsync.kafka.reader import FROM_START, GlobalReader, GlobalStart, Partition
 from kdsync.kafka.sink import GlobalWriter, check_global_partitions, ensure_global
 from kdsync.kafka.topic import TopicSettingsError, TopicSpec, empty_topics, ensure_topics
 from kdsync.observability.logs import kv
-from kdsync.observability.stage_latency import StageClock
+from kdsync.observability.stage_latency import ALL_TOPICS, StageClock
 from kdsync.state import StateLog
 
 if TYPE_CHECKING:
@@ -242,7 +242,9 @@ async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
         raise FatalError(f"protocol: {e}") from None
     p = TopicPipeline(topic, gt, node, state, durable_end=start_seq, delivered_end=start_seq,
                       own_next={part: off + 1 for (origin, part), off in watermarks.items() if origin == m.me})
-    p.stages = StageClock(topic, m.me, m.metrics, m.trace)
+    opened = len(m.pipelines) + len(m.starting | m.planned)  # the topics this member orders (start-up: all known)
+    label = topic if opened <= m.cfg.metrics.topic_histograms else ALL_TOPICS
+    p.stages = StageClock(topic, m.me, m.metrics, m.trace, label=label)
     if not m.witness:
         ids = [m.shard] if m.shard is not None else list(range(parts))
         p.writer = GlobalWriter(

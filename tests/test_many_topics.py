@@ -70,7 +70,8 @@ def _check_every_topic(g: LocalGroup, expected: int, timeout: float = 120.0) -> 
 
 def test_eighty_topics_form_order_identically_and_exactly_once_through_a_kill_and_restart(tmp_path):
     g = LocalGroup(3, tmp_path, topic="one", metrics=True, tick_ms=20, heartbeat_ms=60, suspect_ms=600,
-                   retransmit_ms=40, extra={"topics": {"source": {"allow": "^(app-|one$)"}}})
+                   retransmit_ms=40, extra={"topics": {"source": {"allow": "^(app-|one$)"}},
+                                            "metrics": {"topic_histograms": 40}})
     try:
         g.start_brokers()
         for i in range(g.n):
@@ -95,5 +96,12 @@ def test_eighty_topics_form_order_identically_and_exactly_once_through_a_kill_an
         _write_round(g, "r3")
         _check_every_topic(g, 3 * 3 * PER)
         assert formed_s < 60, formed_s
+        # 81 topics > [metrics] topic_histograms = 40: their histograms share topic="_all"
+        m = g.metrics(0)
+        e2e = {dict(labels).get("topic"): v for (name, labels), v in m.items()
+               if name == "kdsync_e2e_latency_seconds_count"}
+        assert set(e2e) == {"_all"} and e2e["_all"] >= len(TOPICS) * PER, e2e
+        assert {(name, dict(labels).get("topic")) for (name, labels), v in m.items()
+                if name == "kdsync_events_written_total"} >= {("kdsync_events_written_total", t) for t in TOPICS}
     finally:
         g.close()

@@ -41,7 +41,9 @@ from collections import deque
 
 from kdsync.observability.metrics import observe_many
 
-__all__ = ["STAGES", "LatencyTrace", "StageClock", "shard_trace_path"]
+__all__ = ["ALL_TOPICS", "STAGES", "LatencyTrace", "StageClock", "shard_trace_path"]
+
+ALL_TOPICS = "_all"  # the topic label of histograms shared by many topics ([metrics] topic_histograms)
 
 STAGES = ("fetch", "handoff", "sent", "delivered", "produced", "report", "committed")
 _MAX_TRACKED = 100_000  # own batches awaiting delivery; a view change can drop some: never grow without bound
@@ -103,11 +105,14 @@ class StageClock:
     `submitted(run, now)`, `sent(now)`, `delivered(delivery, now)` on the
     loop, and `written(done)` as the GlobalWriter's on_done."""
 
-    def __init__(self, topic: str, me: str, metrics, trace: LatencyTrace | None):
+    def __init__(self, topic: str, me: str, metrics, trace: LatencyTrace | None, label: str | None = None):
+        """`label`: the topic label of its histograms (ALL_TOPICS: shared by
+        the topics past `[metrics] topic_histograms`)."""
         self.me = me
         self.topic = topic
+        self.label = label = topic if label is None else label
         self.trace = trace
-        self.h = _Children(lambda st, h=metrics.stage: h.labels(topic, st))
+        self.h = _Children(lambda st, h=metrics.stage: h.labels(label, st))
         self._latency = metrics.latency
         self.consumed = metrics.consumed.labels(topic)
         self.written_c = metrics.written.labels(topic)
@@ -118,7 +123,7 @@ class StageClock:
 
     @functools.cached_property
     def e2e(self):
-        return self._latency.labels(self.topic)
+        return self._latency.labels(self.label)
 
     def submitted(self, run, now: float) -> None:
         b = run.batch

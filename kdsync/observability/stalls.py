@@ -103,3 +103,12 @@ def sample_pipelines(detector: StallDetector, metrics, pipelines, source, now: f
                     topic=t.topic, stage=t.stage, held=t.held, for_s=round(t.for_s, 1)))
             else:
                 log.info("stall over", **kv(topic=t.topic, stage=t.stage, stalled_s=round(t.for_s, 1)))
+
+
+def loop_delay(metrics, delay: float, suspect_ms: float, groups: int, asleep: int) -> None:
+    """The longest tick delay since the last health sample: a metric, and a
+    warning when it reached half of suspect_ms (peers may then judge the
+    member silent)."""
+    metrics.loop_delay.set(delay)
+    if delay * 2000 >= suspect_ms:
+        log.warning("loop late", **kv(delay_ms=round(delay * 1000), groups=groups, asleep=asleep))
