@@ -14,6 +14,8 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   simreal   kdsync-sim calibrate, then real vs simulated p50/p99 at 300 and 1 000 events/s x 10 and 25 ms between members
   geo       five real regions on loopback (delay proxies with wan-five-regions' delays) vs the simulator, mirror and clock
   shards    real drain with [topics] shards = 2: kdsync run --workers 1 vs --workers 2
+  topics    many topics per member (bench.topics): start-up and idle cost at 1 000 / 100 / 1 topics, CPU per event spread
+  reliability  the nemesis suite on durable clusters
   rdma      RDMA/TCP ratios from a soft-RoCE VM run (boots it with --rdma)
 
 Writes DIR/report.md (tables, plots embedded), DIR/*.png, DIR/*.csv.
@@ -39,13 +41,15 @@ from typing import Callable, Iterator
 from bench.common import NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "wan", "audit", "real", "member", "simreal", "geo", "shards", "reliability", "rdma")
+SECTIONS = ("core", "scale", "sim", "wan", "audit", "real", "member", "simreal", "geo", "shards", "topics", "reliability",
+            "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
                "member": "skipped by --quick (six paced loads on real brokers take minutes)",
                "simreal": "skipped by --quick (calibration and four real runs take minutes)",
                "geo": "skipped by --quick (five brokers and five members per protocol take minutes)",
                "shards": "skipped by --quick (three brokers and 1 then 2 workers per cluster take minutes)",
+               "topics": "skipped by --quick (1 000 topics on three brokers take minutes)",
                "reliability": "skipped by --quick (minutes of faults per seed on durable clusters)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "wan": "WAN regions: ordering across regions (clock vs derecho vs the baselines)",
@@ -54,8 +58,10 @@ TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Ka
           "simreal": "Simulator vs real: the four calibration points",
           "geo": "Real geo run: five regions on loopback through delay proxies vs the simulator",
           "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP",
+          "topics": "Many topics per member: start-up, idle cost, CPU per event spread over topics",
           "reliability": "Reliability: the nemesis suite on durable clusters"}
 GENERATED_PREFIXES = ("core_", "scale_", "sim_", "wan_", "geo_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
+                      "topics_",
                       "summary")
 
 
@@ -300,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         member_params = MemberParams()
         member_steps = 3 * len(member_params.rates) + member_params.drain_runs - 1
         total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
-                 + (member_steps if "member" in wanted else 0) + (2 if "shards" in wanted else 0))
+                 + (member_steps if "member" in wanted else 0) + (2 if "shards" in wanted else 0)
+                 + (4 if "topics" in wanted else 0))
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
@@ -374,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("shards", TITLES["shards"],
                                        lambda: shards_section(out, args.quick, progress=lambda: prog.step("shards")),
                                        prog))
+            if "topics" in wanted:
+                from bench.topics import topics_section
+
+                sections.append(_guard("topics", TITLES["topics"],
+                                       lambda: topics_section(progress=lambda: prog.step("topics")), prog))
             if "reliability" in wanted:
                 from bench.reliability import reliability_section
 
