@@ -113,6 +113,14 @@ def node_config(cfg: Config) -> NodeConfig:
                       clock_lead_us=int(p.clock_lead_ms * 1000), commit_quorum=p.commit_quorum)
 
 
+def histogram_label(m: Member, topic: str) -> str:
+    """The topic label of `topic`'s histograms: itself while the member orders
+    at most `[metrics] topic_histograms` topics (those open, starting or
+    planned: at start-up, all it found), else ALL_TOPICS."""
+    ordered = len(m.pipelines.keys() | m.starting | m.planned)  # the sets overlap while topics start
+    return topic if ordered <= m.cfg.metrics.topic_histograms else ALL_TOPICS
+
+
 async def start_topics(m: Member, topics: list[str]) -> None:
     """Start the pipelines of `topics` (source topics of a member with
     Kafka): their global and checkpoint topics made and measured in one
@@ -242,9 +250,7 @@ async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
         raise FatalError(f"protocol: {e}") from None
     p = TopicPipeline(topic, gt, node, state, durable_end=start_seq, delivered_end=start_seq,
                       own_next={part: off + 1 for (origin, part), off in watermarks.items() if origin == m.me})
-    opened = len(m.pipelines) + len(m.starting | m.planned)  # the topics this member orders (start-up: all known)
-    label = topic if opened <= m.cfg.metrics.topic_histograms else ALL_TOPICS
-    p.stages = StageClock(topic, m.me, m.metrics, m.trace, label=label)
+    p.stages = StageClock(topic, m.me, m.metrics, m.trace, label=histogram_label(m, topic))
     if not m.witness:
         ids = [m.shard] if m.shard is not None else list(range(parts))
         p.writer = GlobalWriter(

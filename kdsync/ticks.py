@@ -20,6 +20,7 @@ from typing import Callable
 
 from kdsync.core.liveness import Dormancy, PeerLiveness, ViewDigest
 from kdsync.observability.logs import kv
+from kdsync.transport.channels import frame_channel
 
 log = logging.getLogger("kdsync.member")
 
@@ -171,13 +172,10 @@ class Sleepers:
 
     def __init__(self, peers, heartbeat_ticks: int, suspect_ticks: int, send: Callable[[str, bytes], None],
                  sleep: bool = True):
-        from kdsync.transport.channels import frame_channel
-
         self.live = PeerLiveness(peers, heartbeat_ticks, suspect_ticks)
         self.dorm = Dormancy(self.live)
         self.sleep = sleep
         self._send = send
-        self._frame = frame_channel
         self.views = ViewDigest()  # the member's groups' views (the handshake sets them as installed)
         self._ago = self.live.ago()
 
@@ -191,7 +189,7 @@ class Sleepers:
             due |= live.tick()
         if due:  # once, however many ticks a late pass runs
             live.views = self.views.value()
-            ping = self._frame(PING_CHANNEL, live.views)
+            ping = frame_channel(PING_CHANNEL, live.views)
             for peer in live.peers:
                 try:
                     self._send(peer, ping)

@@ -67,3 +67,20 @@ def test_trace_and_stage_histograms_account_for_every_record(tmp_path):
     assert stage_count("produced") == stage_count("report") > 0
     assert m[("kdsync_e2e_latency_seconds_count", (("topic", "events"),))] == 3 * PER
     assert m[("kdsync_events_written_total", (("topic", "events"),))] == 3 * PER
+
+
+def test_histogram_label_counts_each_topic_once_while_topics_start():
+    """[metrics] topic_histograms counts the distinct topics a member orders:
+    during start-up a topic is both planned and open (or starting), and
+    counted once (60 topics stay per topic at the default 100)."""
+    from types import SimpleNamespace
+
+    from kdsync.config import MetricsSection
+    from kdsync.pipeline import histogram_label
+
+    topics = [f"t{i}" for i in range(60)]
+    m = SimpleNamespace(pipelines={t: None for t in topics[:50]}, starting={"t50"}, planned=set(topics),
+                        cfg=SimpleNamespace(metrics=MetricsSection()))
+    assert histogram_label(m, "t50") == "t50"
+    m.cfg.metrics = MetricsSection(topic_histograms=59)
+    assert histogram_label(m, "t50") == "_all"
