@@ -123,6 +123,9 @@ def _run(
 
     for msg, fields in notes:
         logging.getLogger("kdsync.config").info(msg, **kv(**fields))
+    from kdsync.observability import gcpauses
+
+    gcpauses.tune()  # a process that runs members: fewer, shorter collections (the module's doc)
     if workers is not None or cfg.shards() > 1:
         from kdsync.config import parse_address
         from kdsync.workers import Supervisor, run_shards

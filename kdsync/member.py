@@ -62,6 +62,7 @@ from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.observability.logs import KafkaClientLog, client_callback, kv
 from kdsync.pipeline import Prepared, TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
 from kdsync.producer_recovery import ProducerRecovery
+from kdsync.observability.gcpauses import GcPauses, freeze_started
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
@@ -150,7 +151,7 @@ class Member:
         from kdsync.observability.metrics import MemberMetrics
         from kdsync.transport import TLSSettings, TransportError, make_transport
 
-        self.metrics = MemberMetrics(self._peer_stats, self._stats_for_metrics)
+        self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics), GcPauses()
         if self.trace_path:
             path = shard_trace_path(self.trace_path, self.shard)
             try:
@@ -267,6 +268,7 @@ class Member:
             log.warning("no source topic matches yet; waiting for one", **kv(source=str(self.cfg.topics.source)))
         await start_topics(self, topics)
         self.source.start()
+        freeze_started(self.loop)
 
     async def start_pipeline(self, topic: str, prepared: Prepared | None = None) -> None:
         if topic in self.pipelines or topic in self.starting:
@@ -304,7 +306,9 @@ class Member:
 
     def _all_quiet(self) -> bool:
         asleep = self.sleepers.dorm.asleep  # a sleeping node is quiet: not asked (a thousand idle topics)
-        return bool(self.pipelines) and all(t in asleep or p.node.quiet() for t, p in self.pipelines.items())
+        if not self.pipelines or len(asleep) == len(self.pipelines):
+            return bool(self.pipelines)
+        return all(t in asleep or p.node.quiet() for t, p in self.pipelines.items())
 
     def _on_tick_error(self, e: Exception) -> None:  # a core bug: stop loudly rather than run without a clock
         log.exception("tick failed")
@@ -314,7 +318,7 @@ class Member:
         self.sleepers.on_ticks(n)
         self.forming.refill()
         asleep = self.sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
-        for t, p in list(self.pipelines.items()):
+        for t, p in (list(self.pipelines.items()) if len(asleep) < len(self.pipelines) else ()):
             if t in asleep or self.sleepers.skip(t, p.node) or not self.forming.tick_wanted(t, p.node.status, n):
                 continue
             p.node.clock(wall_us())
@@ -325,7 +329,7 @@ class Member:
         if now - self._last_health >= max(1.0, len(self.pipelines) / SAMPLED_PER_S):
             self._last_health = now
             loop_delay(self.metrics, self.clock.take_delay(), self.pcfg.suspect_ms, len(self.pipelines),
-                       len(self.sleepers.dorm.asleep))
+                       len(self.sleepers.dorm.asleep), self.gc_pauses.take())
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
         if now - self._last_refresh > max(5.0, 0.02 * len(self.pipelines)) and not self.witness \
                 and self.cfg.topics.fixed_names() is None:  # 1 000 topics: every 20 s (a listing costs ~0.1 s)
@@ -468,6 +472,7 @@ class Member:
     # ------------------------------------------------------------ stop
     async def _shutdown(self) -> None:
         self.stopping = True
+        self.gc_pauses.close()
         if self.source is not None:
             self.source.pause()  # no new source records; the thread still drains commits
         writers = [p.writer for p in self.pipelines.values() if p.writer is not None]

@@ -112,3 +112,67 @@ def test_beyond_the_hot_partitions_the_least_recently_active_are_watched(tmp_pat
         # idle_after 60 s: only the hot limit pauses here
         src, got = asyncio.run(consume_while(c.bootstrap, body, idle=(60.0, 0.1, 2)))
         assert got == {t: [0] for t in TOPICS}
+
+
+class _Client:
+    """offsets_for_times of a client whose partitions all end at `end` (records the calls)."""
+
+    def __init__(self, end: int):
+        self.end, self.calls = end, []
+
+    def offsets_for_times(self, tps, timeout):
+        from confluent_kafka import TopicPartition
+
+        self.calls.append(len(tps))
+        return [TopicPartition(tp.topic, tp.partition, self.end) for tp in tps]
+
+
+class _Consumer:
+    def __init__(self):
+        self.resumed = []
+
+    def resume(self, tps):
+        self.resumed.extend((tp.topic, tp.partition) for tp in tps)
+
+
+def test_the_watch_asks_in_chunks_and_resumes_every_partition_a_record_came_to(monkeypatch):
+    from kdsync.kafka import idle_watch
+    from kdsync.kafka.idle_watch import IdleWatch
+
+    monkeypatch.setattr(idle_watch, "WATCH_CHUNK", 2)
+    w = IdleWatch({}, after_s=1.0, watch_s=0.1, hot=0)
+    w._client = client = _Client(end=5)
+    for i in range(5):
+        w.assigned((f"t{i}", 0), 5 if i < 3 else 4, now=0.0)  # t3, t4: a record waits (end 5 > next 4)
+    w.paused.update(w.next)
+    w._ask()
+    w._asked.result(timeout=10)
+    c = _Consumer()
+    w._answers(c)
+    assert client.calls == [2, 2, 1]  # 5 partitions, 2 a call
+    assert sorted(c.resumed) == [("t3", 0), ("t4", 0)] and w.paused == {("t0", 0), ("t1", 0), ("t2", 0)}
+    w._ask()  # the paused set changed: the query is built again, of the 3 left
+    w._asked.result(timeout=10)
+    assert client.calls[3:] == [2, 1]
+    w.close()
+
+
+def test_with_every_partition_paused_the_consumer_sleeps_until_the_watch_answers():
+    import threading
+    from concurrent.futures import Future
+
+    from kdsync.kafka.idle_watch import IdleWatch
+
+    w = IdleWatch({}, after_s=1.0, watch_s=0.5, hot=0)
+    w._asked = f = Future()
+    threading.Timer(0.05, f.set_result, ([],)).start()
+    t0 = time.monotonic()
+    w.wait(30.0, threading.Event())  # returns with the answer, not at the timeout
+    assert f.done() and time.monotonic() - t0 < 10
+    w._asked = None
+    w._next_watch = w._next_scan = time.monotonic() + 60
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    t0 = time.monotonic()
+    w.wait(30.0, stop)  # no query under way: until the next one is due, or stop
+    assert stop.is_set() and time.monotonic() - t0 < 10

@@ -101,6 +101,10 @@ class MemberMetrics:
                                        registry=reg)
         self.loop_delay = Gauge("kdsync_loop_delay_seconds", "the longest the member's tick timer ran after its "
                                 "time since the last health sample (a busy or CPU-starved loop)", registry=reg)
+        self.gc_pause = Gauge("kdsync_gc_pause_seconds", "the longest garbage collection since the last health "
+                              "sample (it holds the member's loop)", registry=reg)
+        self.groups_asleep = Gauge("kdsync_groups_asleep", "ordering groups asleep (quiescent: no tick, no "
+                                   "heartbeat of their own until input wakes them)", registry=reg)
         self.bad_messages = Counter("kdsync_bad_peer_messages", "malformed peer messages dropped", ["peer"], registry=reg)
         self.checkpoint_position = Gauge("kdsync_checkpoint_position",
                                          "position of the latest checkpoint the cluster confirmed (a restart reads "
