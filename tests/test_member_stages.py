@@ -84,3 +84,22 @@ def test_histogram_label_counts_each_topic_once_while_topics_start():
     assert histogram_label(m, "t50") == "t50"
     m.cfg.metrics = MetricsSection(topic_histograms=59)
     assert histogram_label(m, "t50") == "_all"
+
+
+def test_checkpoint_interval_grows_past_twenty_checkpoints_a_second_of_topics():
+    """A member writes at most CHECKPOINTS_PER_S checkpoints a second over
+    its topics: 100 topics keep `[checkpoint] interval_ms`, 1 000 take one
+    every 50 s (each is a broker append), counted once while they start."""
+    from types import SimpleNamespace
+
+    from kdsync.config import CheckpointSection
+    from kdsync.pipeline import CHECKPOINTS_PER_S, checkpoint_interval
+
+    def member(n: int, interval_ms: int = 10_000):
+        topics = {f"t{i}" for i in range(n)}
+        return SimpleNamespace(pipelines=dict.fromkeys(topics), starting=set(), planned=topics,
+                               cfg=SimpleNamespace(checkpoint=CheckpointSection(interval_ms=interval_ms)))
+
+    assert checkpoint_interval(member(100)) == 10.0
+    assert checkpoint_interval(member(1000)) == 1000 / CHECKPOINTS_PER_S == 50.0
+    assert checkpoint_interval(member(1000, interval_ms=120_000)) == 120.0

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -352,10 +353,13 @@ class CheckpointWriter:
             self._task = asyncio.ensure_future(self.take())
 
     async def run(self) -> None:
-        """Take a checkpoint every `interval_s` (a task; cancel it to stop)."""
+        """Take a checkpoint every `interval_s` (a task; cancel it to stop),
+        the first after a random part of it: a member's thousand writers,
+        started together, do not all measure and write in the same instant."""
+        await asyncio.sleep(self.interval_s * random.random())
         while True:
-            await asyncio.sleep(self.interval_s)
             await self.take()
+            await asyncio.sleep(self.interval_s)
 
     def known_exact(self, seq: int, offsets: tuple[int, ...]) -> None:
         """The global topic's partitions end at `offsets` at position `seq`
