@@ -444,3 +444,37 @@ def test_a_topic_started_at_known_end_offsets_measures_nothing_until_a_delivery(
         assert calls == [False] and Checkpoint.decode(prod.records[-1][2]).seq == 3
 
     asyncio.run(scenario())
+
+
+def test_end_offsets_are_each_partitions_end_on_a_real_broker(tmp_path):
+    """EndOffsets (the checkpoints' measure, one ListOffsets for every
+    partition of the topic): each partition's end, 0 for an empty one, a
+    shard's own partition alone, in one shared client for many topics; a
+    missing topic is an error, not an end."""
+    from confluent_kafka import KafkaException, Producer
+
+    from kdsync.kafka.checkpoint import EndOffsets, OffsetsConsumer
+    from kdsync.kafka.embedded import embedded_clusters
+    from kdsync.kafka.topic import TopicSpec, ensure_topics
+
+    with embedded_clusters(1, log_dir=tmp_path) as (c,):
+        conf = {"bootstrap.servers": c.bootstrap}
+        ensure_topics(c.bootstrap, [TopicSpec("ends-a", 3), TopicSpec("ends-b", 1)], timeout=60)
+        p = Producer({**conf, "linger.ms": 0, "log_level": 3})
+        for part, n in ((0, 5), (2, 2)):  # partition 1 of ends-a stays empty
+            for i in range(n):  # a batch a record: Tansu reports an end as its last batch's base + 1
+                p.produce("ends-a", value=b"x", partition=part)
+                assert p.flush(30) == 0
+        for i in range(7):
+            p.produce("ends-b", value=b"y", partition=0)
+        assert p.flush(30) == 0  # 7 records, maybe in one batch: the end may be reported low, never high
+        shared = OffsetsConsumer(conf)
+        try:
+            assert EndOffsets(conf, "ends-a", 3, shared=shared)() == (5, 0, 2)
+            (end_b,) = EndOffsets(conf, "ends-b", 1, shared=shared)()
+            assert 1 <= end_b <= 7
+            assert EndOffsets(conf, "ends-a", 3, shard=2, shared=shared)() == (2,)
+            with pytest.raises(KafkaException):
+                EndOffsets(conf, "ends-missing", 1, timeout=5.0, shared=shared)()
+        finally:
+            shared.close()

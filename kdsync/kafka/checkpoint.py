@@ -259,10 +259,25 @@ class EndOffsets:
             c.close()
 
     def _ends(self, c) -> list[int]:
-        from confluent_kafka import TopicPartition
+        """One ListOffsets (LATEST) for every partition measured: the high
+        watermarks `get_watermark_offsets` asked in two requests a partition
+        (earliest and latest).  At 1 000 topics checkpointing, those were
+        the most frequent requests their broker got (Tansu's cost is per
+        request: docs/design/many-topics.md)."""
+        from confluent_kafka import KafkaException, TopicPartition
 
-        return [c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout, cached=False)[1]
-                for p in self.ids]
+        from kdsync.kafka.topic import LATEST
+
+        asked = [TopicPartition(self.topic, p, LATEST) for p in self.ids]
+        got = {}
+        for tp in c.offsets_for_times(asked, timeout=self.timeout):
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+            got[tp.partition] = tp.offset
+        if any(got.get(p, -1) < 0 for p in self.ids):
+            raise KafkaException(f"{self.topic}: no end offset for partitions "
+                                 f"{[p for p in self.ids if got.get(p, -1) < 0]}")
+        return [got[p] for p in self.ids]
 
     def _exact(self, c, ends: list[int]) -> None:
         """Read each partition on from `ends[i]` to partition EOF; update `ends` in place."""

@@ -40,13 +40,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
+from kdsync.kafka.topic import LATEST
 from kdsync.observability.logs import kv
 
 __all__ = ["IdleWatch"]
 
 log = logging.getLogger("kdsync.source")
 
-LATEST = -1  # ListOffsets' timestamp for "the end" (offsets_for_times passes it through)
 WATCH_CHUNK = 200  # partitions per offsets_for_times call: librdkafka matches each answer in the
 # request's list (quadratic): 1 000 partitions in one call cost 11.5 ms of CPU, in 5 calls 5 ms (probe on Tansu)
 ASSIGNED_IDLE_S = 1.0  # a partition that brought nothing since its assignment is idle this soon

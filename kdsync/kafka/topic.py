@@ -24,7 +24,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, Resourc
 
 from kdsync.observability.logs import client_log
 
-__all__ = ["FetchStalledError", "PartitionEndError", "TopicSettingsError", "TopicSpec", "admin_conf", "consumer",
+__all__ = ["LATEST", "FetchStalledError", "PartitionEndError", "TopicSettingsError", "TopicSpec", "admin_conf", "consumer",
            "empty_topics", "ensure_topic", "ensure_topics",
            "fetch_wait_ms", "iter_partition",
            "partition_count", "read_partition", "read_to_eof", "topic_settings", "weaker_settings"]
@@ -47,6 +47,7 @@ class TopicSettingsError(ValueError):
     """The cluster refused to create a topic with the asked settings; str() is one line."""
 
 
+LATEST = -1  # ListOffsets' timestamp for "the end" (offsets_for_times passes it through)
 STALL_S = 2.0  # a read that gets nothing this long while records wait is a stalled fetch
 MAX_FETCH_WAIT_MS = 5000
 _learned_wait_ms = 0  # raised by a stalled read: the least fetch wait of the consumers created from then on
