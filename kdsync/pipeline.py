@@ -116,23 +116,28 @@ def node_config(cfg: Config) -> NodeConfig:
 CHECKPOINTS_PER_S = 20  # a member's checkpoint writes at most, over all its topics (one broker append each)
 
 
+def ordered_topics(m: Member) -> int:
+    """The distinct topics a member orders: open, starting or planned (the
+    sets overlap while topics start)."""
+    return len(m.pipelines.keys() | m.starting | m.planned)
+
+
 def checkpoint_interval(m: Member) -> float:
     """Seconds between a topic's checkpoints: `[checkpoint] interval_ms`, or
     longer past CHECKPOINTS_PER_S x interval topics (1 000 topics: every
-    50 s; `positions` still bounds what a restart reads).  Measured at 1 000
-    topics receiving one record each on Tansu: a checkpoint per topic every
-    10 s was 100 appends/s per broker, more than the data, and the members'
-    global writes waited 10-50 s for their acknowledgements."""
-    topics = len(m.pipelines.keys() | m.starting | m.planned)
-    return max(m.cfg.checkpoint.interval_ms / 1000.0, topics / CHECKPOINTS_PER_S)
+    50 s; `positions` still bounds what a restart reads).  At 1 000 topics
+    that each changed, a checkpoint per topic every 10 s was 100 broker
+    appends a second, more than the data (each also measured its ends with
+    two broker requests); the brokers' load is not explained by it alone
+    (docs/design/many-topics.md)."""
+    return max(m.cfg.checkpoint.interval_ms / 1000.0, ordered_topics(m) / CHECKPOINTS_PER_S)
 
 
 def histogram_label(m: Member, topic: str) -> str:
     """The topic label of `topic`'s histograms: itself while the member orders
     at most `[metrics] topic_histograms` topics (those open, starting or
     planned: at start-up, all it found), else ALL_TOPICS."""
-    ordered = len(m.pipelines.keys() | m.starting | m.planned)  # the sets overlap while topics start
-    return topic if ordered <= m.cfg.metrics.topic_histograms else ALL_TOPICS
+    return topic if ordered_topics(m) <= m.cfg.metrics.topic_histograms else ALL_TOPICS
 
 
 async def start_topics(m: Member, topics: list[str]) -> None:
