@@ -373,28 +373,32 @@ def test_checkpoint_offsets_beyond_the_end_are_not_fetched_forever():
 
 def test_an_idle_topic_asks_its_cluster_nothing_until_a_delivery_or_a_failed_write():
     """A thousand idle topics must not each ask for end offsets every interval
-    (issue 26): once a measure found nothing new, the next takes skip it until
-    the position moves, or the last write fails (it must be written again)."""
+    (issue 26): a measure taken with nothing in flight is the topic's end at
+    that position, and one that found nothing new ends the asking too; the
+    next takes skip it until the position moves, or the last write fails (it
+    must be written again).  A measure taken while records were in flight is
+    taken again (it may be short of them)."""
     calls = []
     prod = FakeProducer()
+    ends = {"now": (10,)}
 
     def measure(exact=False):
         calls.append(exact)
-        return (10,)
+        if "hook" in ends:
+            ends["hook"]()  # acknowledgements arrive while the ends are read
+        return ends["now"]
 
     async def scenario():
         w = CheckpointWriter(prod, T, 1, "dc1", start_seq=0, watermarks={}, min_seq=0, last=None,
                              measure=measure, interval_s=3600, positions=1000)
         w.delivered(_delivery(0, "a", 0, 10))
         w.durable(10)
-        await w.take()
+        await w.take()  # nothing in flight: the ends measured are the topic's ends at 10
         assert len(calls) == 1 and len(prod.records) == 1
         prod.records[-1][4](None, None)
-        await w.take()  # measured: nothing new
-        assert len(calls) == 2 and len(prod.records) == 1
         for _ in range(5):
             await w.take()
-        assert len(calls) == 2, "an idle topic measured its end offsets again"
+        assert len(calls) == 1, "an idle topic measured its end offsets again"
 
         class Failed:
             def str(self):
@@ -402,20 +406,44 @@ def test_an_idle_topic_asks_its_cluster_nothing_until_a_delivery_or_a_failed_wri
 
         w.delivered(_delivery(10, "a", 10, 5))
         w.durable(15)
+        ends["now"] = (15,)
         await w.take()  # the position moved: measured and written
-        assert len(calls) == 3 and Checkpoint.decode(prod.records[-1][2]).seq == 15
-        await w.take()  # written, not confirmed yet: nothing new
-        assert len(calls) == 4 and len(prod.records) == 2
+        assert len(calls) == 2 and Checkpoint.decode(prod.records[-1][2]).seq == 15
+        await w.take()  # written, not confirmed yet: nothing new, nothing asked
+        assert len(calls) == 2 and len(prod.records) == 2
         prod.records[-1][4](Failed(), None)  # ...and then it failed: taken again at once
         await w.take()
-        assert len(calls) == 5 and len(prod.records) == 3 and Checkpoint.decode(prod.records[-1][2]).seq == 15
+        assert len(calls) == 3 and len(prod.records) == 3 and Checkpoint.decode(prod.records[-1][2]).seq == 15
         prod.records[-1][4](None, None)
+        # records in flight while measured: measured again at the next take, whether
+        # they became durable after the measure (pending) or during it (written at once)
+        for first, acked_during in ((15, False), (20, True)):
+            w.delivered(_delivery(first, "a", first, 5))
+            ends["now"] = (first + 2,)  # two of the five confirmed when the ends are read
+            n = len(calls)
+            if acked_during:
+                ends["hook"] = lambda: w.durable(first + 5)
+            await w.take()
+            ends.pop("hook", None)
+            if not acked_during:
+                assert len(prod.records) == 3  # pending: positions below 20 not durable
+                w.durable(first + 5)
+            assert Checkpoint.decode(prod.records[-1][2]).offsets == (first + 2,)
+            prod.records[-1][4](None, None)
+            ends["now"] = (first + 5,)
+            await w.take()
+            assert len(calls) == n + 2, "a measure short of records in flight was not taken again"
+            assert Checkpoint.decode(prod.records[-1][2]).offsets == (first + 5,)
+            prod.records[-1][4](None, None)
+            await w.take()
+            assert len(calls) == n + 2
         # a clean stop: exact unless the cluster holds an exact checkpoint of this very position
+        n = len(calls)
         await w.final(timeout=0.1)
-        assert calls[-1] is True and len(calls) == 6
-        w.known_exact(15, (10,))
+        assert calls[-1] is True and len(calls) == n + 1
+        w.known_exact(25, (25,))
         await w.final(timeout=0.1)
-        assert len(calls) == 6, "a clean stop of an idle topic read its global topic again"
+        assert len(calls) == n + 1, "a clean stop of an idle topic read its global topic again"
 
     asyncio.run(scenario())
 
