@@ -23,22 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WORKERS = 2  # 1 core and 1 GB each: an application's executor per worker (spark.executor.memory defaults to 1g)
 
-SCENARIO = """
-name: standalone-audit
-seed: 5
-protocol: derecho
-duration_s: 2
-settle_s: 3
-members:
-  - id: dc1
-  - id: dc2
-  - id: dc3
-network:
-  default: {latency_ms: 10, jitter_ms: 2}
-workload:
-  - {member: all, rate_eps: 50, payload_bytes: 32, partitions: 2}
-"""
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -130,7 +114,9 @@ def test_swarm_and_audit_run_on_a_standalone_master_with_two_workers(cluster, tm
     last = swarm.stdout.strip().splitlines()[-1]
     assert last.startswith("swarm: 4 runs (seeds ") and " 0 failed" in last and f"Spark {url}" in last, last
 
-    (tmp_path / "s.yaml").write_text(textwrap.dedent(SCENARIO))
+    from test_audit_trace import SCENARIO  # the audit's own trace test's scenario
+
+    (tmp_path / "s.yaml").write_text(textwrap.dedent(SCENARIO.format(protocol="derecho")))
     sim = _run([sys.executable, "-m", "sim.cli", "run", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "run")],
                tmp_path)
     assert sim.returncode == 0, sim.stderr[-2000:]
