@@ -236,8 +236,8 @@ def topics_section(progress=None, idle_s: float = 20.0):
         "started -> every group active on every member. Idle: member CPU (% of one core, the busiest member) and "
         f"broker CPU beyond the same brokers with no member, nothing written: the first {idle_s:.0f} s right after "
         "formation (`idle_first`: source partitions are fetched until `[topics] idle_after_ms`, then paused and "
-        f"watched) and the {idle_s:.0f} s after them (`idle`, the steady cost). Spread: one record per topic first, then 1 000 events/s over all clusters for 20 s spread over "
-        "the 100 topics vs the same into one topic, member CPU per ordered event. Six processes share this 2-core "
+        f"watched) and the {idle_s:.0f} s after them (`idle`, the steady cost). Spread: one record per topic "
+        "first, then 1 000 events/s over all clusters for 20 s spread over the 100 topics vs the same into one topic, member CPU per ordered event. Six processes share this 2-core "
         "box: compare ratios.")
     sec.tables.append(Table("topics_idle", "Start-up and idle cost against the number of topics", rows,
                             ["topics", "startup_s", "idle_first_member_cpu_pct", "idle_member_cpu_pct",

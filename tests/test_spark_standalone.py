@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,15 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kdsync.kafka.embedded import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WORKERS = 2  # 1 core and 1 GB each: an application's executor per worker (spark.executor.memory defaults to 1g)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status(ui: int) -> dict:
@@ -49,7 +44,7 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("standalone")
     env = _spark_env(tmp)
     spark_class = str(Path(env["SPARK_HOME"]) / "bin" / "spark-class")
-    port, ui = _free_port(), _free_port()
+    port, ui = free_port(), free_port()
     url = f"spark://127.0.0.1:{port}"
     procs = []
 
@@ -62,7 +57,7 @@ def cluster(tmp_path_factory):
                      "--webui-port", str(ui)])
     for i in range(WORKERS):
         start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1", "--cores", "1",
-                             "--memory", "1g", "--webui-port", str(_free_port()), "--work-dir", str(tmp / f"w{i}")])
+                             "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(tmp / f"w{i}")])
     try:
         deadline = time.monotonic() + 180
         while True:  # the master's own status page says the workers registered
