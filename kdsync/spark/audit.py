@@ -86,7 +86,7 @@ def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suff
 
     trace: the trace rows (docs/outputs.md) of every cluster's global topic, plus
     `global_partition`/`position` (where the record sits); sources: (run_id,
-    event_id) of every source record; malformed: global records without the
+    origin, origin_partition, origin_offset) of every source record; malformed: global records without the
     kdsync headers (run_id, member, global_partition, position).  `shards`
     > 1: run_id "T/s" per global partition s, sources of partition p in run
     "T/(p mod shards)" (module doc)."""
@@ -121,7 +121,8 @@ def kafka_tables(spark, clusters: dict[str, str], topics: list[str], global_suff
         F.col("partition").alias("global_partition"), F.col("offset").alias("position"),
         F.concat_ws("/", "origin", "origin_partition", "origin_offset").alias("event_id"))
     src = slim.where(~F.col("is_global")).select(
-        "run_id", F.concat_ws("/", "member", "partition", "offset").alias("event_id"))
+        "run_id", F.col("member").alias("origin"), F.col("partition").alias("origin_partition"),
+        F.col("offset").alias("origin_offset"))
     ok = (F.col("origin").isNotNull() & F.col("origin_partition").isNotNull() & F.col("origin_offset").isNotNull()
           & F.col("seq").isNotNull())
     malformed = trace.where(~ok).select("run_id", "member", "global_partition", "position")
@@ -156,11 +157,13 @@ def _trace_files(paths: list[str]) -> list[tuple[str, dict]]:
 
 
 def trace_table(spark, paths: list[str]):
-    """One DataFrame of all trace files, with scenario/protocol/seed columns
-    taken from each run's summary.json (when the trace has none)."""
+    """(trace, run attributes): one DataFrame of all trace files, and one row
+    per run (run_id, scenario, protocol, seed) taken from each run's
+    summary.json (None when no trace has one); the trace's own attribute
+    columns, when present, take precedence."""
     from pyspark.sql import functions as F
 
-    from kdsync.spark.analysis import ATTRIBUTE_COLUMNS, missing_columns
+    from kdsync.spark.analysis import missing_columns
 
     files = _trace_files(paths)
     try:
@@ -171,19 +174,15 @@ def trace_table(spark, paths: list[str]):
     if miss:
         raise UsageError(f"--trace: missing trace column(s) {', '.join(miss)} (see docs/outputs.md, trace.parquet)")
     rows = [(f, a.get("scenario"), a.get("protocol"), a.get("seed")) for f, a in files if a]
-    if rows:
-        meta = spark.createDataFrame(rows, "trace_root string, s_scenario string, s_protocol string, s_seed string")
-        path = F.url_decode(F.regexp_replace(F.input_file_name(), "^file:(//)?", ""))
-        # a trace is a file or a directory of part files: match either
-        df = df.withColumn("_file", path).withColumn(
-            "trace_root", F.when(F.col("_file").endswith("trace.parquet"), F.col("_file"))
-            .otherwise(F.regexp_extract("_file", r"^(.*trace\.parquet)/[^/]+$", 1)))
-        df = df.join(F.broadcast(meta), "trace_root", "left")
-        for c in ATTRIBUTE_COLUMNS:
-            base = F.col(c).cast("string") if c in df.columns else F.lit(None).cast("string")
-            df = df.withColumn(c, F.coalesce(base, F.col(f"s_{c}")))
-        df = df.drop("_file", "trace_root", *[f"s_{c}" for c in ATTRIBUTE_COLUMNS])
-    return df
+    if not rows:
+        return df, None
+    meta = spark.createDataFrame(rows, "trace_root string, scenario string, protocol string, seed string")
+    path = F.url_decode(F.regexp_replace(F.input_file_name(), "^file:(//)?", ""))
+    # a trace is a file or a directory of part files: match either; one row per (run, file)
+    files_of_runs = df.select("run_id", path.alias("_file")).distinct().withColumn(
+        "trace_root", F.when(F.col("_file").endswith("trace.parquet"), F.col("_file"))
+        .otherwise(F.regexp_extract("_file", r"^(.*trace\.parquet)/[^/]+$", 1)))
+    return df, files_of_runs.join(F.broadcast(meta), "trace_root").select("run_id", "scenario", "protocol", "seed")
 
 
 # ---------------------------------------------------------------- report
@@ -340,7 +339,7 @@ def run(args: AuditArgs) -> tuple[int, dict]:
         raise UsageError("--window-s must be > 0")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a directory")
-    malformed = None
+    malformed = run_attrs = None
     if args.cluster:
         clusters = parse_clusters(args.cluster)
         if not args.topic:
@@ -355,9 +354,10 @@ def run(args: AuditArgs) -> tuple[int, dict]:
     else:
         _trace_files(args.trace)  # bad paths fail before Spark starts
         spark = spark_session(args.master, "kdsync-audit")
-        trace, sources, mode = trace_table(spark, args.trace), None, "trace"
+        (trace, run_attrs), sources, mode = trace_table(spark, args.trace), None, "trace"
     tables = analyse(trace, sources, window_s=args.window_s, approx=args.approx,
-                     members=list(clusters) if args.cluster else None)
+                     members=list(clusters) if args.cluster else None,
+                     run_attrs=run_attrs)
     report = build_report(tables, mode, malformed)
     if args.out:
         write_tables(tables, args.out, report, malformed)
@@ -387,7 +387,7 @@ def _audit(
                                    help="write the tables as Parquet and report.json here"),
     window_s: float = typer.Option(1.0, metavar="SECONDS", help="throughput window in seconds"),
     approx: bool = typer.Option(False, "--approx", show_default="off",
-                                help="approximate latency percentiles (huge inputs)"),
+                                help="latency percentiles at millisecond instead of microsecond resolution"),
     kafka_property: list[str] = typer.Option([], metavar="KEY=VALUE", show_default="none",
                                              help="extra librdkafka property for every cluster (repeat)"),
     shards: int = typer.Option(1, metavar="K", min=1, help="[topics] shards of the members: each partition of "
