@@ -40,7 +40,9 @@ and skips offset gaps (transaction markers, compaction) naturally.
 
 from __future__ import annotations
 
+import itertools
 import json
+
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import (
     ArrayType,
@@ -228,17 +230,26 @@ class KafkaReader(DataSourceReader):
             pa.field("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
         ])
         c = _consumer(self.confs[r.cluster])
-        cols: dict[str, list] = {f.name: [] for f in arrow_schema}
+        header = arrow_schema.field("headers").type.value_type
+        offsets: list[int] = []
+        stamps: list[int | None] = []
+        keys: list[bytes | None] = []
+        values: list[bytes | None] = []
+        headers: list = []  # per record: its list of (key, value) tuples, or None
 
         def flush():
-            n = len(cols["offset"])
+            # the (key, value) tuples flattened and converted by Arrow, with list offsets: no
+            # Python object per header (a dict each cost more than reading the record)
+            n = len(offsets)
+            flat = list(itertools.chain.from_iterable(h for h in headers if h))
+            ends = itertools.accumulate((len(h) if h else 0 for h in headers), initial=0)
+            hs = pa.ListArray.from_arrays(pa.array(list(ends), pa.int32()), pa.array(flat, header))
             batch = pa.RecordBatch.from_arrays(
-                [pa.array([r.cluster] * n, pa.string()), pa.array([r.topic] * n, pa.string()), pa.array([r.partition] * n, pa.int32()),
-                 pa.array(cols["offset"], pa.int64()), pa.array(cols["timestamp"], pa.int64()),
-                 pa.array(cols["key"], pa.binary()), pa.array(cols["value"], pa.binary()),
-                 pa.array(cols["headers"], arrow_schema.field("headers").type)],
+                [pa.array([r.cluster] * n, pa.string()), pa.array([r.topic] * n, pa.string()),
+                 pa.array([r.partition] * n, pa.int32()), pa.array(offsets, pa.int64()),
+                 pa.array(stamps, pa.int64()), pa.array(keys, pa.binary()), pa.array(values, pa.binary()), hs],
                 schema=arrow_schema)
-            for v in cols.values():
+            for v in (offsets, stamps, keys, values, headers):
                 v.clear()
             return batch
 
@@ -246,15 +257,14 @@ class KafkaReader(DataSourceReader):
             for m in read_to_eof(c, r.topic, r.partition, r.start, r.end, timeout=self.timeout, idle=True,
                                  strict=True, batch=5000, poll=0.5):
                 ts_type, ts = m.timestamp()
-                cols["offset"].append(m.offset())
-                cols["timestamp"].append(ts if ts_type else None)
-                cols["key"].append(m.key())
-                cols["value"].append(m.value())
-                hs = m.headers()
-                cols["headers"].append([{"key": k, "value": v} for k, v in hs] if hs else [])
-                if len(cols["offset"]) >= 20000:
+                offsets.append(m.offset())
+                stamps.append(ts if ts_type else None)
+                keys.append(m.key())
+                values.append(m.value())
+                headers.append(m.headers())
+                if len(offsets) >= 20000:
                     yield flush()
-            if cols["offset"]:
+            if offsets:
                 yield flush()
         except TimeoutError:
             raise TimeoutError(f"kdsync-kafka: {r.topic}[{r.partition}] range {r.start}.."
