@@ -95,11 +95,10 @@ def missing_columns(df: DataFrame) -> list[str]:
 def normalise(trace: DataFrame) -> DataFrame:
     """Cast the trace columns to their types and add absent attribute columns
     (event_id is not read: origin, origin_partition and origin_offset name
-    the event)."""
+    the event; a missing run, member or origin name reads as "")."""
+    name = lambda c: F.coalesce(F.col(c).cast("string"), F.lit("")).alias(c)  # noqa: E731  (a null name is "")
     return trace.select(
-        F.col("run_id").cast("string").alias("run_id"),
-        F.col("member").cast("string").alias("member"),
-        F.col("origin").cast("string").alias("origin"),
+        name("run_id"), name("member"), name("origin"),
         F.col("origin_partition").cast("int").alias("origin_partition"),
         F.col("origin_offset").cast("long").alias("origin_offset"),
         F.col("seq").cast("long").alias("seq"),
