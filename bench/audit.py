@@ -38,21 +38,11 @@ def audit_section(run_dirs: list[Path], workdir: Path, timeout: float = 600) -> 
     cmd = [sys.executable, "-m", "kdsync.cli", "audit", "--master", "local[2]", "--out", str(out),
            "--trace", *map(str, runs)]
     t0 = time.perf_counter()
-    # own session, so a timeout stops the audit and the Spark JVM it started (and nothing else)
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise NotMeasured(f"kdsync audit did not finish in {timeout:.0f} s (this box was loaded; "
-                          f"rerun with --sections audit)") from None
+    code, stdout, stderr = _run(cmd, timeout, "kdsync audit")
     wall = time.perf_counter() - t0
-    if p.returncode not in (0, 1):
+    if code not in (0, 1):
         err = (stderr.strip().splitlines() or ["no output"])[-1]
-        raise NotMeasured(f"kdsync audit exited {p.returncode}: {err[:240]}")
+        raise NotMeasured(f"kdsync audit exited {code}: {err[:240]}")
     try:
         report = json.loads(stdout)
     except ValueError:
@@ -71,7 +61,7 @@ def audit_section(run_dirs: list[Path], workdir: Path, timeout: float = 600) -> 
                             show=len(cmp_rows) <= 12))
     sec.tables.append(Table("audit_speed", "Audit throughput", [{
         "runs": len(runs), "trace_rows": rows_total, "wall_s": round(wall, 2),
-        "rows_per_s": round(rows_total / wall), "exit_code": p.returncode, "master": "local[2]"}]))
+        "rows_per_s": round(rows_total / wall), "exit_code": code, "master": "local[2]"}]))
     sec.headlines.append(Headline("audit runs whose figures match summary.json",
                                   f"{len(cmp_rows) - mismatches}/{len(cmp_rows)}", "all", "audit_vs_summary.csv"))
     sec.headlines.append(Headline("audit trace rows/s (local[2], incl. Spark start)", round(rows_total / wall),
@@ -80,20 +70,28 @@ def audit_section(run_dirs: list[Path], workdir: Path, timeout: float = 600) -> 
     return sec
 
 
-def _bench(module: str, args: list[str], out: Path, timeout: float) -> list[dict]:
-    """Run `python -m module args --out out` in its own session; its CSV rows."""
-    p = subprocess.Popen([sys.executable, "-m", module, *args, "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _run(cmd: list[str], timeout: float, what: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `cmd`, run in its own session so a
+    timeout stops it and the Spark JVM it started (and nothing else)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        _, stderr = p.communicate(timeout=timeout)
+        stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
-        raise NotMeasured(f"{module} did not finish in {timeout:.0f} s") from None
-    if p.returncode != 0 or not out.exists():
+        raise NotMeasured(f"{what} did not finish in {timeout:.0f} s (this box was loaded; "
+                          f"rerun with --sections audit)") from None
+    return p.returncode, stdout, stderr
+
+
+def _bench(module: str, args: list[str], out: Path, timeout: float) -> list[dict]:
+    """Run `python -m module args --out out`; its CSV rows."""
+    code, _, stderr = _run([sys.executable, "-m", module, *args, "--out", str(out)], timeout, module)
+    if code != 0 or not out.exists():
         err = (stderr.strip().splitlines() or ["no output"])[-1]
-        raise NotMeasured(f"{module} exited {p.returncode}: {err[:240]}")
+        raise NotMeasured(f"{module} exited {code}: {err[:240]}")
     with out.open() as f:
         return list(csv.DictReader(f))
 

@@ -13,7 +13,6 @@ Writes results/audit_bench.csv and prints a table.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import resource
 import shutil
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.common import write_rows
 
 
 def _vm_hwm_kib(pid: int) -> int:
@@ -77,13 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         rows_out.append(row)
         print(row, flush=True)
         shutil.rmtree(d, ignore_errors=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        w.writeheader()
-        w.writerows(rows_out)
-    print(f"wrote {out}")
+    print(f"wrote {write_rows(rows_out, Path(a.out))}")
     return 0
 
 

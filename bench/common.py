@@ -64,12 +64,18 @@ class Section:
 
 
 def write_csv(table: Table, out: Path) -> Path:
-    path = out / f"{table.name}.csv"
-    cols = table.cols()
+    """`table` as out/<name>.csv."""
+    return write_rows(table.rows, out / f"{table.name}.csv", table.cols())
+
+
+def write_rows(rows: list[dict], path: Path, cols: list[str] | None = None) -> Path:
+    """Rows as a CSV file (columns: `cols`, default the first row's keys)."""
+    cols = cols or list(rows[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
-        for r in table.rows:
+        for r in rows:
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
     return path
 

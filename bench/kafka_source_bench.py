@@ -17,11 +17,12 @@ peak RSS; writes results/kafka_source_bench.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
 from pathlib import Path
+
+from bench.common import write_rows
 
 
 def write_topics(bootstrap: str, topic: str, records: int, partitions: int) -> float:
@@ -99,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(row, flush=True)
             spark.catalog.clearCache()
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out}")
+    print(f"wrote {write_rows(rows, Path(a.out))}")
     return 0
 
 
