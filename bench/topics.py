@@ -87,6 +87,8 @@ def _write_spread(g: LocalGroup, topics: list[str], per_cluster: int, rate: floa
 
     prods = [Producer({"bootstrap.servers": g.bootstrap(i), "linger.ms": 5, "enable.idempotence": True})
              for i in range(g.n)]
+    for p in prods:  # the topics' metadata in one request, as a long-lived application producer has it
+        p.list_topics(timeout=10)
     start = time.monotonic()
     sent = 0
     for k in range(per_cluster):

@@ -169,11 +169,12 @@ class TopicsSection(_Model):
     # idle source partitions paused and watched with ListOffsets (kdsync.kafka.idle_watch); 0: never
     idle_after_ms: Annotated[int, Field(ge=0, le=86_400_000)] = 10_000
     idle_watch_ms: Annotated[int, Field(ge=20, le=60_000)] = 500
+    idle_watch_long_ms: Annotated[int, Field(ge=20, le=600_000)] = 2_000  # partitions paused for a minute
     hot_partitions: Annotated[int, Field(ge=1)] = 100
 
-    def idle(self) -> tuple[float, float, int]:
+    def idle(self) -> tuple[float, float, int, float]:
         """SourceConsumer's `idle` argument."""
-        return self.idle_after_ms / 1000, self.idle_watch_ms / 1000, self.hot_partitions
+        return self.idle_after_ms / 1000, self.idle_watch_ms / 1000, self.hot_partitions, self.idle_watch_long_ms / 1000
 
     @field_validator("config", mode="before")
     @classmethod
@@ -189,6 +190,9 @@ class TopicsSection(_Model):
 
     @model_validator(mode="after")
     def _settings(self):
+        if self.idle_watch_long_ms < self.idle_watch_ms:
+            raise ValueError(f"{_KEY}idle_watch_long_ms{_KEY}{self.idle_watch_long_ms} is less than idle_watch_ms = "
+                             f"{self.idle_watch_ms}: long-idle partitions are watched at most as often as the others")
         if self.min_insync_replicas is not None and "min.insync.replicas" in self.config:
             raise ValueError(f"{_KEY}config.\"min.insync.replicas\"{_KEY}set min_insync_replicas or "
                              f"config.\"min.insync.replicas\", not both")

@@ -308,7 +308,7 @@ class Member:
         asleep = self.sleepers.dorm.asleep  # a sleeping node is quiet: not asked (a thousand idle topics)
         if not self.pipelines or len(asleep) == len(self.pipelines):
             return bool(self.pipelines)
-        return all(t in asleep or p.node.quiet() for t, p in self.pipelines.items())
+        return all(self.pipelines[t].node.quiet() for t in self.sleepers.awake(self.pipelines))
 
     def _on_tick_error(self, e: Exception) -> None:  # a core bug: stop loudly rather than run without a clock
         log.exception("tick failed")
@@ -318,8 +318,10 @@ class Member:
         self.sleepers.on_ticks(n)
         self.forming.refill()
         asleep = self.sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
-        for t, p in (list(self.pipelines.items()) if len(asleep) < len(self.pipelines) else ()):
-            if t in asleep or self.sleepers.skip(t, p.node) or not self.forming.tick_wanted(t, p.node.status, n):
+        for t in (self.sleepers.awake(self.pipelines) if len(asleep) < len(self.pipelines) else ()):
+            p = self.pipelines.get(t)
+            if p is None or t in asleep or self.sleepers.skip(t, p.node) \
+                    or not self.forming.tick_wanted(t, p.node.status, n):
                 continue
             p.node.clock(wall_us())
             for _ in range(n):

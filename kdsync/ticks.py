@@ -230,6 +230,13 @@ class Sleepers:
         self.live.heard(peer, ping, bytes(body) if ping else b"")
         return ping
 
+    def awake(self, groups: dict):
+        """The keys of `groups` whose node is awake: in `groups`' order,
+        or as a set when few are (a thousand topics with a few awake are
+        then not walked one by one at every tick)."""
+        awake = groups.keys() - self.dorm.asleep.keys()
+        return awake if 8 * len(awake) < len(groups) else [t for t in groups if t in awake]
+
     def wake(self, topic: str, node) -> None:
         """Before input reaches `node`."""
         if self.dorm.asleep:

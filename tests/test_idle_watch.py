@@ -57,7 +57,13 @@ def until(cond, timeout: float = 30.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
-def test_idle_partitions_are_paused_and_every_record_written_later_is_consumed_once_in_order(tmp_path):
+@pytest.mark.parametrize("long_idle", [False, True], ids=["watched", "long-idle"])
+def test_idle_partitions_are_paused_and_every_record_written_later_is_consumed_once_in_order(tmp_path, monkeypatch,
+                                                                                              long_idle):
+    from kdsync.kafka import idle_watch
+
+    if long_idle:  # partitions turn long-idle within the rounds: asked every 0.4 s, the others every 0.1 s
+        monkeypatch.setattr(idle_watch, "LONG_IDLE_S", 0.3)
     rng = random.Random(7)
     with embedded_clusters(1, log_dir=tmp_path) as (c,):
         ensure_topics(c.bootstrap, [TopicSpec(t) for t in TOPICS], timeout=60)
@@ -77,7 +83,7 @@ def test_idle_partitions_are_paused_and_every_record_written_later_is_consumed_o
             until(lambda: all(len(got[t]) >= len(sent[t]) for t in TOPICS), what="every record consumed")
             until(lambda: len(idle.paused) == len(TOPICS), what="paused again")
 
-        src, got = asyncio.run(consume_while(c.bootstrap, body))
+        src, got = asyncio.run(consume_while(c.bootstrap, body, idle=(0.3, 0.1, 1, 0.4 if long_idle else 0.1)))
         assert got == {t: list(range(len(sent[t]))) for t in TOPICS}  # exactly once, in order
         assert src.idle.resumes >= len({t for t in TOPICS if sent[t]}) and src.idle.pauses > len(TOPICS)
 
@@ -176,3 +182,54 @@ def test_with_every_partition_paused_the_consumer_sleeps_until_the_watch_answers
     t0 = time.monotonic()
     w.wait(30.0, stop)  # no query under way: until the next one is due, or stop
     assert stop.is_set() and time.monotonic() - t0 < 10
+
+
+class _Named(_Client):
+    """_Client that records the partitions each query asked."""
+
+    def __init__(self, end: int):
+        super().__init__(end)
+        self.asked: list[set] = []
+
+    def offsets_for_times(self, tps, timeout):
+        self.asked.append({tp.topic for tp in tps})
+        return super().offsets_for_times(tps, timeout)
+
+
+def test_partitions_paused_a_minute_are_watched_every_long_interval_the_others_every_watch():
+    from kdsync.kafka.idle_watch import LONG_IDLE_S, IdleWatch
+
+    w = IdleWatch({}, after_s=1.0, watch_s=0.5, hot=0, long_watch_s=2.0)
+    w._client = client = _Named(end=5)
+    for t, paused_at in (("old", 0.0), ("new", 50.0)):
+        w.assigned((t, 0), 5, now=0.0)  # caught up: end 5 = next 5, nothing resumed
+        w.paused.add((t, 0))
+        w.paused_at[(t, 0)] = paused_at
+    c = _Consumer()
+
+    def queries(t0: float, t1: float) -> list[set]:
+        """Step the watch every 0.1 s over [t0, t1); the topics each query asked."""
+        n = len(client.asked)
+        for k in range(round((t1 - t0) * 10)):
+            w.step(c, t0 + k / 10)
+            if w._asked is not None:
+                w._asked.result(timeout=10)
+        return [set(x) for x in client.asked[n:]]
+
+    # "old" was paused a minute ago: asked with every partition every 2 s, "new" every 0.5 s
+    got = queries(100.0, 104.0)
+    assert got.count({"old", "new"}) == 2 and got.count({"new"}) == 6 and len(got) == 8, got
+    # "new" turns long-idle at 110: from then on one query of both every 2 s, nothing between
+    got = queries(50.0 + LONG_IDLE_S + 1, 50.0 + LONG_IDLE_S + 7)
+    assert got and all(q == {"old", "new"} for q in got) and len(got) == 3, got
+    # a partition paused now is asked within watch_s, not at the next long query (as _pause_idle leaves it)
+    now = 50.0 + LONG_IDLE_S + 7
+    w.assigned(("fresh", 0), 5, now=0.0)
+    w.paused.add(("fresh", 0))
+    w.paused_at[("fresh", 0)] = now
+    w._query_tps = w._recent_tps = None
+    w._next_watch = min(w._next_watch, now + 0.5)
+    got = queries(now, now + 0.6)
+    assert any("fresh" in q for q in got), got
+    assert not c.resumed
+    w.close()

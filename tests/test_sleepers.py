@@ -64,3 +64,17 @@ def test_a_silent_peer_is_suspected_in_the_pass_where_the_member_finds_it_silent
         if member_silent:
             break
     assert node.suspected == {"c"}
+
+
+def test_the_awake_groups_are_every_group_not_asleep_in_order_when_many_are():
+    s = Sleepers(["b"], heartbeat_ticks=2, suspect_ticks=SUSPECT, send=lambda p, f: None)
+    groups = {f"t{i:03d}": object() for i in range(100)}
+    assert list(s.awake(groups)) == list(groups)  # none asleep: every group, in order
+    for t in list(groups)[:50]:
+        s.dorm.asleep[t] = (0, groups[t])
+    assert list(s.awake(groups)) == list(groups)[50:]
+    for t in list(groups)[50:98]:
+        s.dorm.asleep[t] = (0, groups[t])
+    assert set(s.awake(groups)) == {"t098", "t099"}  # few awake: found without walking every group
+    s.dorm.asleep.clear()
+    assert list(s.awake({})) == []

@@ -19,10 +19,15 @@ offsets are asked with ListOffsets, without blocking the consumer thread
 own, `Consumer.offsets_for_times` with LATEST, WATCH_CHUNK partitions a call;
 the answers are picked up by a later call), and a partition whose end is
 above its next offset is resumed; its record is then fetched like any other.
-A burst over a thousand partitions thus makes them hot for a second, not for
+A partition paused for LONG_IDLE_S is asked every `long_watch_s` instead
+(`[topics] idle_watch_long_ms`, 2 s): at 1 000 topics idle for minutes the
+watch was a fifth of an idle member's CPU and most of its source thread's
+wake-ups (stop 37), and a topic silent for a minute can wait for its next
+record a little longer.  A burst over a thousand partitions thus makes them hot for a second, not for
 `after_s` (measured: one record into each of 1 000 topics, fetched at once,
 saturated each broker for the whole idle period and its producers timed out).
-The cost: the first record after a pause waits up to `watch_s` more.
+The cost: the first record after a pause waits up to `watch_s` more
+(`long_watch_s` after a minute of silence).
 
 Sound on brokers that report a low end: Tansu answers the end of a partition
 as the last batch's base offset + 1, never more than the true end and always
@@ -50,15 +55,21 @@ log = logging.getLogger("kdsync.source")
 WATCH_CHUNK = 200  # partitions per offsets_for_times call: librdkafka matches each answer in the
 # request's list (quadratic): 1 000 partitions in one call cost 11.5 ms of CPU, in 5 calls 5 ms (probe on Tansu)
 ASSIGNED_IDLE_S = 1.0  # a partition that brought nothing since its assignment is idle this soon
+LONG_IDLE_S = 60.0  # a partition paused this long is watched every `long_watch_s` (module doc)
 
 
 class IdleWatch:
     """The idle partitions of one source consumer (module doc).  Every
     method runs in the consumer's thread."""
 
-    def __init__(self, conf: dict, after_s: float, watch_s: float, hot: int):
+    def __init__(self, conf: dict, after_s: float, watch_s: float, hot: int, long_watch_s: float | None = None):
         self.conf = conf
         self.after_s, self.watch_s, self.hot = after_s, watch_s, hot
+        self.long_watch_s = max(watch_s, long_watch_s if long_watch_s is not None else watch_s)
+        self.paused_at: dict[tuple[str, int], float] = {}  # when each paused partition was paused
+        self._recent_tps: list | None = None  # the chunks of those paused < LONG_IDLE_S; None: rebuild
+        self._recent_until = float("inf")  # when the oldest of them turns long-idle
+        self._next_full = 0.0  # the next query of every paused partition
         self.next: dict[tuple[str, int], int] = {}  # next offset to consume, per assigned partition
         self.last: dict[tuple[str, int], float] = {}  # when a record (or the assignment) last came
         self.paused: set[tuple[str, int]] = set()
@@ -88,7 +99,8 @@ class IdleWatch:
     def reset(self, now: float) -> None:
         """The consumer was replaced: nothing is paused in the new one."""
         self.paused.clear()
-        self._query_tps = None
+        self.paused_at.clear()
+        self._query_tps = self._recent_tps = None
         self._asked = None
         for tp in self.last:
             self.last[tp] = now
@@ -106,8 +118,11 @@ class IdleWatch:
             self._next_scan = now + min(1.0, self.after_s / 4)
             self._pause_idle(c, now)
         if self.paused and self._asked is None and now >= self._next_watch:
-            self._next_watch = now + self.watch_s
-            self._ask()
+            full = now >= self._next_full
+            if full:
+                self._next_full = now + self.long_watch_s
+            recent = self._ask(full, now)
+            self._next_watch = now + self.watch_s if recent else self._next_full
 
     def wait(self, timeout: float, stop: threading.Event) -> None:
         """The consumer thread while every partition is paused (nothing to
@@ -142,19 +157,34 @@ class IdleWatch:
         if idle:
             c.pause([TopicPartition(t, p) for t, p in idle])
             self.paused.update(idle)
-            self._query_tps = None
+            for tp in idle:
+                self.paused_at[tp] = now
+            self._query_tps = self._recent_tps = None
+            self._next_watch = min(self._next_watch, now + self.watch_s)
             self.pauses += len(idle)
             log.debug("source partitions idle: paused and watched", **kv(partitions=len(idle)))
 
-    def _ask(self) -> None:
-        from confluent_kafka import TopicPartition
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kdsync-idle-watch")
-        if self._query_tps is None:  # built again only when the paused set changed (1 000: ~1 ms of CPU)
-            tps = [TopicPartition(t, p, LATEST) for t, p in self.paused]
-            self._query_tps = [tps[i:i + WATCH_CHUNK] for i in range(0, len(tps), WATCH_CHUNK)]
-        self._asked = self._pool.submit(self._query, self._query_tps, max(1.0, 4 * self.watch_s))
+    def _ask(self, full: bool = True, now: float | None = None) -> bool:
+        """Ask the end offsets of every paused partition (`full`), or of
+        those paused less than LONG_IDLE_S ago; True when some of those are
+        (the next query is then due in `watch_s`, else in `long_watch_s`)."""
+        now = time.monotonic() if now is None else now
+        if self._recent_tps is None or now >= self._recent_until:  # rebuilt when the paused set changed
+            old = now - LONG_IDLE_S
+            recent = [tp for tp in self.paused if self.paused_at.get(tp, now) > old]
+            self._recent_tps = _chunks(recent)
+            self._recent_until = min((self.paused_at.get(tp, now) for tp in recent), default=float("inf")) + LONG_IDLE_S
+        if full:
+            if self._query_tps is None:  # built again only when the paused set changed (1 000: ~1 ms of CPU)
+                self._query_tps = _chunks(self.paused)
+            chunks = self._query_tps
+        else:
+            chunks = self._recent_tps
+        if chunks:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kdsync-idle-watch")
+            self._asked = self._pool.submit(self._query, chunks, max(1.0, 4 * self.watch_s))
+        return bool(self._recent_tps)
 
     def _query(self, chunks: list[list], timeout: float) -> list:
         """The watch's thread: the end offsets of the partitions in `chunks`
@@ -203,10 +233,11 @@ class IdleWatch:
         from confluent_kafka import TopicPartition
 
         c.resume([TopicPartition(t, p) for t, p in tps])
-        self._query_tps = None
+        self._query_tps = self._recent_tps = None
         now = time.monotonic()
         for tp in tps:
             self.paused.discard(tp)
+            self.paused_at.pop(tp, None)
             self.last[tp] = now
         self.resumes += len(tps)
 
@@ -215,3 +246,11 @@ class IdleWatch:
         if now - self._warned >= 60:
             self._warned = now
             log.warning("watching idle source partitions failed; they are asked again", **kv(error=str(e)))
+
+
+def _chunks(tps) -> list[list]:
+    """`tps` as TopicPartition(LATEST) lists of WATCH_CHUNK each (one offsets_for_times call each)."""
+    from confluent_kafka import TopicPartition
+
+    q = [TopicPartition(t, p, LATEST) for t, p in tps]
+    return [q[i:i + WATCH_CHUNK] for i in range(0, len(q), WATCH_CHUNK)]

@@ -52,7 +52,7 @@ POLL_S = 0.25  # an idle consumer thread wakes 4 times/s (commits and stop wait 
 MAX_INFLIGHT = 50_000  # source records consumed but not yet durable+committed before the consumer pauses
 STALL_S = 2.0  # records wait and every fetch came back empty this long: a new client with a longer wait
 MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
-IDLE_DEFAULTS = (10.0, 0.5, 100)  # [topics] idle_after_ms, idle_watch_ms, hot_partitions (idle_watch)
+IDLE_DEFAULTS = (10.0, 0.5, 100, 2.0)  # [topics] idle_after_ms, idle_watch_ms, hot_partitions, idle_watch_long_ms
 LAG_PER_S = 200  # lag sampled every second, or this many partitions a second (1 000: every 5 s)
 METADATA_S = 30.0  # metadata refresh once every topic's partitions are assigned (added partitions)
 IDLE_POLL_S = 0.05  # the consumer's poll while partitions are watched: a watch's answer is picked up soon
@@ -101,7 +101,7 @@ class SourceConsumer:
                  on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT,
                  commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None,
                  shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
-                 on_restart: Callable[[int], None] | None = None, idle: tuple[float, float, int] = IDLE_DEFAULTS):
+                 on_restart: Callable[[int], None] | None = None, idle: tuple = IDLE_DEFAULTS):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
