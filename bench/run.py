@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         member_steps = 3 * len(member_params.rates) + member_params.drain_runs - 1
         total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
                  + (member_steps if "member" in wanted else 0) + (2 if "shards" in wanted else 0)
-                 + (4 if "topics" in wanted else 0))
+                 + (5 if "topics" in wanted else 0))
         prog = Progress(total)
         sections: list[Section] = []
         skipped: dict[str, str] = {}
