@@ -236,7 +236,7 @@ def topics_section(progress=None, idle_s: float = 20.0):
     # the issue's idle: 1 000 topics after one record each, the steady window a minute and
     # more after the last write (partitions paused for a minute are watched every 2 s), then
     # a spread at the rate three Tansu brokers on this box sustain at 1 000 topics
-    wide = _point(1000, 60.0, WIDE_RATE, 20.0, FIRST_RATE)
+    wide = _point(1000, 75.0, WIDE_RATE, 20.0, FIRST_RATE)
     wide["load_avg_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     if progress:
         progress()
@@ -279,7 +279,7 @@ def topics_section(progress=None, idle_s: float = 20.0):
                      "spend ~3.5 ms of CPU per one-record produce request at 1 000 topics (1.2 ms at 100), so a "
                      "thousand active topics saturate the box well below 1 000 events/s and the members' writes "
                      "wait seconds for acknowledgements (`stall_warnings`; docs/design/many-topics.md, "
-                     "\"Still open\"). The `idle` window of the 1 000-topic row starts 62 s after the last "
+                     "\"Still open\"). The `idle` window of the 1 000-topic row starts 77 s after the last "
                      "record was ordered.")
     return sec
 
