@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -72,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                "generate_s": round(gen_s, 1), "audit_s": round(wall, 1),
                "rows_per_s": round(events * 3 / wall), "events_per_s": round(events / wall),
                "jvm_peak_rss_mib": round(_vm_hwm_kib(jvm_pid) / 1024),
-               "driver_py_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+               # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the parent (bench.run)
+               "driver_py_peak_rss_mib": round(_vm_hwm_kib(os.getpid()) / 1024),
                "latency_p50_ms": run["latency_ms"]["p50"], "exit_code": code,
                "load_avg_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count()}
         rows_out.append(row)
