@@ -29,6 +29,8 @@ EXPECTED = {
     "test_mixed_group_rdma_and_tcp",
     "test_three_members_agree_over_rdma",
     "test_rdma_vs_tcp_latency_and_throughput",
+    "test_three_clusters_ordered_over_rdma_identical_and_exactly_once",
+    "test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical",
 }
 
 
@@ -121,6 +123,7 @@ def test_rdma_transport_in_soft_roce_vm(tmp_path):
         assert perf[kind]["throughput_msgs_s"] > 0
     assert perf["rtt_p50_rdma_over_tcp"] > 0 and perf["throughput_rdma_over_tcp"] > 0
     assert results["group_rdma"]["events"] == 300 and results["group_rdma"]["members"] == 3
+    assert results["kdsync_run_rdma"]["events"] == 300 and results["kdsync_run_rdma"]["members"] == 3
     info = (out / "vm-info.txt").read_text()
     assert "rxe0" in info and "ACTIVE" in info
     run = json.loads((out / "run.json").read_text())

@@ -47,7 +47,8 @@ cat "$OUT/vm-info.txt"
 # shellcheck disable=SC3045  # dash supports -l; root has CAP_IPC_LOCK anyway
 ulimit -l unlimited 2>/dev/null || true
 cd /tmp || exit 1
-export KDSYNC_IN_VM=1 KDSYNC_VM_OUT="$OUT" KDSYNC_RDMA_ADDR=10.0.2.15 PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+# the project's virtualenv (shared with the source) gives the guest confluent-kafka and the Tansu binary
+export KDSYNC_IN_VM=1 KDSYNC_VM_OUT="$OUT" KDSYNC_RDMA_ADDR=10.0.2.15 PYTHONPATH="$SRC:$SRC/.venv/lib/python3.11/site-packages" PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 if [ -f "$OUT/cmd" ]; then
     echo "== custom command: $(cat "$OUT/cmd")"
     sh "$OUT/cmd"
