@@ -454,7 +454,9 @@ class LocalGroup:
     """n embedded clusters and n `kdsync run` member processes (see module doc).
 
     `peer_address(i, j)` may route member i's link to member j elsewhere (a
-    test proxy); by default it is member j's listen address.
+    test proxy); by default it is member j's listen address.  Members listen
+    on `host` (127.0.0.1; the RDMA tests give the address of the RDMA device,
+    which rdma_cm cannot reach through loopback).
     """
 
     def __init__(self, n: int, workdir: str | os.PathLike[str], *, topic: str = "events", protocol: str = "derecho",
@@ -463,8 +465,9 @@ class LocalGroup:
                  peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
                  metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
                  workers: int | None = None, source_partitions: int = 1, durable: bool = False,
-                 stall_after_ms: int = 10_000, expect_stalls: bool = False):
+                 stall_after_ms: int = 10_000, expect_stalls: bool = False, host: str = "127.0.0.1"):
         self.n = n
+        self.host = host
         # [health] stall_after_ms of every member; unless expect_stalls, close() fails on a member's "stalled" line
         self.stall_after_ms, self.expect_stalls = stall_after_ms, expect_stalls
         # durable: every cluster keeps its log in its own bucket of one S3 store (kill -9 + restart keep it)
@@ -486,7 +489,7 @@ class LocalGroup:
         self.protocol = protocol
         self.secret = secret
         self.timing = dict(tick_ms=tick_ms, heartbeat_ms=heartbeat_ms, suspect_ms=suspect_ms, retransmit_ms=retransmit_ms)
-        self.peer_address = peer_address or (lambda i, j: f"127.0.0.1:{self.ports[j]}")
+        self.peer_address = peer_address or (lambda i, j: f"{self.host}:{self.ports[j]}")
         self.extra = extra or {}
         if durable:  # Tansu on S3 stores one object per batch and lists a partition's objects on every fetch
             self.extra = {"kafka.producer": {"linger.ms": DURABLE_LINGER_MS},
@@ -510,13 +513,13 @@ class LocalGroup:
         name = self.names[i]
         # state_dir is a top-level key: it comes before the first table
         lines = [f"state_dir = {_toml_str(str(self.dir / ('state-' + name)))}", "",
-                 "[member]", f"id = {_toml_str(name)}", f"listen = {_toml_str(f'127.0.0.1:{self.ports[i]}')}",
+                 "[member]", f"id = {_toml_str(name)}", f"listen = {_toml_str(f'{self.host}:{self.ports[i]}')}",
                  f"role = {_toml_str('witness' if i in self.witnesses else 'member')}"]
         lines += [f"{_toml_str(k)} = {_toml_str(v)}" for k, v in {**self.extra.get("member", {}),
                                                                   **overrides.get("member", {})}.items()]
         lines += ["", "[peers]"]
         for j, other in enumerate(self.names):
-            addr = f"127.0.0.1:{self.ports[j]}" if j == i else self.peer_address(i, j)
+            addr = f"{self.host}:{self.ports[j]}" if j == i else self.peer_address(i, j)
             if j in self.witnesses:
                 lines.append(f"{other} = {{ address = {_toml_str(addr)}, role = \"witness\" }}")
             else:

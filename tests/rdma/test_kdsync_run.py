@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,39 +24,24 @@ pytestmark = pytest.mark.skipif(not (VENV_SITE / "confluent_kafka").is_dir(),
                                 reason=f"the project's virtualenv is not shared with the guest ({VENV_SITE})")
 
 
-class RdmaGroup(LocalGroup):
-    """LocalGroup whose members listen and dial on the guest's rxe0 address
-    (rdma_cm resolves 127.0.0.1 to no RDMA device)."""
+def rdma_group(addr: str, workdir: Path) -> LocalGroup:
+    """Three members listening and dialling on the guest's rxe0 address
+    (rdma_cm reaches no RDMA device through 127.0.0.1), peer links over RDMA."""
+    return LocalGroup(3, workdir, tick_ms=20, heartbeat_ms=200, suspect_ms=3000, retransmit_ms=200, metrics=True,
+                      extra={"transport": {"kind": "rdma"}}, host=addr)
 
-    def __init__(self, addr: str, workdir: Path, **kw):
-        super().__init__(3, workdir, tick_ms=20, heartbeat_ms=200, suspect_ms=3000, retransmit_ms=200,
-                         metrics=True, extra={"transport": {"kind": "rdma"}}, **kw)
-        self.addr = addr
-        self.peer_address = lambda i, j: f"{addr}:{self.ports[j]}"
 
-    def config_text(self, i: int, **overrides) -> str:
-        return super().config_text(i, **overrides).replace('listen = "127.0.0.1:', f'listen = "{self.addr}:')
-
-    def rdma_links(self, i: int) -> set[str]:
-        """Peers member i saw an RDMA link come up to, from its log."""
-        return set(re.findall(r'msg="peer (\S+): RDMA link up via rxe0"', self.log_text(i)))
+def rdma_links(g: LocalGroup, i: int) -> set[str]:
+    """Peers member i saw an RDMA link come up to, from its log."""
+    return set(re.findall(r'msg="peer (\S+): RDMA link up via rxe0"', g.log_text(i)))
 
 
 def _write_all(g: LocalGroup, n: int, tag: str, rate: float) -> None:
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            assert write_events(g.bootstrap(i), g.topic, n, f"{tag}-{i}", rate=rate, timeout=120) == n
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(g.n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    """n paced records into every cluster at once; each writer's failure is raised here."""
+    with ThreadPoolExecutor(g.n) as ex:
+        acked = list(ex.map(lambda i: write_events(g.bootstrap(i), g.topic, n, f"{tag}-{i}", rate=rate, timeout=120),
+                            range(g.n)))
+    assert acked == [n] * g.n, acked
 
 
 def _agree(g: LocalGroup, expected: int, timeout: float) -> None:
@@ -66,7 +52,7 @@ def _agree(g: LocalGroup, expected: int, timeout: float) -> None:
 
 @pytest.mark.timeout(420)
 def test_three_clusters_ordered_over_rdma_identical_and_exactly_once(addr, tmp_path, results):
-    g = RdmaGroup(addr, tmp_path)
+    g = rdma_group(addr, tmp_path)
     try:
         t0 = time.monotonic()
         g.start_brokers()
@@ -76,7 +62,7 @@ def test_three_clusters_ordered_over_rdma_identical_and_exactly_once(addr, tmp_p
         _write_all(g, 100, "a", rate=50)
         _agree(g, 300, timeout=180)
         for i in range(g.n):  # every member reached both peers over RDMA, none over TCP alone
-            assert g.rdma_links(i) == set(g.names) - {g.names[i]}, g.log_text(i)[-3000:]
+            assert rdma_links(g, i) == set(g.names) - {g.names[i]}, g.log_text(i)[-3000:]
         results["kdsync_run_rdma"] = {"members": g.n, "events": 300, "ready_s": round(ready_s, 1)}
     finally:
         g.close()
@@ -84,7 +70,7 @@ def test_three_clusters_ordered_over_rdma_identical_and_exactly_once(addr, tmp_p
 
 @pytest.mark.timeout(420)
 def test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical(addr, tmp_path):
-    g = RdmaGroup(addr, tmp_path)
+    g = rdma_group(addr, tmp_path)
     try:
         g.start_brokers()
         g.start_members()
@@ -100,7 +86,7 @@ def test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical(
         _agree(g, 450, timeout=240)
         log = g.log_text(2)
         assert log.count('msg="transport rdma listening') >= 2  # both lives of dc3 listened on rxe0
-        assert g.rdma_links(2) == {"dc1", "dc2"}
+        assert rdma_links(g, 2) == {"dc1", "dc2"}
     finally:
         g.close()
 
