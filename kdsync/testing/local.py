@@ -548,7 +548,8 @@ class LocalGroup:
         path = self.config_path(i)
         path.write_text(self.config_text(i, **overrides))
         log = open(self.logs[i], "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # PYTHONFAULTHANDLER: a member that crashes in native code (SIGSEGV) leaves its Python stack in its log
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         workers = ["--workers", str(self.workers)] if self.workers else []
         self.procs[i] = subprocess.Popen([sys.executable, "-m", "kdsync.cli", "run", "--config", str(path), *workers,
                                           *self.member_args.get(i, ())],
