@@ -128,6 +128,10 @@ class Member:
     def _peer_stats(self) -> dict:
         return dict(self.transport.stats) if self.transport is not None else {}
 
+    def _links_for_metrics(self) -> tuple[dict, tuple | None]:
+        t = self.transport
+        return ({p: t.path(p) for p in sorted(t.peers)}, t.rdma_links()) if t is not None else ({}, None)
+
     def stop_requested(self) -> bool:
         return self._stop.is_set()
 
@@ -151,7 +155,8 @@ class Member:
         from kdsync.observability.metrics import MemberMetrics
         from kdsync.transport import TLSSettings, TransportError, make_transport
 
-        self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics), GcPauses()
+        self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics,
+                                                     self._links_for_metrics), GcPauses()
         if self.trace_path:
             path = shard_trace_path(self.trace_path, self.shard)
             try:

@@ -65,6 +65,10 @@ def test_concurrent_writes_identical_global_topics(group):
     assert m[("kdsync_core_events_total", (("kind", "deduplicated"), ("topic", "events")))] == 0
     assert ("kdsync_core_events_total", (("kind", "resubmitted"), ("topic", "events"))) in m
     assert m[("kdsync_view_id", (("topic", "events"),))] >= 1
+    # a TCP member's links: path "tcp" for every peer, no RDMA gauges
+    assert {(k[1], v) for k, v in m.items() if k[0] == "kdsync_peer_path" and v == 1} == {
+        ((("path", "tcp"), ("peer", p)), 1.0) for p in ("dc2", "dc3")}
+    assert not any(k[0].startswith("kdsync_rdma_") for k in m)
 
 
 @pytest.mark.parametrize("group", ["derecho", "clock"], indirect=True)

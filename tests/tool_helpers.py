@@ -52,7 +52,8 @@ def kdsync_metrics() -> dict[str, tuple[str, set[str]]]:
     from kdsync.observability.metrics import MemberMetrics
 
     peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0)
-    m = MemberMetrics(peers=lambda: {"dc2": peer}, cores=lambda: {"t": {"delivered": 1}})
+    m = MemberMetrics(peers=lambda: {"dc2": peer}, cores=lambda: {"t": {"delivered": 1}},
+                      links=lambda: ({"dc2": "rdma"}, (True, {"dc2": 0})))
     out = {}
     for fam in m.registry.collect():
         if fam.type == "counter":

@@ -12,6 +12,9 @@ Exported (all prefixed `kdsync_`):
   stage_seconds{topic,stage}           histogram: one stage of a batch's trip (kdsync.observability.stage_latency), per batch
   events_consumed_total{topic}, events_written_total{topic}
   peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer}
+  peer_path{peer,path}                 1 for the link messages to the peer take now: rdma | tcp | none
+  rdma_device_up, rdma_fallbacks_total{peer}   RDMA transport only: a device serves the listen address; times
+                                       a peer's messages moved from a lost RDMA link to TCP (kdsync.transport.rdma)
   core_events_total{topic,kind}        kind = submitted|delivered|resubmitted|deduplicated|bad_messages
   bad_peer_messages_total{peer}        malformed messages dropped
   stalled{topic,stage}                1 while a stage holds records that do not move (kdsync.observability.stalls)
@@ -52,9 +55,11 @@ def observe_many(child, values: Iterable[float]) -> None:
 class _Live:
     """Collector reading transport and core counters at scrape time."""
 
-    def __init__(self, peers: Callable[[], dict], cores: Callable[[], dict[str, dict]]):
+    def __init__(self, peers: Callable[[], dict], cores: Callable[[], dict[str, dict]],
+                 links: Callable[[], tuple[dict, tuple | None]]):
         self._peers = peers
         self._cores = cores
+        self._links = links
 
     def collect(self):
         b = CounterMetricFamily("kdsync_peer_bytes", "bytes exchanged with a peer", labels=["peer", "direction"])
@@ -73,10 +78,27 @@ class _Live:
             for kind, v in sorted(stats.items()):
                 e.add_metric([topic, kind], v)
         yield from (b, f, c, r, e)
+        paths, rdma = self._links()
+        pg = GaugeMetricFamily("kdsync_peer_path", "1 for the link messages to the peer take now (rdma, tcp, none)",
+                               labels=["peer", "path"])
+        for peer, path in sorted(paths.items()):
+            for name in ("rdma", "tcp", "none"):
+                pg.add_metric([peer, name], 1 if (path or "none") == name else 0)
+        yield pg
+        if rdma is not None:
+            up, fallbacks = rdma
+            yield GaugeMetricFamily("kdsync_rdma_device_up", "1 while an RDMA device serves the listen address "
+                                    "(0 after the device was removed, until it is back)", value=1 if up else 0)
+            fb = CounterMetricFamily("kdsync_rdma_fallbacks", "times a peer's messages moved from an RDMA link "
+                                     "that went down with its device to TCP", labels=["peer"])
+            for peer, n in sorted(fallbacks.items()):
+                fb.add_metric([peer], n)
+            yield fb
 
 
 class MemberMetrics:
-    def __init__(self, peers: Callable[[], dict] = dict, cores: Callable[[], dict[str, dict]] = dict):
+    def __init__(self, peers: Callable[[], dict] = dict, cores: Callable[[], dict[str, dict]] = dict,
+                 links: Callable[[], tuple[dict, tuple | None]] = lambda: ({}, None)):
         self.registry = reg = CollectorRegistry()
         self.view_id = Gauge("kdsync_view_id", "installed view", ["topic"], registry=reg)
         self.live_members = Gauge("kdsync_live_members", "members of the installed view", ["topic"], registry=reg)
@@ -112,7 +134,7 @@ class MemberMetrics:
         self.checkpoint_time = Gauge("kdsync_checkpoint_timestamp_seconds",
                                      "when the latest confirmed checkpoint was written (Unix time)", ["topic"],
                                      registry=reg)
-        reg.register(_Live(peers, cores))
+        reg.register(_Live(peers, cores, links))
         self._status: dict[str, str] = {}
         self.server = None
 

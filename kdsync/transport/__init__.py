@@ -211,6 +211,16 @@ class Transport(abc.ABC):
         message larger than a frame can carry.
         """
 
+    def path(self, peer: str) -> str | None:
+        """The link `send(peer)` uses now: the transport's kind while the
+        link is up, None while it is down (RDMA says "rdma" or "tcp")."""
+        return self.kind if self.stats[peer].connected else None
+
+    def rdma_links(self) -> tuple[bool, dict[str, int]] | None:
+        """RDMA transports: (a device serves the listen address, {peer: times
+        its messages moved from a lost RDMA link to TCP}); others None."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop every task and close every socket.  Idempotent."""

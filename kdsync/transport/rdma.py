@@ -77,6 +77,22 @@ notice; a process that dies is noticed at once (its kernel sends a DREQ).
 Shorter timeouts made soft-RoCE under emulation retransmit whole messages
 whose ACKs were merely late.
 
+Device loss.  When the RDMA device goes away under a running member
+(`rdma link delete`, a driver reset, a hot-unplugged NIC), rdma_cm reports
+DEVICE_REMOVAL on every id.  The transport then logs one warning, closes
+every connection, releases everything it holds on the device (QPs, MRs, CQ,
+completion channel, listener) and stops dialing: every peer goes on over the
+TCP fallback (the core retransmits what was in flight on the lost links)
+until the member restarts.  `device_up` turns False; `fallbacks[peer]`
+counts the peers whose messages moved from a lost RDMA link to TCP.  Why not
+return to RDMA by itself: librdmacm keeps its own verbs context of a removed
+device open for the life of the process (rdma-core 44: the device stays
+listed, marked dead, while the kernel waits for that context), so on a
+driver without disassociation support (soft-RoCE) `rdma link delete` itself
+completes only when the member exits, and no device can come back under a
+running member; hardware drivers disassociate and do not wait, but a return
+path tested on neither is not one to ship.  docs/rdma.md says what to do.
+
 Mixed groups.  With `tcp_fallback` (default), the transport also runs a TCP
 transport on the same host:port (rdma_cm ports are a separate port space).
 Per peer, messages go over RDMA while the RDMA link is up, else over TCP: a
@@ -412,33 +428,19 @@ class RdmaTransport(Transport):
         self._cq = self._cc = None
         self._cc_fd = -1
         self.bound: tuple[str, int] | None = None
+        self.device_up = False  # a device serves the listen address (False after DEVICE_REMOVAL)
+        self.fallbacks: collections.Counter = collections.Counter()  # peer -> RDMA link lost while TCP carried on
 
     # ------------------------------------------------------------ public API
 
     async def start(self) -> None:
-        pv = self._pv
         self._loop = asyncio.get_running_loop()
         host, port = self.listen
         try:
-            self._lchan, self._lchan_fd = _new_cm_channel(pv)
-            self._listener = pv.CMID(creator=self._lchan, port_space=pv.ce.RDMA_PS_TCP)
-            ai = pv.AddrInfo(src=host, src_service=str(port), port_space=pv.ce.RDMA_PS_TCP, flags=pv.ce.RAI_PASSIVE)
-            self._listener.bind_addr(ai)
-            ctx = self._listener.context
-            before = _fd_set()
-            self._cc = pv.CompChannel(ctx)
-            self._cc_fd = _created_fd(before, _COMP_CHANNEL, "completion channel")
-            os.set_blocking(self._cc_fd, False)
-            # Room for every WR of every connection we may hold (in + out per peer, plus one spare each).
-            cqe = max(256, 4 * max(1, len(self.peers)) * (self.recv_depth + self.send_depth))
-            self._cq = pv.CQ(ctx, cqe, None, self._cc, 0)
-            self._cq.req_notify()
-            self._listener.listen(64)
-        except (pv.Error, OSError) as exc:
-            await self._release()
+            self._listen()
+        except (self._pv.Error, OSError) as exc:
+            self._release()
             raise TransportError(f"cannot listen for RDMA on {host}:{port}: {exc}; check [member] listen") from None
-        self._loop.add_reader(self._cc_fd, self._on_cq_event)
-        self._loop.add_reader(self._lchan_fd, self._on_listener_events)
         self._started = True
         self.bound = (host, port)
         if self.tcp_fallback:
@@ -472,6 +474,33 @@ class RdmaTransport(Transport):
             ", TCP fallback on the same port" if self.tcp is not None else "",
         )
 
+    def _listen(self) -> None:
+        """Listener, completion channel and CQ on the device serving the
+        listen address; raises pyverbs' Error or OSError."""
+        pv = self._pv
+        host, port = self.listen
+        try:
+            self._lchan, self._lchan_fd = _new_cm_channel(pv)
+            self._listener = pv.CMID(creator=self._lchan, port_space=pv.ce.RDMA_PS_TCP)
+            ai = pv.AddrInfo(src=host, src_service=str(port), port_space=pv.ce.RDMA_PS_TCP, flags=pv.ce.RAI_PASSIVE)
+            self._listener.bind_addr(ai)
+            ctx = self._listener.context
+            before = _fd_set()
+            self._cc = pv.CompChannel(ctx)
+            self._cc_fd = _created_fd(before, _COMP_CHANNEL, "completion channel")
+            os.set_blocking(self._cc_fd, False)
+            # Room for every WR of every connection we may hold (in + out per peer, plus one spare each).
+            cqe = max(256, 4 * max(1, len(self.peers)) * (self.recv_depth + self.send_depth))
+            self._cq = pv.CQ(ctx, cqe, None, self._cc, 0)
+            self._cq.req_notify()
+            self._listener.listen(64)
+        except (pv.Error, OSError):
+            self._release()
+            raise
+        self._loop.add_reader(self._cc_fd, self._on_cq_event)
+        self._loop.add_reader(self._lchan_fd, self._on_listener_events)
+        self.device_up = True
+
     def send(self, peer: str, data: bytes) -> bool:
         p = self._peers.get(peer)
         if p is None:
@@ -500,6 +529,9 @@ class RdmaTransport(Transport):
             return "tcp"
         return None
 
+    def rdma_links(self) -> tuple[bool, dict[str, int]]:
+        return self.device_up, {p: self.fallbacks[p] for p in sorted(self.peers)}
+
     def queued_bytes(self, peer: str) -> int:
         """Bytes waiting in the RDMA send queue of `peer`."""
         return self._peers[peer].queued
@@ -519,11 +551,11 @@ class RdmaTransport(Transport):
             await self.tcp.close()
         for conn in sorted(self._conns, key=id):
             self._fail(conn, "transport closed", quiet=True)
-        await self._release()
+        self._release()
         for st in self.stats.values():
             st.connected = False
 
-    async def _release(self) -> None:
+    def _release(self) -> None:
         loop = self._loop
         if loop is not None:
             for fd in (self._cc_fd, self._lchan_fd):
@@ -538,13 +570,37 @@ class RdmaTransport(Transport):
                     self.log.warning("rdma: closing %s: %s", type(obj).__name__, exc)
         self._cq = self._cc = self._listener = self._lchan = None
         self._cc_fd = self._lchan_fd = -1
+        self.device_up = False
+
+    # ------------------------------------------------------------ device loss
+
+    def _lose_device(self, why: str) -> None:
+        """The device is gone (DEVICE_REMOVAL): release all of it, stop
+        dialing, say so once; TCP carries every peer from now on."""
+        if not self.device_up or self._closing:
+            return
+        self.counters["device_lost"] += 1
+        peers = [p for p in sorted(self._peers) if self._peers[p].out is not None]
+        self.log.warning("RDMA device %s is gone (%s): %s until this member restarts",
+                         self.device, why,
+                         "every peer goes on over TCP" if self.tcp is not None else "no TCP fallback: peers unreachable")
+        for conn in sorted(self._conns, key=id):
+            self._fail(conn, f"RDMA device {self.device} removed", quiet=True)
+        for p in peers:
+            self.fallbacks[p] += 1
+        self._release()
+        if self.tcp is not None:
+            for peer, p in sorted(self._peers.items()):
+                p.mode = "tcp"
+                for m in p.take(sys.maxsize):  # what waited for RDMA goes first, in order
+                    self.tcp.send(peer, m)
 
     # ------------------------------------------------------------ dialing
 
     async def _dial_loop(self, peer: str) -> None:
         delay = self.backoff_initial
         failures = 0
-        while not self._closing:
+        while not self._closing and self.device_up:
             conn = self._dial(peer)
             if conn is not None:
                 await asyncio.shield(conn.finished)
@@ -617,6 +673,9 @@ class RdmaTransport(Transport):
                     self._send_frame(conn, conn.hs.hello())
                 elif kind == ce.RDMA_CM_EVENT_TIMEWAIT_EXIT:
                     pass
+                elif kind == ce.RDMA_CM_EVENT_DEVICE_REMOVAL:
+                    self._lose_device(f"rdma_cm {text} on the link to {conn.peer}")
+                    return
                 else:  # ADDR/ROUTE/CONNECT errors, UNREACHABLE, REJECTED, DISCONNECTED, DEVICE_REMOVAL
                     self._fail(conn, f"rdma_cm {text}")
                     return
@@ -660,9 +719,13 @@ class RdmaTransport(Transport):
                 return
             kind = ev.event_type
             if kind != ce.RDMA_CM_EVENT_CONNECT_REQUEST:
+                text = ev.event_str()
                 ev.ack_cm_event()
                 if kind == ce.RDMA_CM_EVENT_DISCONNECTED:
                     self._probe_incoming()
+                elif kind == ce.RDMA_CM_EVENT_DEVICE_REMOVAL:
+                    self._lose_device(f"rdma_cm {text}")
+                    return
                 continue
             conn = _Conn(self, "listener", None)
             try:

@@ -1,15 +1,18 @@
 """Real `kdsync run` members with Kafka over soft-RoCE (issue 21): three
 embedded Tansu clusters in the guest, one member per cluster whose peer
 links run over rxe0 (`[transport] kind = "rdma"`), paced writes into every
-cluster at once, then every global topic identical and exactly once; and a
+cluster at once, then every global topic identical and exactly once; a
 member killed with SIGKILL mid-stream and restarted, its links back over
-RDMA.  The guest runs the project's own virtualenv (shared read-only with
+RDMA; a mixed group where one member runs TCP only; and the RDMA device
+deleted under running members (`rdma link delete rxe0`), which go on over
+TCP.  The guest runs the project's own virtualenv (shared read-only with
 the source tree): confluent-kafka and the Tansu binary come from there."""
 
 from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,3 +93,87 @@ def test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical(
     finally:
         g.close()
 
+
+
+@pytest.mark.timeout(420)
+def test_mixed_group_one_member_without_rdma(addr, tmp_path):
+    """dc3 runs `kind = "tcp"`: dc1 and dc2 talk RDMA to each other and serve dc3 over TCP."""
+    g = rdma_group(addr, tmp_path)
+    try:
+        g.start_brokers()
+        g.start_member(0)
+        g.start_member(1)
+        g.start_member(2, transport={"kind": "tcp"})
+        g.wait_ready(timeout=180)
+        _write_all(g, 100, "m", rate=50)
+        _agree(g, 300, timeout=180)
+        for i, other in ((0, "dc2"), (1, "dc1")):
+            assert rdma_links(g, i) == {other}, g.log_text(i)[-3000:]
+            assert re.search(r'msg="peer dc3: using TCP because RDMA connect failed', g.log_text(i)), g.log_text(i)[-3000:]
+            m = g.metrics(i)
+            assert m[("kdsync_peer_path", (("path", "rdma"), ("peer", other)))] == 1.0
+            assert m[("kdsync_peer_path", (("path", "tcp"), ("peer", "dc3")))] == 1.0
+        assert 'msg="transport tcp listening' in g.log_text(2) and "transport rdma" not in g.log_text(2)
+    finally:
+        g.close()
+
+
+@pytest.fixture
+def rxe0_deleted_later():
+    """Hands the test a function that deletes rxe0 in the background; after
+    the test (members gone: soft-RoCE's removal waits for every process
+    holding the device) waits for the deletion and adds rxe0 back for the
+    tests that follow."""
+    procs: list[subprocess.Popen] = []
+
+    def delete() -> None:
+        procs.append(subprocess.Popen(["rdma", "link", "delete", "rxe0"]))
+
+    yield delete
+    for p in procs:
+        p.wait(timeout=60)
+    if procs:
+        subprocess.run(["rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "eth0"], check=True)
+        deadline = time.monotonic() + 10
+        while "ACTIVE" not in subprocess.run(["rdma", "link", "show", "rxe0/1"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "rxe0 did not come back ACTIVE"
+            time.sleep(0.1)
+
+
+def _device_gone(g: LocalGroup, i: int) -> bool:
+    m = g.metrics(i)
+    return m.get(("kdsync_rdma_device_up", ())) == 0.0 and all(
+        m.get(("kdsync_peer_path", (("path", "tcp"), ("peer", p)))) == 1.0 for p in g.names if p != g.names[i])
+
+
+@pytest.mark.timeout(420)
+def test_rdma_device_deleted_mid_stream_members_go_on_over_tcp(addr, tmp_path, rxe0_deleted_later):
+    """`kind = "auto"` members ordering over RDMA lose the device mid-stream:
+    one warning each, the metrics say TCP, and nothing is lost, duplicated or
+    reordered in any cluster."""
+    g = LocalGroup(3, tmp_path, tick_ms=20, heartbeat_ms=200, suspect_ms=3000, retransmit_ms=200, metrics=True,
+                   extra={"transport": {"kind": "auto"}}, host=addr)
+    try:
+        g.start_brokers()
+        g.start_members()
+        g.wait_ready(timeout=180)
+        assert all(rdma_links(g, i) == set(g.names) - {g.names[i]} for i in range(g.n))
+        writer = threading.Thread(target=_write_all, args=(g, 150, "d", 30.0))
+        writer.start()
+        time.sleep(2.0)  # mid-stream: the writers run for 5 s
+        rxe0_deleted_later()
+        deadline = time.monotonic() + 60
+        while not all(_device_gone(g, i) for i in range(g.n)):
+            assert time.monotonic() < deadline, [g.metrics(i) for i in range(g.n)]
+            time.sleep(0.2)
+        writer.join()
+        _write_all(g, 50, "after", rate=50)  # and after the loss, TCP only
+        _agree(g, 600, timeout=240)
+        for i in range(g.n):
+            log = g.log_text(i)
+            assert len(re.findall(r'msg="RDMA device rxe0 is gone', log)) == 1, log[-3000:]
+            m = g.metrics(i)
+            assert sum(v for (name, _), v in m.items() if name == "kdsync_rdma_fallbacks_total") >= 1, m
+            assert g.procs[i].poll() is None
+    finally:
+        g.close()
