@@ -78,7 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = _Parser(prog="python -m bench.run", description="kdsync benchmark: writes report.md, *.png, *.csv")
     p.add_argument("--quick", action="store_true", help="tiny parameters (about a minute): core + sim only")
     p.add_argument("--out", default=str(ROOT / "results"), help="output directory (default results/)")
-    p.add_argument("--rdma", action="store_true", help="boot the soft-RoCE VM (minutes) before reading its results")
+    p.add_argument("--rdma", action="store_true",
+                   help="with --quick: boot the soft-RoCE VM (minutes) before reading its results (a full run "
+                        "always boots it, so the RDMA section measures this commit)")
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: core,sim)")
     p.add_argument("--jobs", type=int, default=2, help="simulator runs in parallel (default 2)")
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                                        prog))
             if "rdma" in wanted:
                 sections.append(_guard("rdma", "RDMA (soft-RoCE in a VM) vs TCP",
-                                       lambda: rdma_section(args.rdma), prog))
+                                       lambda: rdma_section(args.rdma or not args.quick), prog))
                 prog.step("rdma")
         for key in SECTIONS:
             if key not in wanted or key in skipped:

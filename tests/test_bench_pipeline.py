@@ -91,7 +91,11 @@ def test_missing_part_is_reported_not_crashed(tmp_path, monkeypatch):
         rdma.rdma_section(False, results_dir=tmp_path / "none")
     (tmp_path / "vm").mkdir()
     (tmp_path / "vm" / "results.json").write_text(
-        '{"rdma_rtt_us": 50.0, "tcp_rtt_us": 200.0, "pytest_exit": 0}')
+        '{"perf": {"rtt_p50_rdma_over_tcp": 0.25}, "member": {"p50_ms_ratio_rdma_over_tcp": 0.9}, "pytest_exit": 0}')
+    (tmp_path / "vm" / "run.json").write_text('{"commit": "abc1234"}')
     sec = rdma.rdma_section(False, results_dir=tmp_path / "vm")
     ratios = next(t for t in sec.tables if t.name == "rdma_ratios").rows
-    assert ratios == [{"figure": "rtt_us (rdma/tcp)", "ratio": 0.25}]
+    assert [(r["key"], r["ratio"]) for r in ratios] == [("member.p50_ms_ratio_rdma_over_tcp", 0.9),
+                                                        ("perf.rtt_p50_rdma_over_tcp", 0.25)]
+    assert "commit abc1234" in sec.intro[0]
+    assert any("member.p99_ms_ratio_rdma_over_tcp" in n for n in sec.notes)  # what the run lacks is said

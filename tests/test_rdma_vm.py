@@ -31,6 +31,9 @@ EXPECTED = {
     "test_rdma_vs_tcp_latency_and_throughput",
     "test_three_clusters_ordered_over_rdma_identical_and_exactly_once",
     "test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical",
+    "test_mixed_group_one_member_without_rdma",
+    "test_rdma_device_deleted_mid_stream_members_go_on_over_tcp",
+    "test_member_latency_and_cpu_per_event_rdma_vs_tcp",
 }
 
 
@@ -124,6 +127,9 @@ def test_rdma_transport_in_soft_roce_vm(tmp_path):
     assert perf["rtt_p50_rdma_over_tcp"] > 0 and perf["throughput_rdma_over_tcp"] > 0
     assert results["group_rdma"]["events"] == 300 and results["group_rdma"]["members"] == 3
     assert results["kdsync_run_rdma"]["events"] == 300 and results["kdsync_run_rdma"]["members"] == 3
+    member = results["member"]
+    for f in ("p50_ms", "p99_ms", "cpu_us_per_event"):
+        assert member[f"rdma_{f}"] > 0 and member[f"tcp_{f}"] > 0 and member[f"{f}_ratio_rdma_over_tcp"] > 0, member
     info = (out / "vm-info.txt").read_text()
     assert "rxe0" in info and "ACTIVE" in info
     run = json.loads((out / "run.json").read_text())

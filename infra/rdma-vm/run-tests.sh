@@ -83,7 +83,12 @@ done
 wait "$QEMU_PID" 2>/dev/null || true
 trap - EXIT INT TERM
 t2=$(date +%s)
-printf '{"image": "%s", "image_seconds": %d, "vm_seconds": %d}\n' "$IMAGE" $((t1 - t0)) $((t2 - t1)) >"$OUT/run.json"
+# the commit the guest ran (with "+changes" when the work tree differs from it): make bench names it
+COMMIT="$(git -C "$PROJECT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if [ "$COMMIT" != unknown ] && ! git -C "$PROJECT" diff --quiet HEAD -- kdsync tests/rdma 2>/dev/null; then
+    COMMIT="$COMMIT+changes"
+fi
+printf '{"image": "%s", "image_seconds": %d, "vm_seconds": %d, "commit": "%s"}\n' "$IMAGE" $((t1 - t0)) $((t2 - t1)) "$COMMIT" >"$OUT/run.json"
 log "image $((t1 - t0))s, vm $((t2 - t1))s"
 
 if [ ! -f "$OUT/exit_code" ]; then
@@ -111,5 +116,8 @@ for kind in ("rdma", "tcp"):
 print(f"[rdma-vm] RDMA/TCP: RTT p50 ratio {p.get('rtt_p50_rdma_over_tcp')}, throughput ratio {p.get('throughput_rdma_over_tcp')}")
 g = r.get("group_rdma", {})
 print(f"[rdma-vm] 3-member {g.get('protocol')} group over RDMA: {g.get('events')} events agreed in {g.get('deliver_all_s')} s")
+m = r.get("member", {})
+print(f"[rdma-vm] kdsync run members rdma/tcp: p50 {m.get('p50_ms_ratio_rdma_over_tcp')}, "
+      f"p99 {m.get('p99_ms_ratio_rdma_over_tcp')}, CPU/event {m.get('cpu_us_per_event_ratio_rdma_over_tcp')}")
 PY
 fi

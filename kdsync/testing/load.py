@@ -215,7 +215,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
              peer_address: Callable[[int, int], str] | None = None, workdir: str | os.PathLike | None = None,
              backlog: int = 0, idle_s: float = 0.0, timing: dict | None = None, secret: str | None = None,
              extra: dict[str, dict] | None = None, floor: bool = True, timeout_s: float = 120.0,
-             on_group: Callable | None = None, on_done: Callable | None = None) -> dict:
+             on_group: Callable | None = None, on_done: Callable | None = None, host: str = "127.0.0.1") -> dict:
     """One paced-load run (see the module docstring); returns a dict of figures:
     p50_ms/p99_ms (paced events, every global topic), floor_p50_ms/floor_p99_ms,
     cpu_us_per_event (mean over members) and per member, member_cpu_pct (load
@@ -224,7 +224,8 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
 
     `peer_address(i, j)` routes member i's link to member j (a proxy);
     `timing` = the [protocol] timing keys (None: the defaults of kdsync run);
-    `extra` = further config sections; `on_group(g)` is called once the
+    `extra` = further config sections; `host` = the address members listen
+    and dial on (an RDMA device's, for `[transport] kind = "rdma"`); `on_group(g)` is called once the
     members are active (e.g. to start a profiler on their pids), `on_done(g,
     out)` after the figures, before anything is stopped."""
     import psutil
@@ -240,7 +241,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                  "partitions": partitions, "timing": "default" if timing is None else "custom"}
     try:
         g = local.LocalGroup(clusters, Path(workdir), protocol=protocol, metrics=True, peer_address=peer_address,
-                            extra=extra, secret=secret)
+                            extra=extra, secret=secret, host=host)
         g.timing = dict(timing or {})  # empty: no [protocol] key but name, as the README's minimal config
         with g:
             for c in g.clusters:
