@@ -88,7 +88,7 @@ class _Live:
         if rdma is not None:
             up, fallbacks = rdma
             yield GaugeMetricFamily("kdsync_rdma_device_up", "1 while an RDMA device serves the listen address "
-                                    "(0 after the device was removed, until it is back)", value=1 if up else 0)
+                                    "(0 after the device was removed: TCP until the member restarts)", value=1 if up else 0)
             fb = CounterMetricFamily("kdsync_rdma_fallbacks", "times a peer's messages moved from an RDMA link "
                                      "that went down with its device to TCP", labels=["peer"])
             for peer, n in sorted(fallbacks.items()):

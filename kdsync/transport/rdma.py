@@ -590,10 +590,8 @@ class RdmaTransport(Transport):
             self.fallbacks[p] += 1
         self._release()
         if self.tcp is not None:
-            for peer, p in sorted(self._peers.items()):
-                p.mode = "tcp"
-                for m in p.take(sys.maxsize):  # what waited for RDMA goes first, in order
-                    self.tcp.send(peer, m)
+            for peer in sorted(self._peers):
+                self._serve_over_tcp(peer)
 
     # ------------------------------------------------------------ dialing
 
@@ -619,9 +617,13 @@ class RdmaTransport(Transport):
 
     def _to_tcp(self, peer: str, why: str) -> None:
         """Serve `peer` over TCP from now on (until an RDMA link comes up)."""
+        self.log.info("peer %s: using TCP because RDMA connect failed: %s", peer, why)
+        self._serve_over_tcp(peer)
+
+    def _serve_over_tcp(self, peer: str) -> None:
+        """`send(peer)` goes over TCP from now on; what waited for RDMA goes first, in order."""
         p = self._peers[peer]
         p.mode = "tcp"
-        self.log.info("peer %s: using TCP because RDMA connect failed: %s", peer, why)
         for m in p.take(sys.maxsize):
             self.tcp.send(peer, m)
 

@@ -27,11 +27,19 @@ pytestmark = pytest.mark.skipif(not (VENV_SITE / "confluent_kafka").is_dir(),
                                 reason=f"the project's virtualenv is not shared with the guest ({VENV_SITE})")
 
 
-def rdma_group(addr: str, workdir: Path) -> LocalGroup:
+def rdma_group(addr: str, workdir: Path, kind: str = "rdma") -> LocalGroup:
     """Three members listening and dialling on the guest's rxe0 address
     (rdma_cm reaches no RDMA device through 127.0.0.1), peer links over RDMA."""
     return LocalGroup(3, workdir, tick_ms=20, heartbeat_ms=200, suspect_ms=3000, retransmit_ms=200, metrics=True,
-                      extra={"transport": {"kind": "rdma"}}, host=addr)
+                      extra={"transport": {"kind": kind}}, host=addr)
+
+
+def _start(g: LocalGroup, overrides: dict[int, dict] | None = None) -> None:
+    """Brokers, then the members (member i's config with `overrides[i]`), every one active."""
+    g.start_brokers()
+    for i in range(g.n):
+        g.start_member(i, **(overrides or {}).get(i, {}))
+    g.wait_ready(timeout=180)
 
 
 def rdma_links(g: LocalGroup, i: int) -> set[str]:
@@ -47,6 +55,16 @@ def _write_all(g: LocalGroup, n: int, tag: str, rate: float) -> None:
     assert acked == [n] * g.n, acked
 
 
+def _fault_mid_stream(g: LocalGroup, per_cluster: int, tag: str, fault) -> None:
+    """Paced writes into every cluster (30 records/s each); `fault()` once a
+    tenth of them is ordered in every cluster, while the writers still run."""
+    writer = threading.Thread(target=_write_all, args=(g, per_cluster, tag, 30.0))
+    writer.start()
+    g.wait_for(per_cluster * g.n // 10, timeout=60)
+    fault()
+    writer.join()
+
+
 def _agree(g: LocalGroup, expected: int, timeout: float) -> None:
     got = g.wait_for(expected, timeout=timeout)
     ok, detail = check_global_topics(got, expected=expected)
@@ -55,56 +73,41 @@ def _agree(g: LocalGroup, expected: int, timeout: float) -> None:
 
 @pytest.mark.timeout(420)
 def test_three_clusters_ordered_over_rdma_identical_and_exactly_once(addr, tmp_path, results):
-    g = rdma_group(addr, tmp_path)
-    try:
+    with rdma_group(addr, tmp_path) as g:
         t0 = time.monotonic()
-        g.start_brokers()
-        g.start_members()
-        g.wait_ready(timeout=180)
+        _start(g)
         ready_s = time.monotonic() - t0
         _write_all(g, 100, "a", rate=50)
         _agree(g, 300, timeout=180)
         for i in range(g.n):  # every member reached both peers over RDMA, none over TCP alone
             assert rdma_links(g, i) == set(g.names) - {g.names[i]}, g.log_text(i)[-3000:]
         results["kdsync_run_rdma"] = {"members": g.n, "events": 300, "ready_s": round(ready_s, 1)}
-    finally:
-        g.close()
 
 
 @pytest.mark.timeout(420)
 def test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical(addr, tmp_path):
-    g = rdma_group(addr, tmp_path)
-    try:
-        g.start_brokers()
-        g.start_members()
-        g.wait_ready(timeout=180)
-        writer = threading.Thread(target=_write_all, args=(g, 150, "k", 30.0))
-        writer.start()
-        time.sleep(2.0)  # mid-stream: the writers run for 5 s
-        g.signal_member(2, signal.SIGKILL)
-        g.wait_member(2)
-        writer.join()
+    with rdma_group(addr, tmp_path) as g:
+        _start(g)
+
+        def kill() -> None:
+            g.signal_member(2, signal.SIGKILL)
+            g.wait_member(2)
+
+        _fault_mid_stream(g, 150, "k", kill)
         g.start_member(2)
         g.wait_ready(timeout=180)
         _agree(g, 450, timeout=240)
         log = g.log_text(2)
         assert log.count('msg="transport rdma listening') >= 2  # both lives of dc3 listened on rxe0
         assert rdma_links(g, 2) == {"dc1", "dc2"}
-    finally:
-        g.close()
 
 
 
 @pytest.mark.timeout(420)
 def test_mixed_group_one_member_without_rdma(addr, tmp_path):
     """dc3 runs `kind = "tcp"`: dc1 and dc2 talk RDMA to each other and serve dc3 over TCP."""
-    g = rdma_group(addr, tmp_path)
-    try:
-        g.start_brokers()
-        g.start_member(0)
-        g.start_member(1)
-        g.start_member(2, transport={"kind": "tcp"})
-        g.wait_ready(timeout=180)
+    with rdma_group(addr, tmp_path) as g:
+        _start(g, {2: {"transport": {"kind": "tcp"}}})
         _write_all(g, 100, "m", rate=50)
         _agree(g, 300, timeout=180)
         for i, other in ((0, "dc2"), (1, "dc1")):
@@ -114,8 +117,6 @@ def test_mixed_group_one_member_without_rdma(addr, tmp_path):
             assert m[("kdsync_peer_path", (("path", "rdma"), ("peer", other)))] == 1.0
             assert m[("kdsync_peer_path", (("path", "tcp"), ("peer", "dc3")))] == 1.0
         assert 'msg="transport tcp listening' in g.log_text(2) and "transport rdma" not in g.log_text(2)
-    finally:
-        g.close()
 
 
 @pytest.fixture
@@ -151,22 +152,18 @@ def test_rdma_device_deleted_mid_stream_members_go_on_over_tcp(addr, tmp_path, r
     """`kind = "auto"` members ordering over RDMA lose the device mid-stream:
     one warning each, the metrics say TCP, and nothing is lost, duplicated or
     reordered in any cluster."""
-    g = LocalGroup(3, tmp_path, tick_ms=20, heartbeat_ms=200, suspect_ms=3000, retransmit_ms=200, metrics=True,
-                   extra={"transport": {"kind": "auto"}}, host=addr)
-    try:
-        g.start_brokers()
-        g.start_members()
-        g.wait_ready(timeout=180)
+    with rdma_group(addr, tmp_path, kind="auto") as g:
+        _start(g)
         assert all(rdma_links(g, i) == set(g.names) - {g.names[i]} for i in range(g.n))
-        writer = threading.Thread(target=_write_all, args=(g, 150, "d", 30.0))
-        writer.start()
-        time.sleep(2.0)  # mid-stream: the writers run for 5 s
-        rxe0_deleted_later()
-        deadline = time.monotonic() + 60
-        while not all(_device_gone(g, i) for i in range(g.n)):
-            assert time.monotonic() < deadline, [g.metrics(i) for i in range(g.n)]
-            time.sleep(0.2)
-        writer.join()
+
+        def delete_device() -> None:
+            rxe0_deleted_later()
+            deadline = time.monotonic() + 60
+            while not all(_device_gone(g, i) for i in range(g.n)):
+                assert time.monotonic() < deadline, [g.metrics(i) for i in range(g.n)]
+                time.sleep(0.2)
+
+        _fault_mid_stream(g, 150, "d", delete_device)
         _write_all(g, 50, "after", rate=50)  # and after the loss, TCP only
         _agree(g, 600, timeout=240)
         for i in range(g.n):
@@ -175,5 +172,3 @@ def test_rdma_device_deleted_mid_stream_members_go_on_over_tcp(addr, tmp_path, r
             m = g.metrics(i)
             assert sum(v for (name, _), v in m.items() if name == "kdsync_rdma_fallbacks_total") >= 1, m
             assert g.procs[i].poll() is None
-    finally:
-        g.close()
