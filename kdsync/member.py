@@ -118,7 +118,7 @@ class Member:
         self._report_poll: asyncio.TimerHandle | None = None
         self.recovery = ProducerRecovery(self)
         self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
-        self._last_refresh = self._last_health = 0.0
+        self._last_health = 0.0
         self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
 
     # ------------------------------------------------------------ helpers
@@ -266,7 +266,8 @@ class Member:
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
             on_commit=self._committed_delay,
             on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(),
-            shard=None if self.shard is None else (self.shard, self.shards))
+            shard=None if self.shard is None else (self.shard, self.shards),
+            on_topics=self._on_listed if self._discovers() else None)
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))
         topics = await self.retry("listing source topics", discover_topics, self.cfg, self.kafka_conf)
         if not topics:
@@ -306,7 +307,6 @@ class Member:
 
     # ------------------------------------------------------------ driving the node
     def _start_ticks(self) -> None:
-        self._last_refresh = self.loop.time()
         self.clock.start()
 
     def _all_quiet(self) -> bool:
@@ -338,10 +338,6 @@ class Member:
             loop_delay(self.metrics, self.clock.take_delay(), self.pcfg.suspect_ms, len(self.pipelines),
                        len(self.sleepers.dorm.asleep), self.gc_pauses.take())
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
-        if now - self._last_refresh > max(5.0, 0.02 * len(self.pipelines)) and not self.witness \
-                and self.cfg.topics.fixed_names() is None:  # 1 000 topics: every 20 s (a listing costs ~0.1 s)
-            self._last_refresh = now
-            asyncio.ensure_future(self._refresh_topics())
 
     def _committed_delay(self, topic: str, delay: float) -> None:
         p = self.pipelines.get(topic)
@@ -352,13 +348,17 @@ class Member:
         """Before any input reaches `p`'s node: wake it if it sleeps."""
         self.sleepers.wake(p.topic, p.node)
 
-    async def _refresh_topics(self) -> None:
-        try:
-            topics = await asyncio.to_thread(discover_topics, self.cfg, self.kafka_conf)
-        except Exception as e:
-            log.warning("topic discovery failed", **kv(error=str(e)))
-            return
-        await start_topics(self, [t for t in topics if not self._known(t)])
+    def _discovers(self) -> bool:
+        """Source topics come from a pattern: new matching topics are found
+        in the source consumer's metadata refreshes (`_on_listed`)."""
+        return not self.witness and self.cfg.topics.fixed_names() is None
+
+    def _on_listed(self, names: list[str]) -> None:
+        """The source's metadata listed `names`: start the matching topics not known yet."""
+        new = sorted(t for t in names if self.cfg.topics.matches(t) and not self._known(t))
+        if new and not self.stopping:
+            self.planned.update(new)  # known at once: the next listing does not start them twice
+            asyncio.ensure_future(start_topics(self, new))
 
     def _known(self, topic: str) -> bool:
         """`topic` has a pipeline, or one starting or about to start."""

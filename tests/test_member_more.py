@@ -166,6 +166,31 @@ def test_several_source_topics_each_get_their_own_order(tmp_path):
         g.close()
 
 
+def test_a_topic_created_while_running_is_found_by_the_pattern_and_ordered(tmp_path):
+    """Pattern discovery rides on the source consumer's metadata refresh (one
+    listing, no AdminClient): a matching topic created after start is found
+    within a refresh (5 s with few topics) and ordered in both clusters; a
+    topic the pattern does not match is left alone."""
+    g = LocalGroup(2, tmp_path, topic="orders", metrics=True, tick_ms=5, suspect_ms=300,
+                   extra={"topics": {"source": {"allow": "^(orders|late-)"}}})
+    try:
+        g.start_brokers()
+        g.start_members()
+        g.wait_ready()
+        for i in g.data:
+            ensure_topic(g.bootstrap(i), "late-1")
+            ensure_topic(g.bootstrap(i), "other")
+        write_in_parallel([(g.bootstrap(i), "late-1", 60, f"late-{i}") for i in g.data])
+        got = {g.names[i]: _wait_global(g.bootstrap(i), "late-1-global", 120) for i in g.data}
+        ok, detail = check_global_topics(got, expected=120)
+        assert ok, detail
+        for i in g.data:
+            assert re.search(r"topic ready.*topic=late-1\b", g.log_text(i)), g.log_text(i)[-2000:]
+            assert "topic=other" not in g.log_text(i)
+    finally:
+        g.close()
+
+
 def test_witness_keeps_a_two_cluster_group_going(tmp_path):
     """dc1, dc2 with a witness: dc2 crashes, dc1 + witness are a majority and go on."""
     g = LocalGroup(3, tmp_path, topic="events", metrics=True, tick_ms=5, suspect_ms=300,

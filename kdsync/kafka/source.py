@@ -55,6 +55,8 @@ MAX_FETCH_WAIT_MS = 5000  # the longest fetch wait the stall escape asks for
 IDLE_DEFAULTS = (10.0, 0.5, 100, 2.0)  # [topics] idle_after_ms, idle_watch_ms, hot_partitions, idle_watch_long_ms
 LAG_PER_S = 200  # lag sampled every second, or this many partitions a second (1 000: every 5 s)
 METADATA_S = 30.0  # metadata refresh once every topic's partitions are assigned (added partitions)
+DISCOVER_S = 5.0  # with `on_topics` (topic discovery): the metadata every 5 s, or DISCOVER_PER_TOPIC_S
+DISCOVER_PER_TOPIC_S = 0.03  # per consumed topic (30 s at 1 000), at most METADATA_S
 IDLE_POLL_S = 0.05  # the consumer's poll while partitions are watched: a watch's answer is picked up soon
 
 
@@ -101,7 +103,8 @@ class SourceConsumer:
                  on_lag: Callable[[str, int, int], None], batch: int = 1000, max_inflight: int = MAX_INFLIGHT,
                  commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None,
                  shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
-                 on_restart: Callable[[int], None] | None = None, idle: tuple = IDLE_DEFAULTS):
+                 on_restart: Callable[[int], None] | None = None, idle: tuple = IDLE_DEFAULTS,
+                 on_topics: Callable[[list[str]], None] | None = None):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -125,6 +128,9 @@ class SourceConsumer:
         self._queued_at: dict[str, float] = {}
         self.stall_s = stall_s
         self.on_restart = on_restart  # (new fetch.wait.max.ms), consumer thread: a stalled fetch was re-asked
+        # (every topic name in the cluster), loop thread, after each metadata refresh: the member's
+        # topic discovery rides on the listing the source makes anyway (one listing, not two)
+        self.on_topics = on_topics
         self.restarts = 0
         self.held_back = True  # paused, back-pressured or not started: not fetching is no stall (kdsync.observability.stalls)
         # topic -> partition -> records above the consumed position (last high watermark)
@@ -184,10 +190,7 @@ class SourceConsumer:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                # metadata every 0.5 s while an added topic waits for its partitions,
-                # else every METADATA_S (added partitions; a thousand topics' metadata
-                # every 5 s cost a member ~1 % of a core)
-                if now - last_meta > (0.5 if self._pending or not assigned else METADATA_S):
+                if now - last_meta > self._metadata_every(assigned):
                     last_meta = now
                     self._refresh(c, assigned)
                 self._drain_commits(c)
@@ -336,8 +339,20 @@ class SourceConsumer:
             self.on_restart(wait)
         return c
 
+    def _metadata_every(self, assigned: dict) -> float:
+        """Seconds between metadata refreshes: 0.5 while an added topic waits
+        for its partitions; else METADATA_S (added partitions: a thousand
+        topics' metadata every 5 s cost a member ~1 % of a core), or the
+        discovery interval when `on_topics` listens (5 s, 30 s at 1 000 topics)."""
+        if self._topics and (self._pending or not assigned):
+            return 0.5
+        if self.on_topics is None:
+            return METADATA_S if self._topics else float("inf")
+        return min(METADATA_S, max(DISCOVER_S, DISCOVER_PER_TOPIC_S * len(self._topics)))
+
     def _refresh(self, c, assigned: dict[tuple[str, int], bool]) -> None:
-        """Assign the partitions of added topics not assigned yet."""
+        """Assign the partitions of added topics not assigned yet; tell
+        `on_topics` every topic the cluster has."""
         from confluent_kafka import TopicPartition
 
         new = []
@@ -346,6 +361,8 @@ class SourceConsumer:
         except Exception as e:
             log.warning("source metadata unavailable", **kv(error=str(e)))
             return
+        if self.on_topics is not None:
+            self.loop.call_soon_threadsafe(self.on_topics, list(md.topics))
         self._pending = False
         for t in list(self._topics):
             tm = md.topics.get(t)
