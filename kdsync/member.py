@@ -56,7 +56,7 @@ from kdsync.config import Config, parse_address
 from kdsync.core import Delivery, RemoteProtocolError
 from kdsync.fatal import FatalError, retry
 from kdsync.observability.stalls import StallDetector, loop_delay, sample_pipelines
-from kdsync.kafka.checkpoint import OffsetsConsumer
+from kdsync.kafka.checkpoint import CheckpointRounds, OffsetsConsumer
 from kdsync.kafka.sink import make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.observability.logs import KafkaClientLog, client_callback, kv
@@ -105,6 +105,7 @@ class Member:
         self.transport = None
         self.producer = None
         self.offsets_consumer: OffsetsConsumer | None = None  # the end-offset client every checkpoint writer shares
+        self.checkpoint_rounds = CheckpointRounds()  # every checkpoint writer's interval, one timer
         self.source: SourceConsumer | None = None
         self.metrics = None
         self.consume_batch = consume_batch
@@ -138,7 +139,7 @@ class Member:
     # ------------------------------------------------------------ start
     async def run(self) -> int:
         """Run until SIGINT/SIGTERM or a fatal error; return 0 or 1."""
-        prof = profiler(f"{self.me}-loop")
+        prof = profiler(f"{self.me}-loop", asyncio.get_running_loop())
         try:
             return await self._run()
         finally:
@@ -493,6 +494,7 @@ class Member:
                 w.report_durable()
         if self.source is not None:
             await asyncio.to_thread(self.source.close, 15)
+        self.checkpoint_rounds.close()
         await close_pipelines(list(self.pipelines.values()), self.offsets_consumer,
                               final=self.producer is not None and self._fatal is None)
         self.handshake.state_log.close()

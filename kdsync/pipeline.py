@@ -63,7 +63,6 @@ class TopicPipeline:
     writer: GlobalWriter | None = None
     reader: GlobalReader | None = None
     checkpoint: CheckpointWriter | None = None
-    checkpoint_task: asyncio.Future | None = None
     end_offsets: EndOffsets | None = None
     read_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one read of the global topic at a time
     durable_end: int = 0
@@ -192,8 +191,8 @@ async def close_pipelines(pipelines: list[TopicPipeline], offsets: OffsetsConsum
     at a time, so the next start reads nothing of the global topics; close
     their clients and the member's shared end-offset consumer `offsets`."""
     for p in pipelines:
-        if p.checkpoint_task is not None:
-            p.checkpoint_task.cancel()
+        if p.checkpoint is not None:
+            p.checkpoint.stop()
     if final:
         await at_most(AT_ONCE, [p.checkpoint.final() for p in pipelines if p.checkpoint is not None])
     await at_most(AT_ONCE, [p.close() for p in pipelines])
@@ -321,7 +320,7 @@ def _start_checkpoints(m: Member, p: TopicPipeline, start: GlobalStart, parts: i
         if (cp is None and not nothing) or (cp is not None and (cp.seq != start.end or cp.offsets != start.ends)):
             p.checkpoint.write_now(Checkpoint(p.global_topic, start.end, start.ends, start.watermarks, m.me,
                                               shard=m.shard))
-    p.checkpoint_task = asyncio.ensure_future(p.checkpoint.run())
+    m.checkpoint_rounds.add(p.checkpoint)
 
 
 async def serve_read(m: Member, p: TopicPipeline, start: int, stop: int) -> None:

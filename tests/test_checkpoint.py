@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import KafkaError
 
 from kdsync.core import Delivery, Event, batches_from_events
-from kdsync.kafka.checkpoint import Checkpoint, CheckpointWriter
+from kdsync.kafka.checkpoint import Checkpoint, CheckpointRounds, CheckpointWriter
 from kdsync.kafka.reader import (AFTER_DELETION, ANCHORED, AT_CHECKPOINT, FROM_START, PartitionRead, StartError,
                                  _Keys, _read_partition, decide_start)
 from kdsync.kafka.records import global_headers, pack_payload
@@ -253,6 +253,43 @@ def test_writer_takes_position_and_watermarks_before_measuring_is_used_and_write
         assert len(prod.records) == 3
 
     asyncio.run(scenario())
+
+
+def test_rounds_take_each_writers_checkpoint_every_interval_from_one_timer_and_skip_idle_ones():
+    """CheckpointRounds (issue 26): one timer for every writer; a writer's
+    measure runs once per interval while its topic moves, never while it is
+    idle (nothing delivered since its last measure found nothing new), and
+    not after stop()."""
+    prod = FakeProducer()
+    measured = {"busy": 0, "idle": 0, "stopped": 0}
+
+    def writer(name, interval_s):
+        def measure(exact=False):
+            measured[name] += 1
+            return (0,)
+        return CheckpointWriter(prod, T, 1, "dc1", start_seq=0, watermarks={}, min_seq=0, last=None,
+                                measure=measure, interval_s=interval_s, positions=10**9)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        rounds = CheckpointRounds(round_s=0.01)
+        busy, idle, stopped = writer("busy", 0.05), writer("idle", 0.05), writer("stopped", 0.05)
+        for w in (busy, idle, stopped):
+            rounds.add(w)
+        assert rounds._timer is not None and len(loop._scheduled) == 1  # one timer for three writers
+        stopped.stop()
+        end = loop.time() + 0.6
+        while loop.time() < end:
+            busy.delivered(_delivery(busy.next_seq, "a", busy.next_seq, 1))  # it moves: each measure finds more
+            await asyncio.sleep(0.01)
+        rounds.close()
+        return len(rounds)
+
+    assert asyncio.run(scenario()) == 0
+    # 0.6 s / 0.05 s: about 12 measures (rounds of 10 ms late each time: at least 8)
+    assert 8 <= measured["busy"] <= 13, measured
+    assert measured["idle"] == 1, measured  # its first measure found nothing new: never again
+    assert measured["stopped"] == 0, measured
 
 
 def test_kafka_client_log_rate_limits_per_kind_and_counts_the_suppressed(caplog):

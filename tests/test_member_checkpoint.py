@@ -31,6 +31,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 CP_TOPIC = "events-global.kdsync"
 
 
+
+def _last_seq(bootstrap: str) -> int:
+    """The position of the latest checkpoint in the cluster (-1: none yet)."""
+    cps = checkpoints(bootstrap)
+    return cps[-1].seq if cps else -1
+
 def checkpoints(bootstrap: str, topic: str = CP_TOPIC) -> list[Checkpoint]:
     return [Checkpoint.decode(m.value()) for m in read_partition(bootstrap, topic)]
 
@@ -62,7 +68,7 @@ def test_restart_reads_only_what_follows_the_checkpoint(tmp_path):
         g.wait_ready()
         got = assert_agree(g, write_all(g, 200, "a"))
         # the checkpoints follow the durable position, with the watermarks of the positions below theirs
-        wait_until(lambda: checkpoints(g.bootstrap(0))[-1].seq == 600, 20, "a checkpoint at position 600")
+        wait_until(lambda: _last_seq(g.bootstrap(0)) == 600, 20, "a checkpoint at position 600")
         for cp in checkpoints(g.bootstrap(0)):
             assert cp.topic == "events-global" and cp.member == "dc1"
             assert cp.watermarks == watermarks_of(got["dc1"], cp.seq)
@@ -185,7 +191,7 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
         ready = ready_lines(g, 0)[-1]
         assert (ready["start_seq"], ready["checkpoint"], ready["records_read"]) == ("600", "300", str(600 - first))
         # the start state dc1 checkpoints now: position 600 and exactly the other members' watermarks
-        wait_until(lambda: checkpoints(g.bootstrap(0))[-1].seq == 600, 20, "dc1's start checkpoint")
+        wait_until(lambda: _last_seq(g.bootstrap(0)) == 600, 20, "dc1's start checkpoint")
         cp = checkpoints(g.bootstrap(0))[-1]
         assert cp.offsets == (600 - first,) and cp.watermarks == watermarks_of(got["dc2"], 600)
         # and it goes on in step with the others: same event at every position, nothing twice
@@ -247,7 +253,7 @@ def test_three_global_partitions_kill_9_and_restart_from_checkpoint(tmp_path):
                     for i in range(g.n)]
 
         wait_until(lambda: counts() == [total] * 3, 60, f"{total} records in every cluster", poll=0.3)
-        wait_until(lambda: checkpoints(g.bootstrap(0))[-1].seq == total, 20, "dc1's checkpoint to reach the end")
+        wait_until(lambda: _last_seq(g.bootstrap(0)) == total, 20, "dc1's checkpoint to reach the end")
         cp = checkpoints(g.bootstrap(0))[-1]
         assert len(cp.offsets) == parts
         writers = threading.Thread(target=write_all, args=(g, 300, "p2", 200.0))
@@ -286,7 +292,7 @@ def test_witness_has_no_checkpoint_and_members_do(tmp_path):
         ok, detail = check_global_topics(got, expected=200)
         assert ok, detail + member_logs(g)
         for i in (0, 1):
-            wait_until(lambda i=i: checkpoints(g.bootstrap(i))[-1].seq == 200, 20, f"{g.names[i]}'s checkpoint")
+            wait_until(lambda i=i: _last_seq(g.bootstrap(i)) == 200, 20, f"{g.names[i]}'s checkpoint")
             assert checkpoints(g.bootstrap(i))[-1].watermarks == watermarks_of(got[g.names[i]], 200)
         assert "checkpoint" not in g.log_text(2).lower()
         g.signal_member(0, signal.SIGTERM)

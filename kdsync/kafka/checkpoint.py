@@ -42,6 +42,8 @@ the one end offset of partition s.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import json
 import logging
 import random
@@ -52,7 +54,7 @@ from typing import Callable
 
 from kdsync.core import Delivery
 
-__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointWriter", "EndOffsets", "OffsetsConsumer", "checkpoint_key", "checkpoint_topic",
+__all__ = ["CHECKPOINT_SUFFIX", "Checkpoint", "CheckpointRounds", "CheckpointWriter", "EndOffsets", "OffsetsConsumer", "checkpoint_key", "checkpoint_topic",
            "checkpoint_topic_spec", "ensure_checkpoint_topic", "read_checkpoint"]
 
 log = logging.getLogger("kdsync.checkpoint")
@@ -300,13 +302,66 @@ class EndOffsets:
                 self._shared.reset()
 
 
+# ---------------------------------------------------------------- the member's writers' interval
+ROUND_S = 1.0  # CheckpointRounds wakes once a second at most
+
+
+class CheckpointRounds:
+    """The interval of every CheckpointWriter of a member from one timer:
+    each writer's `due()` every `interval_s` (the first after a random part
+    of it: a thousand writers started together do not all measure and write
+    in the same instant), checked once per `round_s` (or the shortest
+    interval).
+
+    One task per writer sleeping its interval (the earlier way) put a
+    thousand timers in the loop's heap and woke the loop 20 times a second
+    at 1 000 topics for writers that, idle, had nothing to do."""
+
+    def __init__(self, round_s: float = ROUND_S):
+        self.round_s = round_s
+        self._due: list[tuple[float, int, CheckpointWriter]] = []  # (when, order added, writer): a heap
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, w: CheckpointWriter) -> None:
+        loop = self._loop = self._loop or asyncio.get_running_loop()
+        self.round_s = min(self.round_s, w.interval_s)  # `[checkpoint] interval_ms` below a second
+        heapq.heappush(self._due, (loop.time() + w.interval_s * random.random(), next(self._order), w))
+        if self._timer is None:
+            self._timer = loop.call_later(self.round_s, self._round)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._due.clear()
+
+    def __len__(self) -> int:
+        return sum(1 for _, _, w in self._due if not w.stopped)
+
+    def _round(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        due = self._due
+        while due and due[0][0] <= now:
+            _, _, w = heapq.heappop(due)
+            if w.stopped:
+                continue
+            heapq.heappush(due, (now + w.interval_s, next(self._order), w))
+            w.due()
+        if due:
+            self._timer = self._loop.call_later(self.round_s, self._round)
+
+
 # ---------------------------------------------------------------- the member's writer
 class CheckpointWriter:
     """Takes and writes the checkpoints of one global topic (module doc).
 
     Driven from the member's event loop: `delivered(d)` for every Delivery
     handed to the GlobalWriter, `durable(end)` whenever the durable end
-    advances, `run()` as a task (the interval), `final()` at a clean stop.
+    advances, `due()` every `interval_s` (CheckpointRounds), `stop()` when
+    the member stops and `final()` at a clean stop.
     `measure(exact)` (blocking, run in a thread; an EndOffsets) returns the
     global partitions' end offsets; `producer` is the member's producer (its
     delivery reports are served on the loop); `on_written(cp)` hears of every
@@ -341,6 +396,7 @@ class CheckpointWriter:
         self._quiet_at: int | None = None  # next_seq when a measure last found nothing new: measure again once it moves
         self._busy = False
         self._task: asyncio.Future | None = None
+        self.stopped = False  # stop(): CheckpointRounds drops it
         self.on_written = on_written  # called with each checkpoint the cluster confirms (and the one read at start)
         if last is not None and on_written is not None:
             on_written(last)
@@ -367,14 +423,18 @@ class CheckpointWriter:
               and end - (self._taken.seq if self._taken else 0) >= self.positions):
             self._task = asyncio.ensure_future(self.take())
 
-    async def run(self) -> None:
-        """Take a checkpoint every `interval_s` (a task; cancel it to stop),
-        the first after a random part of it: a member's thousand writers,
-        started together, do not all measure and write in the same instant."""
-        await asyncio.sleep(self.interval_s * random.random())
-        while True:
-            await self.take()
-            await asyncio.sleep(self.interval_s)
+    def due(self) -> None:
+        """The interval is over: take a checkpoint unless one is being taken
+        or nothing moved since the last measure (an idle topic: no task, no
+        thread, nothing asked of the cluster)."""
+        if not self._busy and self._quiet_at != self.next_seq:
+            self._task = asyncio.ensure_future(self.take())
+
+    def stop(self) -> None:
+        """No more periodic checkpoints; a take in flight is cancelled."""
+        self.stopped = True
+        if self._task is not None:
+            self._task.cancel()
 
     def known_exact(self, seq: int, offsets: tuple[int, ...]) -> None:
         """The global topic's partitions end at `offsets` at position `seq`
