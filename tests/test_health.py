@@ -56,3 +56,42 @@ def test_the_ordering_stage_holds_own_events_submitted_and_not_delivered_by_offs
     p.own_next[0] = 25
     p.own_next[1] = 7
     assert p.own_waiting() == 0
+
+
+def test_sample_pipelines_watches_only_topics_that_hold_something():
+    """A thousand idle topics cost the health sample a lookup each (issue 26):
+    a stage holding nothing has no watch; one that starts holding is watched
+    from that sample, stalls after stall_after_s, and is let go once it
+    holds nothing again."""
+    from types import SimpleNamespace
+
+    from kdsync.observability.stalls import sample_pipelines
+
+    class Metrics:
+        def __init__(self):
+            self.set = {}
+            self.stalled = self
+
+        def labels(self, topic, stage):
+            return SimpleNamespace(set=lambda v: self.set.__setitem__((topic, stage), v))
+
+    def pipe(topic):
+        return SimpleNamespace(topic=topic, own_waiting=lambda: 0, delivered_end=0, consumed=0,
+                               writer=SimpleNamespace(unproduced=0, produced_end=0, outstanding=0, durable_end=0))
+
+    ps = [pipe(f"t{i}") for i in range(1000)]
+    unfetched = {}
+    source = SimpleNamespace(held_back=False, unfetched=lambda t: unfetched.get(t, 0))
+    d, m = StallDetector(5.0), Metrics()
+    for now in range(3):
+        sample_pipelines(d, m, ps, source, float(now))
+    assert d._w == {} and m.set == {}
+    ps[7].writer.outstanding = 3  # delivery reports that never come
+    unfetched["t9"] = 2  # records the source does not fetch
+    for now in range(3, 9):
+        sample_pipelines(d, m, ps, source, float(now))
+    assert set(d._w) == {"t7", "t9"} and m.set == {("t7", "delivery report"): 1, ("t9", "fetch"): 1}
+    assert d.stalled() == [("t7", "delivery report"), ("t9", "fetch")]
+    ps[7].writer.outstanding = 0
+    sample_pipelines(d, m, ps, source, 9.0)
+    assert m.set[("t7", "delivery report")] == 0 and set(d._w) == {"t9"}

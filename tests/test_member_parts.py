@@ -182,6 +182,34 @@ def test_source_commits_at_most_once_per_interval_and_everything_at_the_end():
     assert delays == ["a", "a"]
 
 
+def test_source_lag_pass_skips_partitions_paused_with_nothing_consumed_or_committed_since():
+    """Issue 26: a thousand idle (paused) partitions are not asked for their
+    watermarks at every lag pass; one that moved is, and its lag is told."""
+    told = []
+    s = SourceConsumer({}, "me", loop=None, on_runs=None, on_fatal=None, on_lag=lambda t, p, lag: told.append((t, p, lag)))
+    asked = []
+
+    class C:
+        def get_watermark_offsets(self, tp, cached):
+            asked.append((tp.topic, tp.partition))
+            return 0, 10
+
+    assigned = {("a", p): True for p in range(4)}
+    consumed = {("a", p): 10 for p in range(4)}
+    s._committed.update({("a", p): 10 for p in range(4)})
+    s.idle.paused.update({("a", 0), ("a", 1), ("a", 2)})
+    s._update_lag(C(), assigned, consumed)
+    assert len(asked) == 4 and sorted(told) == [("a", p, 0) for p in range(4)]  # first pass: every one
+    asked.clear()
+    s._update_lag(C(), assigned, consumed)
+    assert asked == [("a", 3)]  # the paused ones did not move
+    s._committed[("a", 1)] = 8  # (a smaller commit would not come; any change counts)
+    s.idle.paused.discard(("a", 2))  # resumed
+    asked.clear()
+    s._update_lag(C(), assigned, consumed)
+    assert sorted(asked) == [("a", 1), ("a", 2), ("a", 3)] and told[-1] == ("a", 1, 2)
+
+
 def test_source_runs_are_batches_with_the_records_timestamps():
     s = SourceConsumer({}, "me", loop=None, on_runs=None, on_fatal=None, on_lag=None)
     runs = s._runs([Msg("a", 0, 4), Msg("a", 0, 5)], {})

@@ -116,6 +116,9 @@ class SourceConsumer:
         self._topics: dict[str, dict[int, int]] = {}  # topic -> partition -> lowest offset to consume
         self._pending = False  # an added topic not yet seen in the metadata
         self._lag_sent: dict[tuple[str, int], int] = {}  # the lag last told on_lag, per partition
+        # partitions paused (idle) at the last lag pass -> (committed, consumed) then: while paused and
+        # neither moves, no fetch moved their cached watermark either, so the lag pass skips them
+        self._lag_paused: dict[tuple[str, int], tuple[int, int | None]] = {}
         self._commit_q: queue.Queue = queue.Queue()
         self._committed: dict[tuple[str, int], int] = {}  # source offsets durably ordered below (committed soon)
         self._to_commit: dict[tuple[str, int], int] = {}  # of those, not sent to the coordinator yet
@@ -401,7 +404,14 @@ class SourceConsumer:
         from confluent_kafka import TopicPartition
 
         last = self._lag_sent
+        paused, was_paused = self.idle.paused, self._lag_paused
+        self._lag_paused = {}
         for (t, p) in list(assigned):
+            tp = (t, p)
+            if tp in paused:
+                now = self._lag_paused[tp] = (self._committed.get(tp, 0), consumed.get(tp))
+                if was_paused.get(tp) == now:
+                    continue  # paused at the last pass, nothing consumed or committed since (1 000 idle partitions)
             try:
                 lo, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
             except Exception:

@@ -50,21 +50,33 @@ class Transition:
 
 
 class StallDetector:
+    """Watches each (topic, stage) while it holds something: a stage that
+    holds nothing has no watch (a thousand idle topics cost a lookup each),
+    and its clock starts at the first sample that finds it holding."""
+
     def __init__(self, stall_after_s: float):
         if stall_after_s <= 0:
             raise ValueError("stall_after_s must be > 0")
         self.stall_after_s = stall_after_s
-        self._w: dict[tuple[str, str], _Watch] = {}
+        self._w: dict[str, dict[str, _Watch]] = {}  # topic -> stage -> its watch, while it holds something
 
     def sample(self, now: float, topic: str, stage: str, held: int, progress: int) -> Transition | None:
         """One observation of `stage` of `topic`: `held` items wait in it,
         `progress` is a counter that grows when it moves.  Returns the
         transition it causes, if any."""
-        w = self._w.get((topic, stage))
+        ws = self._w.get(topic)
+        w = ws.get(stage) if ws is not None else None
+        if held <= 0:
+            if w is None:
+                return None
+            del ws[stage]
+            if not ws:
+                del self._w[topic]
+            return Transition(topic, stage, False, held, now - w.since) if w.stalled else None
         if w is None:
-            self._w[(topic, stage)] = _Watch(progress, now)
+            self._w.setdefault(topic, {})[stage] = _Watch(progress, now)
             return None
-        if held <= 0 or progress != w.progress:
+        if progress != w.progress:
             was, since = w.stalled, w.since
             w.progress, w.since, w.stalled = progress, now, False
             return Transition(topic, stage, False, held, now - since) if was else None
@@ -73,13 +85,16 @@ class StallDetector:
             return Transition(topic, stage, True, held, now - w.since)
         return None
 
+    def watching(self, topic: str) -> bool:
+        """Some stage of `topic` held something at its last sample."""
+        return topic in self._w
+
     def stalled(self) -> list[tuple[str, str]]:
         """(topic, stage) of every stage stalled now."""
-        return [k for k, w in self._w.items() if w.stalled]
+        return [(t, s) for t, ws in self._w.items() for s, w in ws.items() if w.stalled]
 
     def forget(self, topic: str) -> None:
-        for k in [k for k in self._w if k[0] == topic]:
-            del self._w[k]
+        self._w.pop(topic, None)
 
 
 def sample_pipelines(detector: StallDetector, metrics, pipelines, source, now: float) -> None:
@@ -88,9 +103,14 @@ def sample_pipelines(detector: StallDetector, metrics, pipelines, source, now: f
     held_back = source is None or source.held_back
     for p in list(pipelines):
         w = p.writer
-        samples = [("ordering", p.own_waiting(), p.delivered_end)]
+        own = p.own_waiting()
+        fetch = 0 if held_back else source.unfetched(p.topic)
+        if not (own or fetch or (w is not None and (w.unproduced or w.outstanding))) \
+                and not detector.watching(p.topic):
+            continue  # holds nothing in any stage and did not at the last sample: an idle topic
+        samples = [("ordering", own, p.delivered_end)]
         if source is not None:
-            samples.append(("fetch", 0 if held_back else source.unfetched(p.topic), p.consumed))
+            samples.append(("fetch", fetch, p.consumed))
         if w is not None:
             samples += [("produce", w.unproduced, w.produced_end), ("delivery report", w.outstanding, w.durable_end)]
         for stage, held, progress in samples:
