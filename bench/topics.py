@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kdsync.kafka.source import IDLE_DEFAULTS
 from kdsync.testing.load import cpu_s
 from kdsync.testing.local import LocalGroup
 
@@ -44,6 +45,10 @@ PREFIX = "app-"
 ONE = "one"  # the topic of the one-topic comparison (matched by the same pattern)
 FIRST_RATE = 100.0  # events/s over all clusters of the first record of every topic
 WIDE_RATE = 30.0  # events/s spread over 1 000 topics in make bench: what three Tansu brokers here sustain
+# the way into idle past [topics] hot_partitions: partitions are paused after idle_after_ms (10 s), watched
+# every idle_watch_ms (0.5 s) for LONG_IDLE_S (60 s), then every idle_watch_long_ms (2 s): the steady window
+# starts once they all are (the first window runs 75 s from 2 s after the last record or formation)
+INTO_IDLE_S = 75.0
 
 
 def topic_names(n: int) -> list[str]:
@@ -123,7 +128,7 @@ def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str]
 
 
 def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path, startup_only: bool = False,
-              first_rate: float = FIRST_RATE) -> dict:
+              first_rate: float = FIRST_RATE, first_s: float | None = None) -> dict:
     topics = topic_names(n)
     # the product's default timing (kdsync.config ProtocolSection)
     g = LocalGroup(3, workdir, topic=ONE, metrics=True, tick_ms=50, heartbeat_ms=100, suspect_ms=500,
@@ -175,9 +180,9 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         # two windows of idle_s: the first holds the way into idle (source partitions are
         # fetched until [topics] idle_after_ms passes, then paused and watched); the second
         # is the steady idle the issue's target is about
-        for key in ("idle_first", "idle"):
+        for key, window in (("idle_first", idle_s if first_s is None else first_s), ("idle", idle_s)):
             m0, b0, t0 = [cpu_s(m) for m in members], [cpu_s(b) for b in brokers], time.monotonic()
-            time.sleep(idle_s)
+            time.sleep(window)
             dt = time.monotonic() - t0
             out[f"{key}_member_cpu_pct"] = round(100 * max(cpu_s(m) - x for m, x in zip(members, m0)) / dt, 2)
             broker = sum(cpu_s(b) - x for b, x in zip(brokers, b0)) / dt / len(brokers)
@@ -208,9 +213,9 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         g.close()
 
 
-def _point(n: int, idle_s: float, rate: float, seconds: float, first_rate: float) -> dict:
+def _point(n: int, idle_s: float, rate: float, seconds: float, first_rate: float, first_s: float | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
-        return run_point(n, idle_s, rate, seconds, Path(d), first_rate=first_rate)
+        return run_point(n, idle_s, rate, seconds, Path(d), first_rate=first_rate, first_s=first_s)
 
 
 def topics_section(progress=None, idle_s: float = 20.0):
@@ -224,7 +229,7 @@ def topics_section(progress=None, idle_s: float = 20.0):
     sec = Section("topics", "Many topics per member: start-up, idle cost, CPU per event spread over topics")
     rows = []
     for n in (1000, 100, 1):
-        row = _point(n, idle_s, 0.0, 0.0, 0.0)
+        row = _point(n, idle_s, 0.0, 0.0, 0.0, first_s=INTO_IDLE_S if n > IDLE_DEFAULTS[2] else None)
         row["load_avg_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
         rows.append(row)
         if progress:
@@ -236,7 +241,7 @@ def topics_section(progress=None, idle_s: float = 20.0):
     # the issue's idle: 1 000 topics after one record each, the steady window a minute and
     # more after the last write (partitions paused for a minute are watched every 2 s), then
     # a spread at the rate three Tansu brokers on this box sustain at 1 000 topics
-    wide = _point(1000, 75.0, WIDE_RATE, 20.0, FIRST_RATE)
+    wide = _point(1000, idle_s, WIDE_RATE, 20.0, FIRST_RATE, first_s=INTO_IDLE_S)
     wide["load_avg_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     if progress:
         progress()
@@ -244,9 +249,10 @@ def topics_section(progress=None, idle_s: float = 20.0):
         "Three embedded Tansu clusters, N source topics in each, one `kdsync run` per cluster with "
         "`source = { allow = \"^app-\" }` and the default timing (`python -m bench.topics`). Start-up: members "
         "started -> every group active on every member. Idle: member CPU (% of one core, the busiest member) and "
-        f"broker CPU beyond the same brokers with no member, nothing written: the first {idle_s:.0f} s right after "
-        "formation (`idle_first`: source partitions are fetched until `[topics] idle_after_ms`, then paused and "
-        f"watched) and the {idle_s:.0f} s after them (`idle`, the steady cost). Spread: one record per topic "
+        f"broker CPU beyond the same brokers with no member, nothing written: first the way into idle from 2 s after "
+        f"formation (`idle_first`: {idle_s:.0f} s, {INTO_IDLE_S:.0f} s past `[topics] hot_partitions` where source "
+        "partitions are fetched until `idle_after_ms`, then paused and watched every `idle_watch_ms` for a minute, "
+        f"then every `idle_watch_long_ms`), then the {idle_s:.0f} s after it (`idle`, the steady cost). Spread: one record per topic "
         "first, then 1 000 events/s over all clusters for 20 s spread over the 100 topics vs the same into one topic, member CPU per ordered event. Six processes share this 2-core "
         "box: compare ratios.")
     sec.tables.append(Table("topics_idle", "Start-up and idle cost against the number of topics", rows,
@@ -279,8 +285,8 @@ def topics_section(progress=None, idle_s: float = 20.0):
                      "spend ~3.5 ms of CPU per one-record produce request at 1 000 topics (1.2 ms at 100), so a "
                      "thousand active topics saturate the box well below 1 000 events/s and the members' writes "
                      "wait seconds for acknowledgements (`stall_warnings`; docs/design/many-topics.md, "
-                     "\"Still open\"). The `idle` window of the 1 000-topic row starts 77 s after the last "
-                     "record was ordered.")
+                     "\"Still open\"). The `idle` windows of the 1 000-topic rows start 77 s after the last "
+                     "record was ordered (or after formation): `idle_first` holds the minute of 0.5 s watches.")
     return sec
 
 
