@@ -105,3 +105,57 @@ def test_eighty_topics_form_order_identically_and_exactly_once_through_a_kill_an
                 if name == "kdsync_events_written_total"} >= {("kdsync_events_written_total", t) for t in TOPICS}
     finally:
         g.close()
+
+
+def test_eighty_topics_through_a_member_cut_off_keep_one_order_and_no_minority_delivers(tmp_path):
+    """A network partition under 80 groups (issue 26): dc3's links black-holed
+    (bytes held, connections open) while records keep coming in every
+    cluster. dc1 and dc2, a majority, go on ordering every topic; dc3, alone,
+    writes nothing new to any global topic; once healed every topic is
+    identical and exactly once in every cluster."""
+    from kdsync.testing.fault_proxy import FaultProxy
+
+    proxies: dict[tuple[int, int], FaultProxy] = {}
+    g = LocalGroup(3, tmp_path, topic="one", metrics=True, tick_ms=20, heartbeat_ms=60, suspect_ms=600,
+                   retransmit_ms=40, extra={"topics": {"source": {"allow": "^(app-|one$)"}}},
+                   peer_address=lambda i, j: proxies[(i, j)].address)
+    try:
+        for i in range(3):
+            for j in range(3):
+                if i != j:
+                    proxies[(i, j)] = FaultProxy(("127.0.0.1", g.ports[j])).start()
+        g.start_brokers()
+        for i in range(g.n):
+            ensure_topics(g.bootstrap(i), [TopicSpec(t) for t in TOPICS], timeout=60)
+        g.start_members()
+        deadline = time.monotonic() + 120
+        while any(_formed(g, i) < len(TOPICS) + 1 for i in range(g.n)):
+            assert time.monotonic() < deadline, [_formed(g, i) for i in range(g.n)]
+            time.sleep(0.2)
+        _write_round(g, "r1")
+        _check_every_topic(g, 3 * PER)
+        for (i, j), p in proxies.items():
+            if 2 in (i, j):
+                p.blackhole()
+        silent = re.compile(r'msg="peer silent" peer=dc3')
+        deadline = time.monotonic() + 30
+        while not (silent.search(g.log_text(0)) and silent.search(g.log_text(1))):
+            assert time.monotonic() < deadline, "dc1 and dc2 never found dc3 silent"
+            time.sleep(0.2)
+        _write_round(g, "r2")
+        # the majority orders its own clusters' records of every topic; dc3 delivers nothing new
+        for t in (TOPICS[0], TOPICS[-1]):
+            deadline = time.monotonic() + 60
+            while len(read_global(g.bootstrap(0), t + "-global", timeout=10)) < 5 * PER:
+                assert time.monotonic() < deadline, f"{t}: the majority did not order r2"
+                time.sleep(0.5)
+        for t in TOPICS[::10]:
+            assert len(read_global(g.bootstrap(2), t + "-global", timeout=10)) == 3 * PER, t
+        for p in proxies.values():
+            p.heal()
+        _write_round(g, "r3")
+        _check_every_topic(g, 3 * 3 * PER)
+    finally:
+        g.close()
+        for p in proxies.values():
+            p.close()
