@@ -387,3 +387,48 @@ def test_state_log_group_commit_round_trip_torn_tail_corruption_compaction_and_u
     ul.close()
     assert StateLog(u).load() == {"old": HardState(4, 2, ("dc1", "dc2"), (2, 0), b""),
                                   "both": HardState(5, 8, ("dc1",), (8, 0), b"")}
+
+
+def test_producer_recovery_goes_on_when_the_failed_producer_raises_its_fatal_error_from_poll(monkeypatch):
+    """Seen in CI: the fatal error first surfaced in produce(); the recovery's
+    drain of the failed producer then got it raised by poll() and stopped the
+    member ("recovering the producer failed").  The failed producer's errors
+    are expected while it is replaced: the recovery goes on."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    import kdsync.producer_recovery as pr
+
+    class Failed:
+        def __init__(self):
+            self.left, self.polls = 1, 0
+
+        def purge(self, **kw):
+            pass
+
+        def __len__(self):
+            return self.left
+
+        def poll(self, timeout):
+            self.polls += 1
+            self.left = 0
+            raise KafkaException(KafkaError(KafkaError._FATAL, "sequence desynchronization", fatal=True))
+
+    new = object()
+    monkeypatch.setattr(pr, "make_producer", lambda conf: new)
+    fatal, soon = [], []
+    old = Failed()
+    m = SimpleNamespace(stopping=False, pipelines={}, producer=old, producer_conf=dict, fatal=fatal.append,
+                        stop_requested=lambda: False, poll_reports_soon=lambda: soon.append(1),
+                        metrics=SimpleNamespace(producer_recoveries=SimpleNamespace(inc=lambda: None)))
+    r = pr.ProducerRecovery(m)
+
+    async def scenario():
+        r.failed("writing position 576 to events-global failed: Unable to produce message: Local: Fatal error")
+        while r.active:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert fatal == [] and old.polls == 1 and m.producer is new and soon == [1]
