@@ -638,8 +638,10 @@ class LocalGroup:
             for i in list(waiting):
                 p = self.procs[i]
                 if p is not None and p.poll() is not None:
-                    raise RuntimeError(f"member {self.names[i]} exited with {p.returncode}: "
-                                       f"{self.log_text(i).strip().splitlines()[-1:]}")
+                    # killed by a signal (a crash in native code): the log's tail holds
+                    # faulthandler's Python stack of every thread (PYTHONFAULTHANDLER=1)
+                    tail = self.log_text(i).strip().splitlines()[-1 if p.returncode >= 0 else -60:]
+                    raise RuntimeError(f"member {self.names[i]} exited with {p.returncode}: " + "\n".join(tail))
                 if self.is_active(i):
                     waiting.remove(i)
             if waiting and time.monotonic() > deadline:
