@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = sweep_jobs(params, work) if "sim" in wanted or "audit" in wanted else []
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
         member_params = MemberParams()
-        member_steps = 3 * len(member_params.rates) + member_params.drain_runs - 1
+        member_steps = 3 * len(member_params.rates) + member_params.drain_runs - 1 + member_params.cpu_pairs
         total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
                  + (member_steps if "member" in wanted else 0) + (2 if "shards" in wanted else 0)
                  + (5 if "topics" in wanted else 0))

@@ -94,8 +94,6 @@ def _run(
     topic: str | None = typer.Argument(None, metavar="TOPIC", show_default="test",
                                        help="original form: the source topic"),
 ) -> int:
-    import asyncio
-
     from kdsync.config import ConfigError, find_derecho_cfg, legacy_config, load_config
     from kdsync.fatal import FatalError
     from kdsync.observability.logs import setup_logging
@@ -138,10 +136,11 @@ def _run(
         except FatalError as e:
             print(f"kdsync run: {e}", file=sys.stderr)
             return 1
+    from kdsync.eventloop import run as run_loop
     from kdsync.member import Member
 
     try:
-        return asyncio.run(Member(cfg, trace_latency=trace_latency).run())
+        return run_loop(Member(cfg, trace_latency=trace_latency).run(), cfg.member.coalesce_us)
     except FatalError as e:
         print(f"kdsync run: {e}", file=sys.stderr)
         return 1

@@ -131,6 +131,7 @@ class MemberSection(_Model):
     listen: str
     role: Literal["member", "witness"] = "member"
     state_dir: str | None = None
+    coalesce_us: Annotated[int, Field(ge=0, le=100_000)] = 0  # kdsync.eventloop: loop wake-ups this far apart
 
     _check_listen = field_validator("listen")(lambda cls, v: _address(v))
 

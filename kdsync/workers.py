@@ -157,7 +157,9 @@ def run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str, int] |
     `metrics_listen`: serve their metrics (label `shard`) there;
     `trace_latency`: shard S appends its latency trace to FILE.shard-S."""
     try:
-        return asyncio.run(_run_shards(cfg, shards, metrics_listen, trace_latency))
+        from kdsync.eventloop import run as run_loop
+
+        return run_loop(_run_shards(cfg, shards, metrics_listen, trace_latency), cfg.member.coalesce_us)
     except KeyboardInterrupt:
         return 0
 
@@ -346,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             if metrics is not None:
                 cfg = cfg.model_copy(update={"metrics": cfg.metrics.model_copy(
                     update={"listen": f"{metrics[0]}:{metrics[1]}"})})
-            return asyncio.run(Member(cfg, trace_latency=a.trace_latency).run())
+            from kdsync.eventloop import run as run_loop
+
+            return run_loop(Member(cfg, trace_latency=a.trace_latency).run(), cfg.member.coalesce_us)
         return run_shards(cfg, [int(x) for x in a.shards.split(",")], metrics, a.trace_latency)
     except FatalError as e:
         print(f"kdsync run: {e}", file=sys.stderr)
