@@ -1,6 +1,6 @@
 """Paced load on real processes: what one `kdsync run` member costs and adds.
 
-    python -m bench.load --protocol derecho --rate 1000 --duration 5 [--backlog 3000] [--idle 3] [--json]
+    python -m bench.load --protocol derecho --rate 1000 --duration 5 [--backlog 3000] [--idle 3] [--coalesce-us 2000] [--json]
 
 The runner is kdsync.testing.load.run_load (its docstring says what it
 measures and how); this is its command line.
@@ -29,12 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backlog", type=int, default=0, help="events per cluster written before the members start (drain)")
     p.add_argument("--idle", type=float, default=0.0, help="seconds of idle CPU measurement after the load")
     p.add_argument("--fast-timing", action="store_true", help="the demo's fast tick/heartbeat instead of the defaults")
+    p.add_argument("--coalesce-us", type=int, default=0, help="[member] coalesce_us of every member (docs/config.md)")
     p.add_argument("--keep", metavar="DIR", help="keep configs and member logs in DIR")
     p.add_argument("--json", action="store_true", help="one JSON line instead of a summary")
     a = p.parse_args(argv)
     timing = dict(tick_ms=5, heartbeat_ms=20, suspect_ms=300, retransmit_ms=30) if a.fast_timing else None
     r = run_load(a.protocol, a.rate, a.duration, clusters=a.clusters, partitions=a.partitions, workdir=a.keep,
-                 backlog=a.backlog, idle_s=a.idle, timing=timing)
+                 backlog=a.backlog, idle_s=a.idle, timing=timing,
+                 extra={"member": {"coalesce_us": a.coalesce_us}} if a.coalesce_us else None)
     if a.json:
         print(json.dumps(r))
         return 0

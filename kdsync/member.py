@@ -185,7 +185,7 @@ class Member:
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
-        self.to_process = Coalesced(self.loop, self.process)  # nodes that received peer messages
+        self.to_process = Coalesced(self.loop, self.process)  # nodes that received peer messages or source runs
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
@@ -402,7 +402,6 @@ class Member:
     def _on_source_runs(self, runs: list[SourceRun]) -> None:
         if self.stopping:
             return  # not committed: consumed again after a restart
-        touched: dict[str, TopicPipeline] = {}
         self.clock.due()
         now = time.monotonic()
         for run in runs:
@@ -416,9 +415,9 @@ class Member:
             p.own_next.setdefault(b.partition, b.first_offset)  # below its first submission: ordered before
             self.before_input(p)
             p.node.submit([run.batch])
-            touched[run.topic] = p
-        for p in touched.values():
-            self.process(p)
+            # drained with the peer messages of this loop iteration: the runs that
+            # arrived together (a coalesced loop, [member] coalesce_us) make one slot
+            self.to_process.add(p)
 
     def process(self, p: TopicPipeline) -> None:
         """Drain `p`'s node (kdsync.handshake)."""
