@@ -132,6 +132,7 @@ class MemberSection(_Model):
     role: Literal["member", "witness"] = "member"
     state_dir: str | None = None
     coalesce_us: Annotated[int, Field(ge=0, le=100_000)] = 0  # kdsync.eventloop: loop wake-ups this far apart
+    stop_timeout_ms: Annotated[int, Field(ge=1_000, le=3_600_000)] = 45_000  # kdsync.stopping: a stop's bound
 
     _check_listen = field_validator("listen")(lambda cls, v: _address(v))
 

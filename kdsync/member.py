@@ -67,6 +67,7 @@ from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateLog
+from kdsync.stopping import StopClock
 from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
 from kdsync.transport.channels import split_channel
 
@@ -121,6 +122,7 @@ class Member:
         self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
         self._last_health = 0.0
         self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
+        self.stop_clock = StopClock(cfg.member.stop_timeout_ms / 1000.0)  # the stop's steps and deadline
 
     # ------------------------------------------------------------ helpers
     def _stats_for_metrics(self) -> dict[str, dict]:
@@ -217,10 +219,15 @@ class Member:
 
     def _on_signal(self, sig) -> None:
         log.info("stopping", **kv(signal=signal.Signals(sig).name))
-        self._stop.set()
+        self.stop(deadline=True)
 
-    def stop(self) -> None:
-        """Stop cleanly (as SIGTERM does); call on the member's loop."""
+    def stop(self, deadline: bool = False) -> None:
+        """Stop cleanly (as SIGTERM does); call on the member's loop.
+        `deadline` (the process is stopping: a signal): the process exits
+        with status 1 if the stop has not finished within `[member]
+        stop_timeout_ms` (kdsync.stopping)."""
+        if deadline and not self._stop.is_set():
+            self.stop_clock.start()
         self._stop.set()
 
     def fatal(self, msg: str) -> None:
@@ -479,29 +486,35 @@ class Member:
     # ------------------------------------------------------------ stop
     async def _shutdown(self) -> None:
         self.stopping = True
+        step = self.stop_clock.step  # each step timed; a slow one is logged (kdsync.stopping)
         self.gc_pauses.close()
         if self.source is not None:
             self.source.pause()  # no new source records; the thread still drains commits
         writers = [p.writer for p in self.pipelines.values() if p.writer is not None]
         if self.producer is not None and self._fatal is None:
-            # wait (bounded) for outstanding delivery reports so their offsets get committed
-            deadline = time.monotonic() + 10.0
-            while any(w.outstanding for w in writers) and time.monotonic() < deadline:
-                await asyncio.to_thread(self.producer.poll, 0.1)
-                await asyncio.sleep(0)  # run the scheduled durable reports
-            for w in writers:
-                w.report_durable()
+            with step("delivery reports"):
+                # wait (bounded) for outstanding delivery reports so their offsets get committed
+                deadline = time.monotonic() + 10.0
+                while any(w.outstanding for w in writers) and time.monotonic() < deadline:
+                    await asyncio.to_thread(self.producer.poll, 0.1)
+                    await asyncio.sleep(0)  # run the scheduled durable reports
+                for w in writers:
+                    w.report_durable()
         if self.source is not None:
-            await asyncio.to_thread(self.source.close, 15)
+            with step("source offsets commit and consumer close"):
+                await asyncio.to_thread(self.source.close, 15)
         self.checkpoint_rounds.close()
-        await close_pipelines(list(self.pipelines.values()), self.offsets_consumer,
-                              final=self.producer is not None and self._fatal is None)
+        with step("final checkpoints and Kafka clients"):
+            await close_pipelines(list(self.pipelines.values()), self.offsets_consumer,
+                                  final=self.producer is not None and self._fatal is None)
         self.handshake.state_log.close()
         if self.transport is not None:
-            await self.transport.close()
+            with step("peer links"):
+                await self.transport.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.trace is not None:
             self.trace.close()
         log.info("member stopped", **kv(clean=self._fatal is None, **{
             f"end_{t}": p.durable_end for t, p in self.pipelines.items()}))
+        self.stop_clock.step_name = "process exit (the Kafka clients' threads)"

@@ -58,7 +58,7 @@ log = logging.getLogger("kdsync.workers")
 MAX_RESTARTS = 5  # deaths of one worker within RESTART_WINDOW_S before the supervisor gives up
 RESTART_WINDOW_S = 60.0
 BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 0.5, 10.0, 60.0
-STOP_TIMEOUT_S = 40.0  # a worker's clean stop (every shard waits for its delivery reports) before SIGKILL
+STOP_MARGIN_S = 5.0  # a worker ends itself within [member] stop_timeout_ms (kdsync.stopping); SIGKILL past that and this
 
 
 def assign_shards(shards: list[int], workers: int) -> list[list[int]]:
@@ -118,7 +118,7 @@ async def _run_shards(cfg: Config, shards: list[int], metrics_listen: tuple[str,
             log.info("stopping", **kv(signal=signal.Signals(sig).name, shards=",".join(map(str, shards))))
         stopping.set()
         for m in members.values():
-            m.stop()
+            m.stop(deadline=sig is not None)  # a signal: the process must end within stop_timeout_ms
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_all, sig)
@@ -298,13 +298,13 @@ class Supervisor:
         return 0 if clean else 1
 
     def _stop_workers(self) -> bool:
-        """SIGTERM to every running worker, then wait (SIGKILL after
-        STOP_TIMEOUT_S); True when each exited 0."""
+        """SIGTERM to every running worker, then wait (SIGKILL after its
+        own stop deadline and STOP_MARGIN_S); True when each exited 0."""
         running = [w for w in self.workers if w.proc is not None]
         for w in running:
             w.proc.send_signal(signal.SIGTERM)
         clean = True
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + self.cfg.member.stop_timeout_ms / 1000.0 + STOP_MARGIN_S
         for w in running:
             try:
                 rc = w.proc.wait(max(0.1, deadline - time.monotonic()))

@@ -207,6 +207,36 @@ def test_sigterm_clean_stop_and_restart(group):
     _assert_agree(g, 600 + write_all(g, 100, "s2"))
 
 
+def test_a_stop_stuck_on_a_paused_broker_ends_within_stop_timeout(group):
+    """SIGTERM while the member's broker answers nothing (SIGSTOP): every
+    step of the clean stop waits for that broker (about 25 s measured), so
+    with `[member] stop_timeout_ms = 3000` the member must give up at 3 s:
+    exit 1, one line naming the step it was stuck in, every thread's stack
+    in its log (kdsync.stopping).  Then the broker resumes, the member
+    restarts and nothing is lost or written twice."""
+    g = group
+    g.extra = {**g.extra, "member": {"stop_timeout_ms": 3000}}
+    g.start_members()
+    g.wait_ready()
+    _assert_agree(g, write_all(g, 150, "s1"))
+    g.clusters[2].pause()
+    try:
+        t0 = time.monotonic()
+        g.signal_member(2, signal.SIGTERM)
+        rc = g.wait_member(2, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        g.clusters[2].resume()
+    text = g.log_text(2)
+    assert rc == 1, member_logs(g)
+    assert took < 15, f"the stop took {took:.1f} s with stop_timeout_ms = 3000"
+    assert "kdsync run: the stop did not finish within 3 s (stuck in: " in text, member_logs(g)
+    assert 'msg="stop did not finish"' in text and "Thread 0x" in text  # its log line, then every stack
+    g.start_member(2)
+    g.wait_ready(members=[2], timeout=60)
+    _assert_agree(g, 450 + write_all(g, 100, "s2"), timeout=90)
+
+
 def _openssl(*args, cwd):
     import subprocess
 
