@@ -11,6 +11,8 @@ import asyncio
 import json
 import logging
 
+import time
+
 import pytest
 from confluent_kafka import KafkaError
 
@@ -212,7 +214,7 @@ def test_writer_takes_position_and_watermarks_before_measuring_is_used_and_write
 
     async def scenario():
         w = CheckpointWriter(prod, T, 1, "dc1", start_seq=0, watermarks={}, min_seq=0, last=None,
-                             measure=lambda exact=False: ends["now"], interval_s=3600, positions=1000)
+                             measure=lambda exact=False, timeout=None: ends["now"], interval_s=3600, positions=1000)
         w.delivered(_delivery(0, "a", 0, 10))
         ends["now"] = (6,)  # six records confirmed when the end offsets are read
         await w.take()
@@ -247,7 +249,7 @@ def test_writer_takes_position_and_watermarks_before_measuring_is_used_and_write
         assert w.last.seq == 1010 and w.written == 2
         # below min_seq (positions beyond a crash gap were written before): none
         w2 = CheckpointWriter(prod, T, 1, "dc1", start_seq=5, watermarks={}, min_seq=9, last=None,
-                              measure=lambda exact=False: (3,), interval_s=3600, positions=1000)
+                              measure=lambda exact=False, timeout=None: (3,), interval_s=3600, positions=1000)
         w2.durable(5)
         await w2.take()
         assert len(prod.records) == 3
@@ -264,7 +266,7 @@ def test_rounds_take_each_writers_checkpoint_every_interval_from_one_timer_and_s
     measured = {"busy": 0, "idle": 0, "stopped": 0}
 
     def writer(name, interval_s):
-        def measure(exact=False):
+        def measure(exact=False, timeout=None):
             measured[name] += 1
             return (0,)
         return CheckpointWriter(prod, T, 1, "dc1", start_seq=0, watermarks={}, min_seq=0, last=None,
@@ -419,7 +421,7 @@ def test_an_idle_topic_asks_its_cluster_nothing_until_a_delivery_or_a_failed_wri
     prod = FakeProducer()
     ends = {"now": (10,)}
 
-    def measure(exact=False):
+    def measure(exact=False, timeout=None):
         calls.append(exact)
         if "hook" in ends:
             ends["hook"]()  # acknowledgements arrive while the ends are read
@@ -492,7 +494,7 @@ def test_a_topic_started_at_known_end_offsets_measures_nothing_until_a_delivery(
     calls = []
     prod = FakeProducer()
 
-    def measure(exact=False):
+    def measure(exact=False, timeout=None):
         calls.append(exact)
         return (3,)
 
@@ -541,5 +543,17 @@ def test_end_offsets_are_each_partitions_end_on_a_real_broker(tmp_path):
             assert EndOffsets(conf, "ends-a", 3, shard=2, shared=shared)() == (2,)
             with pytest.raises(KafkaException):
                 EndOffsets(conf, "ends-missing", 1, timeout=5.0, shared=shared)()
+            # the exact ends (a clean stop's last checkpoint) read to each partition's EOF
+            assert EndOffsets(conf, "ends-a", 3, shared=shared)(exact=True, timeout=20.0) == (5, 0, 2)
+            # ...and a broker that answers nothing holds them no longer than `timeout`
+            # (a stop's deadline), not `self.timeout` per request and per partition
+            c.pause()
+            try:
+                t0 = time.monotonic()
+                with pytest.raises((KafkaException, TimeoutError)):
+                    EndOffsets(conf, "ends-a", 3, timeout=30.0, shared=shared)(exact=True, timeout=1.5)
+                assert time.monotonic() - t0 < 6.0
+            finally:
+                c.resume()
         finally:
             shared.close()

@@ -238,29 +238,41 @@ class EndOffsets:
         self._own = shared is None
         self._shared = shared if shared is not None else OffsetsConsumer(conf)
 
-    def __call__(self, exact: bool = False) -> tuple[int, ...]:
+    def __call__(self, exact: bool = False, timeout: float | None = None) -> tuple[int, ...]:
         """The end offsets; `exact`: read on from there to partition EOF
         (for a topic nobody writes at the moment: a clean stop), with a
         consumer of its own for this read, so the last checkpoints of many
-        topics are taken side by side.  Raises KafkaException / TimeoutError
-        when the brokers do not answer, FetchStalledError (the retry asks with
-        a new consumer and a longer fetch wait)."""
+        topics are taken side by side.  `timeout`: seconds for all of it (a
+        stop's last checkpoint; default: `self.timeout` per request and per
+        partition read).  Raises KafkaException / TimeoutError when the
+        brokers do not answer, FetchStalledError (the retry asks with a new
+        consumer and a longer fetch wait)."""
         from kdsync.kafka.topic import consumer
 
         if not exact:
             with self._shared.lock:
                 c = self._shared.get()
                 c.poll(0)  # serves the client's log lines
-                return tuple(self._ends(c))
+                return tuple(self._ends(c, self.timeout if timeout is None else min(self.timeout, timeout)))
+        deadline = None if timeout is None else time.monotonic() + timeout
         c = consumer(self.conf)
         try:
-            ends = self._ends(c)
-            self._exact(c, ends)
+            ends = self._ends(c, self._left(deadline))
+            self._exact(c, ends, deadline)
             return tuple(ends)
         finally:
             c.close()
 
-    def _ends(self, c) -> list[int]:
+    def _left(self, deadline: float | None) -> float:
+        """Seconds a request may wait: `self.timeout`, or what is left before `deadline`."""
+        if deadline is None:
+            return self.timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{self.topic}: no exact end offsets within the stop's time")
+        return min(self.timeout, left)
+
+    def _ends(self, c, timeout: float) -> list[int]:
         """One ListOffsets (LATEST) for every partition measured: the high
         watermarks `get_watermark_offsets` asked in two requests a partition
         (earliest and latest).  At 1 000 topics checkpointing, those were
@@ -272,7 +284,7 @@ class EndOffsets:
 
         asked = [TopicPartition(self.topic, p, LATEST) for p in self.ids]
         got = {}
-        for tp in c.offsets_for_times(asked, timeout=self.timeout):
+        for tp in c.offsets_for_times(asked, timeout=timeout):
             if tp.error is not None:
                 raise KafkaException(tp.error)
             got[tp.partition] = tp.offset
@@ -281,13 +293,13 @@ class EndOffsets:
                                  f"{[p for p in self.ids if got.get(p, -1) < 0]}")
         return [got[p] for p in self.ids]
 
-    def _exact(self, c, ends: list[int]) -> None:
+    def _exact(self, c, ends: list[int], deadline: float | None = None) -> None:
         """Read each partition on from `ends[i]` to partition EOF; update `ends` in place."""
         from kdsync.kafka.topic import read_to_eof
 
         for i, high in enumerate(ends):
             p = self.ids[i]
-            gen = read_to_eof(c, self.topic, p, high, timeout=self.timeout, idle=True, poll=0.02)
+            gen = read_to_eof(c, self.topic, p, high, timeout=self._left(deadline), idle=deadline is None, poll=0.02)
             last = None
             try:
                 while True:
@@ -362,8 +374,8 @@ class CheckpointWriter:
     handed to the GlobalWriter, `durable(end)` whenever the durable end
     advances, `due()` every `interval_s` (CheckpointRounds), `stop()` when
     the member stops and `final()` at a clean stop.
-    `measure(exact)` (blocking, run in a thread; an EndOffsets) returns the
-    global partitions' end offsets; `producer` is the member's producer (its
+    `measure(exact, timeout=None)` (blocking, run in a thread; an
+    EndOffsets) returns the global partitions' end offsets; `producer` is the member's producer (its
     delivery reports are served on the loop); `on_written(cp)` hears of every
     checkpoint the cluster confirms, and of the one read at start (metrics).
     A failed write is logged and taken again later: restarts then start from
@@ -372,7 +384,7 @@ class CheckpointWriter:
 
     def __init__(self, producer, global_topic: str, partitions: int, member: str, *, start_seq: int,
                  watermarks: dict[tuple[str, int], int], min_seq: int, last: Checkpoint | None,
-                 measure: Callable[[bool], tuple[int, ...]], interval_s: float, positions: int,
+                 measure: Callable[..., tuple[int, ...]], interval_s: float, positions: int,
                  shard: int | None = None, on_written: Callable[[Checkpoint], None] | None = None):
         self.producer = producer
         self.shard = shard  # a shard's writer (module doc)
@@ -452,10 +464,10 @@ class CheckpointWriter:
         """Write `cp` (already durable and valid, e.g. the start-up state)."""
         self._write(cp)
 
-    async def take(self, exact: bool = False) -> None:
-        """Measure the end offsets (`exact`: see EndOffsets), then take (and
-        once durable, write) a checkpoint unless nothing changed since the
-        last one."""
+    async def take(self, exact: bool = False, timeout: float | None = None) -> None:
+        """Measure the end offsets (`exact`, `timeout`: see EndOffsets), then
+        take (and once durable, write) a checkpoint unless nothing changed
+        since the last one."""
         if self._busy or (not exact and self._quiet_at == self.next_seq):
             return  # an idle topic asks its cluster nothing
         self._busy = True
@@ -466,7 +478,8 @@ class CheckpointWriter:
         q0 = self.next_seq if self.durable_end >= self.next_seq else None
         try:
             try:
-                offsets = await asyncio.to_thread(self.measure, exact)
+                offsets = await (asyncio.to_thread(self.measure, exact) if timeout is None
+                                 else asyncio.to_thread(self.measure, exact, timeout=timeout))
             except Exception as e:  # broker away: the next interval tries again
                 log.debug("checkpoint: cannot read end offsets", extra={"kv": {"topic": self.global_topic,
                                                                              "error": str(e)}})
@@ -501,7 +514,7 @@ class CheckpointWriter:
         last = self.last
         if last is not None and last.seq == self.next_seq and (last.seq, tuple(last.offsets)) == self._exact:
             return  # the cluster holds an exact checkpoint of where this topic stands (an idle topic)
-        await self.take(exact=True)
+        await self.take(exact=True, timeout=max(0.5, deadline - time.monotonic()))  # the stop waits for no more
         if self._pending is None:  # written (or nothing new)
             await asyncio.to_thread(self.producer.flush, max(0.1, deadline - time.monotonic()))
 
