@@ -226,7 +226,7 @@ class Member:
         `deadline` (the process is stopping: a signal): the process exits
         with status 1 if the stop has not finished within `[member]
         stop_timeout_ms` (kdsync.stopping)."""
-        if deadline and not self._stop.is_set():
+        if deadline:  # also when already stopping (a fatal error): a signal bounds that stop too
             self.stop_clock.start()
         self._stop.set()
 

@@ -58,6 +58,9 @@ class StopClock:
         self._started = 0.0
 
     def start(self) -> None:
+        """Arm the deadline (once: a second signal does not move it)."""
+        if self._timer is not None:
+            return
         self._started = self._clock()
         self._timer = threading.Timer(self.timeout_s, self.expire)
         self._timer.daemon = True

@@ -69,6 +69,8 @@ def test_the_timer_fires_once_started_and_never_when_cancelled():
     sc = StopClock(0.05, exit=lambda code: fired.set())
     sc.start()
     assert fired.wait(5), "the deadline passed without the clock ending the stop"
+    sc.start()  # armed once: a second signal neither re-arms nor moves the deadline
+    assert sc._timer is not None and not sc._timer.is_alive()
     quiet = threading.Event()
     sc2 = StopClock(0.05, exit=lambda code: quiet.set())
     sc2.start()
