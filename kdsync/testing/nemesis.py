@@ -131,7 +131,8 @@ class _Nemesis:
         if k == "rolling_restart":
             for i in f.targets:
                 g.signal_member(i, signal.SIGTERM)
-                g.wait_member(i, 60)
+                if g.wait_member(i, 60) != 0:  # 1: the stop passed [member] stop_timeout_ms (its log names the step)
+                    self.log(f"  {g.names[i]}: the stop did not finish cleanly (exit 1); restarted")
                 g.start_member(i)
                 _until(lambda i=i: g.is_active(i), 60)
             return
