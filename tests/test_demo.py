@@ -1,5 +1,5 @@
-"""`kdsync demo`: passes on embedded brokers, reports the baseline's
-disagreement, and leaves no process behind, also on Ctrl-C."""
+"""`kdsync demo`: passes on embedded brokers (Tansu and noida-db), reports
+the baseline's disagreement, and leaves no process behind, also on Ctrl-C."""
 
 import os
 import signal
@@ -48,10 +48,12 @@ def _demo(*args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_demo_agrees_and_cleans_up():
-    p = _demo("--clusters", "3", "--events", "900")
+@pytest.mark.parametrize("broker", ["tansu", "noida"])
+def test_demo_agrees_and_cleans_up(broker):
+    p = _demo("--clusters", "3", "--events", "900", "--broker", broker)
     out, err = p.communicate(timeout=140)
     assert p.returncode == 0, out + err
+    assert f"brokers     3 embedded {broker}\n" in out
     assert "agreement   YES: 900 records identical in 3 clusters" in out
     assert "latency     p50" in out and "throughput" in out
     assert not _children(p.pid)
@@ -65,8 +67,9 @@ def test_demo_mirror_baseline_disagrees():
     assert "agreement   NO" in out
 
 
-def test_demo_ctrl_c_stops_every_process():
-    p = _demo("--clusters", "3", "--events", "100000", "--rate", "200")
+@pytest.mark.parametrize("broker,binary", [("tansu", "tansu"), ("noida", "noida-db start")])
+def test_demo_ctrl_c_stops_every_process(broker, binary):
+    p = _demo("--clusters", "3", "--events", "100000", "--rate", "200", "--broker", broker)
     try:
         deadline = time.monotonic() + 60
         kids: set[int] = set()
@@ -78,7 +81,7 @@ def test_demo_ctrl_c_stops_every_process():
         p.send_signal(signal.SIGINT)
         p.wait(60)
         assert p.returncode == 130
-        assert sum("tansu" in n for n in names) == 3 and sum("kdsync.cli run" in n for n in names) == 3, names
+        assert sum(binary in n for n in names) == 3 and sum("kdsync.cli run" in n for n in names) == 3, names
         assert not [k for k in kids if _alive(k)]
     finally:
         if p.poll() is None:
@@ -93,6 +96,14 @@ def test_demo_bad_arguments_exit_2():
     p = _demo("--bogus")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "Traceback" not in err
+    p = _demo("--broker", "kafka")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and err.strip() == ("kdsync demo: invalid value for '--broker': 'kafka' is not one of "
+                                                 "'tansu', 'noida' (see kdsync demo --help)")
+    p = _demo("--durable", "--broker", "noida")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("kdsync demo: --durable runs on Tansu only"), err
 
 
 def test_writers_warm_up_outside_the_ordered_topic(tmp_path):

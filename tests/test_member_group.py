@@ -1,5 +1,6 @@
-"""`kdsync run` end to end: three Tansu brokers and three member processes,
-all real processes started here.  Every test checks the global topics offset
+"""`kdsync run` end to end: three embedded brokers and three member processes,
+all real processes started here (Tansu unless $KDSYNC_TEST_BROKER says
+noida; the first two tests run on both brokers whatever it says).  Every test checks the global topics offset
 by offset (kdsync.testing.local.check_global_topics): same event at the same offset in
 every cluster, seq == offset, no duplicate, nothing lost.
 """
@@ -24,10 +25,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 @pytest.fixture
-def group(tmp_path, request):
+def broker():
+    """The embedded broker of `group`: None is LocalGroup's default
+    ($KDSYNC_TEST_BROKER, else tansu); a test parametrizes it to run on both."""
+    return None
+
+
+@pytest.fixture
+def group(tmp_path, request, broker):
     protocol = getattr(request, "param", "derecho")  # a test may ask for another protocol (indirect)
     g = LocalGroup(3, tmp_path, topic="events", protocol=protocol, metrics=True, tick_ms=5,
-                   heartbeat_ms=20, suspect_ms=300, retransmit_ms=30)
+                   heartbeat_ms=20, suspect_ms=300, retransmit_ms=30, broker=broker)
     try:
         g.start_brokers()
         yield g
@@ -39,7 +47,11 @@ def group(tmp_path, request):
 _assert_agree = functools.partial(assert_agree, timeout=40.0)
 
 
-@pytest.mark.parametrize("group", ["derecho", "clock"], indirect=True)
+# (protocol, broker): both protocols on Tansu, derecho on noida as well
+ON_BOTH_BROKERS = [("derecho", "tansu"), ("clock", "tansu"), ("derecho", "noida")]
+
+
+@pytest.mark.parametrize("group,broker", ON_BOTH_BROKERS, indirect=["group"])
 def test_concurrent_writes_identical_global_topics(group):
     g = group
     g.start_members()
@@ -71,7 +83,7 @@ def test_concurrent_writes_identical_global_topics(group):
     assert not any(k[0].startswith("kdsync_rdma_") for k in m)
 
 
-@pytest.mark.parametrize("group", ["derecho", "clock"], indirect=True)
+@pytest.mark.parametrize("group,broker", ON_BOTH_BROKERS, indirect=["group"])
 def test_kill_9_mid_stream_then_restart(group):
     g = group
     g.start_members()
