@@ -31,6 +31,8 @@ SUBCOMMANDS = {
     "compact": "kdsync.spark.archive",
     "restore": "kdsync.spark.archive",
     "offsets": "kdsync.offsets_cli",
+    "check": "kdsync.group_cli",
+    "status": "kdsync.group_cli",
 }
 
 

@@ -419,6 +419,7 @@ class Config(_Model):
                     raise ValueError(f"{_KEY}transport.tls.{f}{_KEY}no such file {p!r}")
         if self.transport.secret_file is not None and not self._path(self.transport.secret_file).is_file():
             raise ValueError(f"{_KEY}transport.secret_file{_KEY}no such file {self.transport.secret_file!r}")
+        self._distinct_addresses()
         k = self.shards()
         if k > 1:  # shard s listens on listen's port + s, and reaches every peer on its port + s
             for key, addr in [("member.listen", self.member.listen),
@@ -427,6 +428,38 @@ class Config(_Model):
                 if parse_address(addr)[1] + k - 1 > 65535:
                     raise ValueError(f"{_KEY}{key}{_KEY}port + shards - 1 is beyond 65535 (shard s uses port + s)")
         return self
+
+    def _distinct_addresses(self) -> None:
+        """Every member at its own address: two peers at one address, or a
+        peer at this member's listen address, would dial the wrong member
+        (with K shards, member ports p..p+K-1 must not overlap on one host)."""
+        k = self.shards()
+
+        def norm(addr: str) -> tuple[str, int]:
+            host, port = parse_address(addr)
+            return ("127.0.0.1" if host in ("localhost", "::1") else host.lower()), port
+
+        taken: dict[tuple[str, int], tuple[str, int]] = {}  # (host, port) -> (member, shard using it)
+        me = self.member.id
+        entries = [(pid, e.address) for pid, e in sorted(self.peers.items())]
+        for pid, addr in entries:
+            host, port = norm(addr)
+            for s in range(k):
+                other = taken.get((host, port + s))
+                if other is not None:
+                    clash = ("the same address" if s == 0 == other[1] else
+                             f"overlapping ports (shard s uses port + s, shards = {k})")
+                    raise ValueError(f"{_KEY}peers.{pid}{_KEY}{addr!r}: {other[0]} and {pid} are at {clash}; "
+                                     f"each member needs its own address")
+                taken[(host, port + s)] = (pid, s)
+        lhost, lport = norm(self.member.listen)
+        # listening on every interface: this host is also loopback and the address the peers list for it
+        mine = {lhost} if lhost not in ("0.0.0.0", "::") else {"127.0.0.1", norm(self.peers[me].address)[0]}
+        for pid, addr in entries:
+            host, port = norm(addr)
+            if pid != me and abs(port - lport) < k and host in mine:
+                raise ValueError(f"{_KEY}peers.{pid}{_KEY}{addr!r} is this member's own listen address "
+                                 f"(member.listen = {self.member.listen!r}); each member needs its own address")
 
     # ------------------------------------------------------------ derived
     def shards(self) -> int:

@@ -66,7 +66,7 @@ from kdsync.observability.gcpauses import GcPauses, freeze_started
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
-from kdsync.state import StateLog
+from kdsync.state import StateDirLock, StateLog
 from kdsync.stopping import StopClock
 from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
 from kdsync.transport.channels import split_channel
@@ -123,6 +123,9 @@ class Member:
         self._last_health = 0.0
         self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
         self.stop_clock = StopClock(cfg.member.stop_timeout_ms / 1000.0)  # the stop's steps and deadline
+        self.dir_lock = StateDirLock(cfg.state_path())  # one process per state directory
+        self.kafka_error: tuple[str, float] | None = None  # the last Kafka client error and when (kdsync status)
+        self.started = time.monotonic()
 
     # ------------------------------------------------------------ helpers
     def _stats_for_metrics(self) -> dict[str, dict]:
@@ -134,6 +137,14 @@ class Member:
     def _links_for_metrics(self) -> tuple[dict, tuple | None]:
         t = self.transport
         return ({p: t.path(p) for p in sorted(t.peers)}, t.rdma_links()) if t is not None else ({}, None)
+
+    def status(self) -> dict:
+        """Where this member stands (kdsync.status), for `kdsync status`."""
+        from kdsync.status import member_status
+
+        return member_status(self.me, self.pcfg.name, self.shard, self.started, self.transport.local.wire,
+                             list(self.pipelines.values()), self.transport, self.source, self.health.stalled(),
+                             self.kafka_error)
 
     def stop_requested(self) -> bool:
         return self._stop.is_set()
@@ -149,14 +160,17 @@ class Member:
                 prof()
 
     async def _run(self) -> int:
+        self.dir_lock.acquire()  # before anything: a second process on this state directory exits 1 here
         self.loop = asyncio.get_running_loop()
         self.clock = TickClock(self.loop, self.pcfg.tick_ms, quiet=self._all_quiet, on_ticks=self._on_ticks,
                                on_error=self._on_tick_error, stopping=lambda: self.stopping)
         if self.signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.loop.add_signal_handler(sig, self._on_signal, sig)
+        from kdsync.contract import group_contract
         from kdsync.observability.metrics import MemberMetrics
         from kdsync.transport import TLSSettings, TransportError, make_transport
+        from kdsync.transport.handshake import Local
 
         self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics,
                                                      self._links_for_metrics), GcPauses()
@@ -178,7 +192,9 @@ class Member:
                 self.cfg.transport.kind, self.me, parse_address(self.cfg.member.listen), self.cfg.peer_addresses(),
                 self._on_peer_message, secret=self.cfg.secret_bytes(),
                 tls=TLSSettings(tls.certfile, tls.keyfile, tls.cafile) if tls else None,
-                max_frame_bytes=self.cfg.transport.max_frame_bytes, logger=logging.getLogger("kdsync.transport"))
+                max_frame_bytes=self.cfg.transport.max_frame_bytes, logger=logging.getLogger("kdsync.transport"),
+                local=Local(group_contract(self.cfg, self.shard), listen=self.cfg.member.listen))
+            self.transport.status = self.status  # what a `kdsync status` probe is answered
             await self.transport.start()
         except TransportError as e:
             raise FatalError(str(e)) from None
@@ -243,6 +259,7 @@ class Member:
 
     def _on_kafka_error(self, err) -> None:
         # called from producer.poll() (loop thread) or the consumer thread
+        self.kafka_error = (err.str(), time.monotonic())
         if err.fatal():
             msg = f"kafka: {err.str()}"
             if self.loop is not None:
@@ -273,7 +290,7 @@ class Member:
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
             on_commit=self._committed_delay,
-            on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(),
+            on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(), on_gap=self.metrics.source_gap,
             shard=None if self.shard is None else (self.shard, self.shards),
             on_topics=self._on_listed if self._discovers() else None)
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))
@@ -508,6 +525,7 @@ class Member:
             await close_pipelines(list(self.pipelines.values()), self.offsets_consumer,
                                   final=self.producer is not None and self._fatal is None)
         self.handshake.state_log.close()
+        self.dir_lock.release()
         if self.transport is not None:
             with step("peer links"):
                 await self.transport.close()

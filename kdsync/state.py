@@ -19,6 +19,7 @@ form: read once when the log has no state for a node (an upgrade).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import zlib
@@ -29,7 +30,7 @@ import msgpack
 from kdsync.core import HardState
 from kdsync.fatal import FatalError
 
-__all__ = ["HardStateFile", "StateLog"]
+__all__ = ["HardStateFile", "StateDirLock", "StateLog"]
 
 
 class HardStateFile:
@@ -98,6 +99,64 @@ _HEAD = struct.Struct(">II")  # payload length, crc32 of the payload
 def _record(topic: str, hs: HardState) -> bytes:
     payload = msgpack.packb([topic, *_fields(hs)], use_bin_type=True)
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class StateDirLock:
+    """One process per state directory: an exclusive `flock` on
+    `state_dir/lock`, holding the holder's pid (Kafka locks `log.dirs` the
+    same way).  The kernel drops the lock when the process ends, however it
+    ends, so a kill -9 leaves nothing to clean up."""
+
+    NAME = "lock"
+
+    def __init__(self, directory: Path, name: str = NAME):
+        self.path = Path(directory) / name  # name: "supervisor.lock" for `kdsync run --workers`
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock; raises FatalError naming the holder's pid when
+        another process has it (or when the directory cannot be made)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise FatalError(f"cannot use state directory {self.path.parent}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self.holder()
+            os.close(fd)
+            raise FatalError(f"state directory {self.path.parent} is in use by process {holder or '?'} (another "
+                             f"member with the same state_dir? each member needs its own)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def holder(self) -> int | None:
+        """The pid written by the process holding the lock, if any is readable."""
+        try:
+            return int(self.path.read_text().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def held_by_other(self) -> int | None:
+        """The holder's pid when another process holds the lock now, else None."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return self.holder() or -1
+        finally:
+            os.close(fd)
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class StateLog:

@@ -243,6 +243,15 @@ class Supervisor:
     def run(self) -> int:
         """Start the workers, watch them until SIGINT/SIGTERM (exit 0 when
         every worker stopped cleanly) or one keeps dying (exit 1)."""
+        from kdsync.fatal import FatalError
+        from kdsync.state import StateDirLock
+
+        lock = StateDirLock(self.cfg.state_path(), "supervisor.lock")  # one supervisor per state directory
+        try:
+            lock.acquire()
+        except FatalError as e:
+            print(f"kdsync run: {e}", file=sys.stderr)
+            return 1
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         restarts = up = server = None

@@ -139,7 +139,7 @@ def _labels():
 
     from kdsync.observability.metrics import MemberMetrics
 
-    peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0)
+    peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0, refusals={})
     m = MemberMetrics(peers=lambda: {"dc2": peer}, cores=lambda: {"t": {"delivered": 1}})
     m.view_id.labels("t").set(1)
     m.live_members.labels("t").set(1)

@@ -23,18 +23,15 @@ from kdsync.transport.framing import (
     HELLO,
     KINDS,
     PING,
-    DialerHandshake,
     Frame,
     FrameDecoder,
     FrameError,
-    HandshakeError,
-    ListenerHandshake,
     decode_batch,
     encode_batch,
     encode_batch_frame,
     encode_frame,
-    handshake_proof,
 )
+from kdsync.transport.handshake import DialerHandshake, HandshakeError, ListenerHandshake, handshake_proof
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FRAMES_FED = {"n": 0}
@@ -376,7 +373,7 @@ def test_handshake_resists_reflection_and_replay():
         (b"[1,2]", "not an object"),
         (b"\xff\xfe", "not JSON"),
         (b"[" * 1000, "not JSON"),  # nesting past the recursion limit
-        (b"[" * 5000, "too large"),
+        (b"[" * 70_000, "too large"),  # beyond 60 KiB (the contract names every member)
     ],
 )
 def test_handshake_listener_rejects_bad_hello(body, match):

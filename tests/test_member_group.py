@@ -194,8 +194,8 @@ def test_wrong_secret_refused_and_garbage_ignored(group):
             await t.close()
 
     asyncio.run(impostor())
-    wait_until(lambda: g.metrics(0).get(("kdsync_peer_refused_total", (("peer", "dc2"),)), 0) >= 1, 10,
-               "dc1 to count the refused impostor")
+    refused = ("kdsync_peer_refused_total", (("peer", "dc2"), ("reason", "secret")))
+    wait_until(lambda: g.metrics(0).get(refused, 0) >= 1, 10, "dc1 to count the refused impostor")
     for _ in range(20):  # garbage on the member port
         with socket.create_connection(("127.0.0.1", g.ports[0])) as s:
             s.sendall(os.urandom(512))

@@ -179,7 +179,7 @@ def _exported_samples() -> set[str]:
 def test_alert_rules_check_and_unit_tests():
     promtool = ensure_tool("promtool", "prometheus")
     r = _run(promtool, "check", "rules", RULES)
-    assert r.returncode == 0 and "SUCCESS: 9 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 10 rules found" in r.stdout, r.stdout + r.stderr
     r = _run(promtool, "test", "rules", "kdsync-alerts.test.yml", cwd=RULES.parent)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -19,7 +19,8 @@ from collections import defaultdict
 import pytest
 
 from kdsync.transport import TLSSettings, Transport, TransportError, make_transport
-from kdsync.transport.framing import AUTH, HELLO, DialerHandshake, FrameDecoder, encode_frame
+from kdsync.transport.framing import AUTH, HELLO, FrameDecoder, encode_frame
+from kdsync.transport.handshake import DialerHandshake
 from kdsync.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)

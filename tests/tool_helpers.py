@@ -51,7 +51,7 @@ def kdsync_metrics() -> dict[str, tuple[str, set[str]]]:
 
     from kdsync.observability.metrics import MemberMetrics
 
-    peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0)
+    peer = SimpleNamespace(bytes_in=1, bytes_out=1, frames_in=1, frames_out=1, connected=True, refused=0, refusals={})
     m = MemberMetrics(peers=lambda: {"dc2": peer}, cores=lambda: {"t": {"delivered": 1}},
                       links=lambda: ({"dc2": "rdma"}, (True, {"dc2": 0})))
     out = {}

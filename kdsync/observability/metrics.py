@@ -11,7 +11,7 @@ Exported (all prefixed `kdsync_`):
   e2e_latency_seconds{topic}           histogram: source timestamp -> written to global topic
   stage_seconds{topic,stage}           histogram: one stage of a batch's trip (kdsync.observability.stage_latency), per batch
   events_consumed_total{topic}, events_written_total{topic}
-  peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer}
+  peer_bytes_total{peer,direction}, peer_frames_total{peer,direction}, peer_connected{peer}, peer_refused_total{peer,reason}
   peer_path{peer,path}                 1 for the link messages to the peer take now: rdma | tcp | none
   rdma_device_up, rdma_fallbacks_total{peer}   RDMA transport only: a device serves the listen address; times
                                        a peer's messages moved from a lost RDMA link to TCP (kdsync.transport.rdma)
@@ -20,6 +20,8 @@ Exported (all prefixed `kdsync_`):
   stalled{topic,stage}                1 while a stage holds records that do not move (kdsync.observability.stalls)
   producer_recoveries_total           the global-topic producer failed and was re-created in place (kdsync.kafka.sink)
   source_restarts_total, source_fetch_wait_ms   the source client re-created after a stalled fetch (kdsync.kafka.source)
+  source_gaps_total{kind}             source offset gaps by what filled them: control|aborted|compacted|retention,
+                                       refetched (closed by fetching again), unverified (kdsync.kafka.gaps)
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kdsync.kafka.gaps import GAP_KINDS
+
 __all__ = ["MemberMetrics", "observe_many"]
+
+# kdsync_peer_refused_total's reasons, every one exported per peer (a series that appears at 1 has no increase)
+REFUSAL_REASONS = ("secret", "tls", "malformed", "identity", "wire_version", "contract", "handshake")
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 STAGE_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
@@ -65,14 +72,20 @@ class _Live:
         b = CounterMetricFamily("kdsync_peer_bytes", "bytes exchanged with a peer", labels=["peer", "direction"])
         f = CounterMetricFamily("kdsync_peer_frames", "frames exchanged with a peer", labels=["peer", "direction"])
         c = GaugeMetricFamily("kdsync_peer_connected", "1 while the link to the peer is up", labels=["peer"])
-        r = CounterMetricFamily("kdsync_peer_refused", "connections claiming to be this peer refused", labels=["peer"])
+        r = CounterMetricFamily("kdsync_peer_refused", "connections with this peer refused at the handshake, by "
+                                "reason", labels=["peer", "reason"])
         for peer, s in sorted(self._peers().items()):
             b.add_metric([peer, "in"], s.bytes_in)
             b.add_metric([peer, "out"], s.bytes_out)
             f.add_metric([peer, "in"], s.frames_in)
             f.add_metric([peer, "out"], s.frames_out)
             c.add_metric([peer], 1 if s.connected else 0)
-            r.add_metric([peer], s.refused)
+            by = dict.fromkeys(REFUSAL_REASONS, 0)
+            for reason, n in s.refusals.items():  # "contract:<setting>": the setting is in the log line
+                key = reason.split(":")[0]
+                by[key if key in by else "handshake"] += n
+            for reason, n in by.items():
+                r.add_metric([peer, reason], n)
         e = CounterMetricFamily("kdsync_core_events", "events counted by the ordering core", labels=["topic", "kind"])
         for topic, stats in sorted(self._cores().items()):
             for kind, v in sorted(stats.items()):
@@ -121,6 +134,10 @@ class MemberMetrics:
                                        "came back empty while records waited", registry=reg)
         self.source_fetch_wait = Gauge("kdsync_source_fetch_wait_ms", "fetch.wait.max.ms of the source client",
                                        registry=reg)
+        self.source_gaps = Counter("kdsync_source_gaps", "gaps between consumed source offsets, by what the look "
+                                   "found there (kdsync.kafka.gaps)", ["kind"], registry=reg)
+        for kind in GAP_KINDS:
+            self.source_gaps.labels(kind)
         self.loop_delay = Gauge("kdsync_loop_delay_seconds", "the longest the member's tick timer ran after its "
                                 "time since the last health sample (a busy or CPU-starved loop)", registry=reg)
         self.gc_pause = Gauge("kdsync_gc_pause_seconds", "the longest garbage collection since the last health "
@@ -142,6 +159,10 @@ class MemberMetrics:
         """A stalled source client was re-created with `fetch_wait_ms` (any thread)."""
         self.source_restarts.inc()
         self.source_fetch_wait.set(fetch_wait_ms)
+
+    def source_gap(self, kind: str) -> None:
+        """A source gap of `kind` was accounted for or closed (consumer thread)."""
+        self.source_gaps.labels(kind).inc()
 
     def set_status(self, topic: str, status: str) -> None:
         old = self._status.get(topic)

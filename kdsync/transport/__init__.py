@@ -24,8 +24,9 @@ from __future__ import annotations
 import abc
 import collections
 import logging
-from dataclasses import dataclass
-from typing import Callable
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 __all__ = [
     "PeerStats",
@@ -67,7 +68,9 @@ class PeerStats:
     both directions over every connection with that peer.  `connected` is True
     while the outgoing (sending) link to the peer is authenticated and up.
     `refused` counts connections with this peer that failed the handshake
-    (wrong secret, malformed HELLO, failed TLS), in either direction.
+    (wrong secret, malformed HELLO, failed TLS, another group contract), in
+    either direction, and `refusals` by reason (`kdsync_peer_refused_total`'s
+    label: secret, tls, malformed, identity, wire_version, contract:<setting>).
     `dropped` counts messages `send()` refused because the queue was full.
     """
 
@@ -78,6 +81,7 @@ class PeerStats:
     connected: bool = False
     refused: int = 0
     dropped: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
 
 
 class PeerQueue:
@@ -151,6 +155,7 @@ class Transport(abc.ABC):
         connect_timeout: float = 5.0,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        local: Any = None,
     ) -> None:
         from kdsync.transport.framing import HEADER_SIZE
 
@@ -176,7 +181,72 @@ class Transport(abc.ABC):
         self.connect_timeout = connect_timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        # kdsync.transport.handshake.Local: the group contract, wire versions and
+        # incarnation shown to every peer (None: none shown, as an older release)
+        self.local = local
+        self.status: Callable[[], dict] | None = None  # answers a `kdsync status` probe (the member's view)
+        self.refusals: dict[str, tuple[str, str, float]] = {}  # peer -> (why, reason, time.monotonic()) of its last
+        self.twins: dict[str, str] = {}  # peer -> the line saying two processes claim its id
+        self._incarnations: dict[str, list[tuple[str, str, str]]] = {}  # peer -> (incarnation, where, listen)
+        self._twin_logged: dict[str, float] = {}
         self._closing = False
+
+    # ------------------------------------------------------------ admission (both transports)
+    def note_refusal(self, peer: str | None, where: str, exc: Exception, level: int = logging.WARNING) -> None:
+        """Count one refused handshake with `peer` (None: it named no known
+        member) by its reason and log it: once per peer and distinct reason
+        until the peer is admitted (a dialer retries every few seconds); a
+        wire version or group contract that differs is an ERROR."""
+        reason = getattr(exc, "reason", "handshake")
+        why = str(exc)
+        if peer in self.stats:
+            st = self.stats[peer]
+            st.refused += 1
+            st.refusals[reason] = st.refusals.get(reason, 0) + 1
+            last = self.refusals.get(peer)
+            self.refusals[peer] = (why, reason, time.monotonic())
+            if last is not None and last[0] == why:
+                return
+        if reason == "wire_version" or reason.startswith("contract"):
+            level = logging.ERROR
+        self.log.log(level, "%s: %s", where, why)
+
+    def note_admitted(self, peer: str) -> None:
+        """`peer` passed a handshake: a later refusal is logged again."""
+        self.refusals.pop(peer, None)
+
+    def note_incarnation(self, peer: str, incarnation: str, listen: str, addr: str) -> bool:
+        """An authenticated link from `peer`'s process `incarnation`, which
+        says it listens at `listen`; returns whether to take it.  A process
+        displaced by another incarnation of the same id that comes back is
+        not a restart (a restarted process never comes back): two processes
+        claim the id.  One ERROR a minute names both; from then on, a
+        process whose listen address is not the one configured for `peer`
+        is refused while one that is exists (a copied config with another
+        port stays out; the real member keeps its link)."""
+        if not incarnation:
+            return True
+        seen = self._incarnations.get(peer, [])
+        where = f"{listen or '?'} (connecting from {addr})"
+        if seen and seen[-1][0] != incarnation and any(x[0] == incarnation for x in seen[:-1]):
+            other = seen[-1][1]
+            self.twins[peer] = (f"two processes claim member {peer}: one at {where}, the other at {other}; each "
+                                f"member needs its own [member] id: stop the one that should not run")
+            now = time.monotonic()
+            if now - self._twin_logged.get(peer, float("-inf")) >= 60.0:
+                self._twin_logged[peer] = now
+                self.log.error("%s", self.twins[peer])
+        self._incarnations[peer] = ([x for x in seen if x[0] != incarnation] + [(incarnation, where, listen)])[-4:]
+        if peer in self.twins and not self._configured_at(peer, listen) and any(
+                self._configured_at(peer, x[2]) for x in self._incarnations[peer]):
+            return False
+        return True
+
+    def _configured_at(self, peer: str, listen: str) -> bool:
+        """Whether a process listening at `listen` is where `peer` is configured."""
+        host, _, port = listen.rpartition(":")
+        want = self.peers.get(peer)
+        return want is not None and port == str(want[1]) and host.strip("[]") in (want[0], "0.0.0.0", "::", "")
 
     def _enqueue(self, q: PeerQueue, data: bytes, up: bool) -> bool:
         """Queue one message for `q`'s peer, whose link is `up` or not: False

@@ -22,8 +22,8 @@ A BATCH body is a run of core messages, each prefixed by its length as a
 4-byte big-endian integer; a transport puts everything queued for a peer into
 one BATCH frame (up to its batch size cap).  HELLO and AUTH frames carry the
 handshake, a sans-I/O state machine per side (`DialerHandshake`,
-`ListenerHandshake`, at the end of this module) so that every transport runs
-exactly the same one.  PING has an empty body and keeps an idle link
+`ListenerHandshake`, in kdsync.transport.handshake) so that every transport
+runs exactly the same one.  PING has an empty body and keeps an idle link
 observable.
 
 `FrameDecoder.feed()` is incremental: it accepts any split of the stream and
@@ -36,13 +36,9 @@ again.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import os
 import struct
 import zlib
-from typing import Any, Collection, NamedTuple
+from typing import NamedTuple
 
 from kdsync.transport import TransportError
 
@@ -58,10 +54,6 @@ __all__ = [
     "Frame",
     "FrameDecoder",
     "FrameError",
-    "DialerHandshake",
-    "HandshakeError",
-    "ListenerHandshake",
-    "handshake_proof",
     "batch_overhead",
     "decode_batch",
     "encode_batch",
@@ -285,152 +277,3 @@ class FrameDecoder:
         frame[:HEADER_SIZE] = head
         self._frame = frame
         self._fill = HEADER_SIZE
-
-
-# ---------------------------------------------------------------------------
-# Handshake: a sans-I/O state machine per side, shared by TCP and RDMA.
-#
-#     dialer   -> HELLO {"v":1, "id": <dialer id>, "to": <expected peer id>, "nonce": <32 hex>}
-#     listener -> HELLO {"v":1, "id": <listener id>, "nonce": <32 hex>}
-#     dialer   -> AUTH  {"proof": P_dialer}
-#     listener -> AUTH  {"ok": true, "proof": P_listener}
-#
-# P_role = HMAC-SHA256(secret, "kdsync-v1/<role>", nonce_dialer, nonce_listener,
-# dialer_id, listener_id) in hex, or "" without a secret.  The dialer proves
-# first, so a listener never computes a proof for a stranger; the role label
-# keeps one side's proof from being replayed as the other's; fresh nonces on
-# both sides defeat replay of a recorded handshake.  The transport feeds
-# decoded frames in with `receive()` and writes whatever frame it returns.
-
-HANDSHAKE_VERSION = 1
-_MAX_HANDSHAKE_BODY = 4096
-
-
-class HandshakeError(TransportError):
-    """The handshake with a peer failed; the message says why (one line)."""
-
-
-def handshake_proof(secret: bytes | None, role: str, n_dialer: str, n_listener: str, dialer: str, listener: str) -> str:
-    """The hex HMAC-SHA256 proof of `role` ("dialer" or "listener"); "" without a secret."""
-    if secret is None:
-        return ""
-    msg = "\x00".join(("kdsync-v1/" + role, n_dialer, n_listener, dialer, listener)).encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
-
-
-def _check_proof(got: object, want: str) -> bool:
-    return isinstance(got, str) and hmac.compare_digest(got.encode("utf-8", "replace"), want.encode())
-
-
-def parse_handshake(frame: Frame, kind: int, what: str) -> dict[str, Any]:
-    """The JSON object in a HELLO/AUTH frame.  Raises HandshakeError."""
-    if frame.kind != kind:
-        raise HandshakeError(f"expected {what}, got frame kind {frame.kind}")
-    if len(frame.body) > _MAX_HANDSHAKE_BODY:
-        raise HandshakeError(f"{what} of {len(frame.body)} bytes is too large")
-    try:
-        obj = json.loads(bytes(frame.body))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise HandshakeError(f"malformed {what} (not JSON)") from None
-    if not isinstance(obj, dict):
-        raise HandshakeError(f"malformed {what} (not an object)")
-    return obj
-
-
-def handshake_field(obj: dict[str, Any], key: str, what: str) -> str:
-    """A short string field of a handshake object.  Raises HandshakeError."""
-    val = obj.get(key)
-    if not isinstance(val, str) or len(val) > 256:
-        raise HandshakeError(f"malformed {what}: field {key!r} missing or not a string")
-    return val
-
-
-def _json_frame(kind: int, obj: dict[str, Any]) -> bytes:
-    return encode_frame(kind, json.dumps(obj, separators=(",", ":")).encode())
-
-
-class DialerHandshake:
-    """The dialer's half.  Send `hello()`, then for each frame received call
-    `receive(frame)`, send what it returns (if anything) until `done`.
-
-    `awaiting_accept` is True once our proof is sent: a connection closed then
-    means the listener refused our proof (most likely a wrong group secret).
-    """
-
-    def __init__(self, member_id: str, peer: str, secret: bytes | None, nonce: str | None = None) -> None:
-        self.member_id = member_id
-        self.peer = peer
-        self.secret = secret
-        self.nonce = nonce or os.urandom(16).hex()
-        self.peer_nonce: str | None = None
-        self.awaiting_accept = False
-        self.done = False
-
-    def hello(self) -> bytes:
-        return _json_frame(HELLO, {"v": HANDSHAKE_VERSION, "id": self.member_id, "to": self.peer, "nonce": self.nonce})
-
-    def receive(self, frame: Frame) -> bytes | None:
-        if self.done:
-            raise HandshakeError("handshake already complete")
-        if self.peer_nonce is None:
-            hello = parse_handshake(frame, HELLO, "HELLO")
-            answered = handshake_field(hello, "id", "HELLO")
-            if answered != self.peer:
-                raise HandshakeError(f"answered as member {answered!r}, expected {self.peer!r}")
-            self.peer_nonce = handshake_field(hello, "nonce", "HELLO")
-            self.awaiting_accept = True
-            proof = handshake_proof(self.secret, "dialer", self.nonce, self.peer_nonce, self.member_id, self.peer)
-            return _json_frame(AUTH, {"proof": proof})
-        ok = parse_handshake(frame, AUTH, "AUTH")
-        want = handshake_proof(self.secret, "listener", self.nonce, self.peer_nonce, self.member_id, self.peer)
-        if ok.get("ok") is not True or not _check_proof(ok.get("proof"), want):
-            raise HandshakeError("peer could not prove it knows the group secret")
-        self.awaiting_accept = False
-        self.done = True
-        return None
-
-
-class ListenerHandshake:
-    """The listener's half: call `receive(frame)` for each frame received and
-    send what it returns, until `done`; then `peer` is the authenticated member.
-
-    `peer` is set as soon as a HELLO names a known member (for per-peer
-    counters of refusals); `unknown_member` is True when the HELLO named a
-    member outside `members`.
-    """
-
-    def __init__(self, member_id: str, members: Collection[str], secret: bytes | None, nonce: str | None = None) -> None:
-        self.member_id = member_id
-        self.members = members
-        self.secret = secret
-        self.nonce = nonce or os.urandom(16).hex()
-        self.peer: str | None = None
-        self.peer_nonce: str | None = None
-        self.unknown_member = False
-        self.done = False
-
-    def receive(self, frame: Frame) -> bytes | None:
-        if self.done:
-            raise HandshakeError("handshake already complete")
-        if self.peer_nonce is None:
-            hello = parse_handshake(frame, HELLO, "HELLO")
-            claimed = handshake_field(hello, "id", "HELLO")
-            if hello.get("v") != HANDSHAKE_VERSION:
-                raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}")
-            if claimed == self.member_id or claimed not in self.members:
-                self.unknown_member = True
-                raise HandshakeError(f"unknown member id {claimed!r}")
-            self.peer = claimed
-            target = handshake_field(hello, "to", "HELLO")
-            if target != self.member_id:
-                raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}")
-            self.peer_nonce = handshake_field(hello, "nonce", "HELLO")
-            return _json_frame(HELLO, {"v": HANDSHAKE_VERSION, "id": self.member_id, "nonce": self.nonce})
-        auth = parse_handshake(frame, AUTH, "AUTH")
-        assert self.peer is not None
-        want = handshake_proof(self.secret, "dialer", self.peer_nonce, self.nonce, self.peer, self.member_id)
-        if not _check_proof(auth.get("proof"), want):
-            raise HandshakeError(f"member {self.peer!r} could not prove it knows the group secret")
-        self.done = True
-        proof = handshake_proof(self.secret, "listener", self.peer_nonce, self.nonce, self.peer, self.member_id)
-        return _json_frame(AUTH, {"ok": True, "proof": proof})

@@ -121,14 +121,13 @@ from kdsync.transport.framing import (
     BATCH,
     HEADER_SIZE,
     PING,
-    DialerHandshake,
     Frame,
     FrameDecoder,
     FrameError,
-    ListenerHandshake,
     decode_batch,
     encode_batch_frame,
 )
+from kdsync.transport.handshake import ContractError, DialerHandshake, HandshakeError, ListenerHandshake
 
 __all__ = ["RdmaTransport", "rdma_usable", "unavailable_reason"]
 
@@ -334,9 +333,9 @@ class _Conn:
         self.out_pos = 0
         self.decoder = FrameDecoder(tr.max_frame_bytes)
         self.hs: DialerHandshake | ListenerHandshake = (
-            DialerHandshake(tr.member_id, peer, tr.secret)
+            DialerHandshake(tr.member_id, peer, tr.secret, local=tr.local)
             if role == "dialer"
-            else ListenerHandshake(tr.member_id, tuple(tr.peers), tr.secret)
+            else ListenerHandshake(tr.member_id, tuple(tr.peers), tr.secret, local=tr.local)
         )
         self.timer: asyncio.TimerHandle | None = None
         self.finished: asyncio.Future = tr._loop.create_future()
@@ -456,8 +455,10 @@ class RdmaTransport(Transport):
                 secret=self.secret,
                 max_frame_bytes=self.max_frame_bytes,
                 logger=self.log,
+                local=self.local,
                 **opts,
             )
+            self.tcp.status = self.status  # `kdsync status` probes come over TCP
             try:
                 await self.tcp.start()
             except TransportError:
@@ -944,7 +945,9 @@ class RdmaTransport(Transport):
             try:
                 self._handshake(conn, f)
             except TransportError as exc:
-                self._refuse(conn, str(exc))
+                if isinstance(exc, ContractError) and exc.reply is not None:
+                    self._send_frame(conn, exc.reply)  # tell the peer why, so that both ends say it
+                self._refuse(conn, exc)
                 return
 
     def _handshake(self, conn: _Conn, f: Frame) -> None:
@@ -954,13 +957,20 @@ class RdmaTransport(Transport):
         reply = hs.receive(f)
         if conn.role == "listener" and conn.peer is None:
             conn.peer = hs.peer  # named a known member: refusals count against it
+        if isinstance(hs, ListenerHandshake) and hs.probe is not None:
+            conn.peer = None
+            raise HandshakeError("probes are answered over TCP, not RDMA", "malformed")
         if reply is not None:
             self._send_frame(conn, reply)
         if not hs.done:
             return
         self._up(conn)
         peer = conn.peer
+        self.note_admitted(peer)
         if conn.role == "listener":
+            if not self.note_incarnation(peer, hs.peer_incarnation, hs.peer_listen, "rdma"):
+                raise HandshakeError(f"another process claims member {peer} at {hs.peer_listen}, where {peer} "
+                                     f"is not configured", "identity")
             old = self._in.get(peer)
             self._in[peer] = conn
             if old is not None and old is not conn:
@@ -993,11 +1003,10 @@ class RdmaTransport(Transport):
         if conn.state != "up":
             self._fail(conn, why)
 
-    def _refuse(self, conn: _Conn, why: str) -> None:
-        if conn.peer in self.stats:
-            self.stats[conn.peer].refused += 1
-        self.log.warning("rdma: closing connection %s %s: %s", conn.role, conn.peer or "(unidentified)", why)
-        self._fail(conn, why, quiet=True)
+    def _refuse(self, conn: _Conn, why: str | Exception) -> None:
+        exc = why if isinstance(why, Exception) else HandshakeError(why, "malformed")
+        self.note_refusal(conn.peer, f"rdma: closing connection {conn.role} {conn.peer or '(unidentified)'}", exc)
+        self._fail(conn, str(exc), quiet=True)
 
     def _fail(self, conn: _Conn, why: str, quiet: bool = False) -> None:
         """Close one connection and release its resources."""

@@ -47,26 +47,18 @@ chunk straight into the frame decoder and calls `on_message` for each
 message, in the loop callback itself (no stream-buffer copies, no task switch
 per read).  A malformed frame closes that connection only.
 
-Handshake (over the framed stream, before any BATCH)::
-
-    dialer   -> HELLO {"v":1, "id": <dialer id>, "to": <expected peer id>, "nonce": <32 hex>}
-    listener -> HELLO {"v":1, "id": <listener id>, "nonce": <32 hex>}
-    dialer   -> AUTH  {"proof": P_dialer}
-    listener -> AUTH  {"ok": true, "proof": P_listener}
-
-With a group secret, P_role = HMAC-SHA256(secret, "kdsync-v1/" + role,
-nonce_dialer, nonce_listener, dialer_id, listener_id) in hex; the role label
-("dialer" / "listener") keeps one side's proof from being replayed as the
-other's.  The secret never crosses the wire, and both nonces are fresh, so a
-recorded handshake cannot be replayed.  The dialer proves first: a listener
-never computes a proof for a stranger, and the member being contacted logs the
-precise reason when a peer has the wrong secret.  (A proof is an HMAC over
-public values, so use a long random secret: a short one could be guessed
-offline from a captured handshake.)  Without a secret the proofs are empty.
-A peer that claims an unknown member id, cannot prove the secret, fails TLS,
-times out (`handshake_timeout`) or sends anything malformed is logged as one
-WARNING line naming its address and the reason, and only that connection is
-closed.
+Handshake (over the framed stream, before any BATCH): the HELLO / AUTH
+exchange of kdsync.transport.handshake — both ends prove the group secret
+(HMAC over fresh nonces; the dialer first, so a listener never computes a
+proof for a stranger) and show each other their wire versions and group
+contract (kdsync.contract).  A peer that claims an unknown member id, cannot
+prove the secret, fails TLS, times out (`handshake_timeout`), sends anything
+malformed, speaks no common wire version or shows another contract is
+refused: only that connection is closed, with one line naming its address
+and the reason (once per peer and reason until it is admitted; an ERROR for
+a contract or a version), counted in `kdsync_peer_refused_total{peer,reason}`.
+A probe (`probe()`: `kdsync check`, `kdsync status`) is answered and closed,
+never taken for the member it speaks for.
 
 TLS.  With `TLSSettings`, the listener upgrades each accepted socket itself
 (`loop.start_tls`, so that a failed TLS handshake is logged like any other
@@ -82,34 +74,39 @@ Threading.  Everything runs in one asyncio event loop; `send()` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
 import os
 import random
 import socket
 import ssl
-from typing import cast
+from typing import NamedTuple, cast
 
 from kdsync.transport import PeerQueue, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
     BATCH,
     HEADER_SIZE,
     PING,
-    DialerHandshake,
     Frame,
     FrameDecoder,
     FrameError,
-    HandshakeError,
-    ListenerHandshake,
     decode_batch,
     encode_batch_frame,
     encode_frame,
+)
+from kdsync.transport.handshake import (
+    ContractError,
+    DialerHandshake,
+    HandshakeError,
+    ListenerHandshake,
     handshake_field,
     handshake_proof,
     parse_handshake,
 )
 
-__all__ = ["TcpTransport", "HandshakeError"]
+__all__ = ["HandshakeError", "ProbeResult", "TcpTransport", "probe"]
 
 _READ_CHUNK = 1 << 20
 _STABLE_LINK_S = 5.0
@@ -130,7 +127,7 @@ _field = handshake_field
 class _Link(PeerQueue):
     """Outgoing side of one peer: its queue and the task that dials it."""
 
-    __slots__ = ("addr", "wakeup", "task", "writer", "last_error", "flush_due")
+    __slots__ = ("addr", "wakeup", "task", "writer", "last_error", "flush_due", "legacy_noted")
 
     def __init__(self, peer: str, addr: tuple[str, int]) -> None:
         super().__init__(peer)
@@ -140,6 +137,19 @@ class _Link(PeerQueue):
         self.writer: asyncio.StreamWriter | None = None
         self.last_error: str | None = None
         self.flush_due = False  # a _flush of this link is scheduled on the loop
+        self.legacy_noted = False  # said once that the peer shows no group contract (an older release)
+
+
+class _Probe(NamedTuple):
+    """An authenticated probe connection (`kdsync check`, `kdsync status`)."""
+
+    kind: str
+    claimed: str
+
+
+def _peername(writer: asyncio.StreamWriter) -> str:
+    addr = writer.get_extra_info("peername")
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
 
 
 class _Accept(asyncio.Protocol):
@@ -523,10 +533,16 @@ class TcpTransport(Transport):
                 self.log.warning("refused connection from %s: no valid handshake within %.1fs", addr_s, self.handshake_timeout)
                 return
             except HandshakeError as exc:
-                self.log.warning("refused connection from %s: %s", addr_s, exc)
+                if getattr(exc, "probe", None):  # `kdsync check` from a member that disagrees: it says so itself
+                    self.log.info("refused a %s probe from %s: %s", exc.probe, addr_s, exc)
+                else:
+                    self.note_refusal(getattr(exc, "peer", None), f"refused connection from {addr_s}", exc)
                 return
             finally:
                 self._unauthenticated.discard(slot)
+            if isinstance(inbound, _Probe):
+                await self._answer_probe(inbound, writer)
+                return
             peer = inbound.peer
             old = self._inbound.get(peer)
             if old is not None:
@@ -549,9 +565,9 @@ class TcpTransport(Transport):
 
     async def _listener_handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dec: FrameDecoder, pending: list[Frame]
-    ) -> "_Inbound":
+    ) -> "_Inbound | _Probe":
         """Run the listener half of the handshake; return the protocol now receiving from the peer."""
-        hs = ListenerHandshake(self.member_id, self.peers, self.secret)
+        hs = ListenerHandshake(self.member_id, self.peers, self.secret, local=self.local)
         sent = 0
         try:
             while True:
@@ -562,6 +578,13 @@ class TcpTransport(Transport):
                 if hs.done:
                     break
                 await writer.drain()
+            if hs.probe is not None:  # `kdsync check` / `kdsync status`: never this peer's link
+                return _Probe(hs.probe, hs.peer or "")
+            assert hs.peer is not None
+            if not self.note_incarnation(hs.peer, hs.peer_incarnation, hs.peer_listen, _peername(writer)):
+                raise HandshakeError(f"another process claims member {hs.peer} at {hs.peer_listen}, where "
+                                     f"{hs.peer} is not configured (the one at its configured address keeps the "
+                                     f"link)", "identity")
             # The dialer sends nothing until it has our accept, so the stream reader
             # holds no unread bytes now: hand the socket to a plain protocol, with no
             # await in between (no StreamReader copies on the hot receive path).
@@ -572,18 +595,33 @@ class TcpTransport(Transport):
             inbound.handle(list(pending))  # frames that came with AUTH (a well-behaved dialer sends none)
             pending.clear()
         except (FrameError, HandshakeError) as exc:
+            if isinstance(exc, ContractError) and exc.reply is not None:
+                writer.write(exc.reply)  # tell the dialer why, so that both ends say it
+                with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(writer.drain(), 1.0)
             if hs.unknown_member:
                 self.refused_unknown += 1
-            elif hs.peer in self.stats:
-                self.stats[hs.peer].refused += 1
             if isinstance(exc, FrameError):
-                raise HandshakeError(f"malformed frame: {exc}") from None
-            raise
+                exc = HandshakeError(f"malformed frame: {exc}", "malformed")
+            exc.peer = hs.peer if hs.probe is None else None  # counted against the member it claimed to be
+            exc.probe = hs.probe
+            raise exc from None
         st = self.stats[hs.peer]
         st.frames_out += 2
         st.bytes_out += sent
         st.frames_in += 2
+        self.note_admitted(hs.peer)
         return inbound
+
+    async def _answer_probe(self, probe: "_Probe", writer: asyncio.StreamWriter) -> None:
+        """A `kdsync status` probe is answered the member's status as one
+        BATCH frame of JSON; a `kdsync check` probe had its answer in the
+        handshake."""
+        if probe.kind == "status":
+            status = self.status() if self.status is not None else {"error": "this member serves no status"}
+            writer.write(encode_batch_frame([json.dumps(status, separators=(",", ":"), default=str).encode()]))
+            with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(writer.drain(), self.handshake_timeout)
 
     # ------------------------------------------------------------ dialer side
 
@@ -611,9 +649,10 @@ class TcpTransport(Transport):
                 try:
                     await asyncio.wait_for(self._dialer_handshake(link, reader, writer, dec, pending), self.handshake_timeout)
                 except HandshakeError as exc:
-                    st.refused += 1
-                    self._note_failure(link, f"handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
+                    link.last_error = None
+                    self.note_refusal(link.peer, f"handshake with {link.peer} at {host}:{port} failed", exc)
                     raise
+                self.note_admitted(link.peer)
                 connected_at = asyncio.get_running_loop().time()
                 link.writer = writer
                 link.last_error = None
@@ -631,8 +670,8 @@ class TcpTransport(Transport):
             except asyncio.TimeoutError:
                 self._note_failure(link, f"connecting to {link.peer} at {host}:{port} timed out", logging.INFO)
             except ssl.SSLError as exc:
-                st.refused += 1
-                self._note_failure(link, f"TLS handshake with {link.peer} at {host}:{port} failed: {exc}", logging.WARNING)
+                self.note_refusal(link.peer, f"TLS handshake with {link.peer} at {host}:{port} failed",
+                                  HandshakeError(str(exc), "tls"))
             except (OSError, TransportError) as exc:
                 self._note_failure(link, f"cannot reach {link.peer} at {host}:{port}: {exc}", logging.INFO)
             finally:
@@ -664,7 +703,7 @@ class TcpTransport(Transport):
         pending: list[Frame],
     ) -> None:
         st = self.stats[link.peer]
-        hs = DialerHandshake(self.member_id, link.peer, self.secret)
+        hs = DialerHandshake(self.member_id, link.peer, self.secret, local=self.local)
         hello = hs.hello()
         writer.write(hello)
         sent = len(hello)
@@ -674,7 +713,8 @@ class TcpTransport(Transport):
                     frame = await self._next_frame(reader, dec, pending)
                 except _ClosedDuringHandshake:
                     if hs.awaiting_accept:
-                        raise HandshakeError("peer closed the connection: it refused our proof (wrong group secret?)") from None
+                        raise HandshakeError("peer closed the connection: it refused our proof (wrong group secret?)",
+                                             "secret") from None
                     raise
                 reply = hs.receive(frame)
                 if reply is not None:
@@ -682,7 +722,10 @@ class TcpTransport(Transport):
                     sent += len(reply)
                     await writer.drain()
         except FrameError as exc:
-            raise HandshakeError(f"malformed frame: {exc}") from None
+            raise HandshakeError(f"malformed frame: {exc}", "malformed") from None
+        if hs.legacy and not link.legacy_noted:
+            link.legacy_noted = True
+            self.log.info("peer %s runs an older release: its group contract is not compared", link.peer)
         st.frames_out += 2
         st.bytes_out += sent
         st.frames_in += 2
@@ -756,3 +799,54 @@ class TcpTransport(Transport):
                     idle.reschedule(loop.time() + self.idle_timeout)
         except TimeoutError:
             return f"nothing from the peer for {self.idle_timeout:.0f}s"
+
+
+class ProbeResult(NamedTuple):
+    """What a probe learned of a member: its contract (None: an older
+    release that shows none) and, for a status probe, its status."""
+
+    contract: dict | None
+    status: dict | None
+
+
+async def probe(addr: tuple[str, int], member_id: str, peer: str, secret: bytes | None, local, kind: str, *,
+                tls: TLSSettings | None = None, timeout: float = 5.0, max_bytes: int = 64 << 20) -> ProbeResult:
+    """Dial member `peer` at `addr` as a probe (`kind` "check" or "status")
+    under `member_id`, prove the secret and show `local`'s contract: the
+    member's answer.  Raises HandshakeError (a refusal, with its reason),
+    TransportError (cannot connect) or asyncio.TimeoutError."""
+    client_ssl = TcpTransport._ssl_contexts(tls)[1] if tls is not None else None
+
+    async def run() -> ProbeResult:
+        reader, writer = await asyncio.open_connection(addr[0], addr[1], ssl=client_ssl, limit=_READ_CHUNK)
+        try:
+            hs = DialerHandshake(member_id, peer, secret, local=local, probe=kind)
+            dec, pending = FrameDecoder(_HANDSHAKE_FRAME_BYTES), []
+            writer.write(hs.hello())
+            while not hs.done:
+                try:
+                    reply = hs.receive(await TcpTransport._next_frame(reader, dec, pending))
+                except _ClosedDuringHandshake:
+                    if hs.awaiting_accept:
+                        raise HandshakeError(f"{peer} closed the connection: it refused our proof (wrong group "
+                                             f"secret?)", "secret") from None
+                    raise
+                if reply is not None:
+                    writer.write(reply)
+            status = None
+            if kind == "status":
+                dec.max_frame_bytes = max_bytes
+                frame = await TcpTransport._next_frame(reader, dec, pending)
+                (body,) = decode_batch(frame.body)
+                status = json.loads(body)
+            return ProbeResult(hs.peer_contract, status)
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.wait_for(run(), timeout)
+    except FrameError as exc:
+        raise HandshakeError(f"malformed answer: {exc}", "malformed") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise TransportError(f"cannot reach {peer} at {addr[0]}:{addr[1]}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
