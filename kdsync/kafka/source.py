@@ -22,11 +22,20 @@ that answers every fetch with nothing although its high watermark is ahead
 of the consumer is re-asked by a new client at the same positions with twice
 the fetch wait (up to MAX_FETCH_WAIT_MS), once per `stall_s` (and at least
 three fetch waits: a long wait may rightly return nothing); each time is
-one WARNING line and `on_restart`.  Tansu on S3 storage does this: it lists
+one WARNING line and `on_restart`.  A partition nothing was consumed from
+yet counts from the offset it was assigned at (librdkafka knows no position
+for it: a member started on a partition whose first fetches already come
+back empty was never re-asked, and stalled for good — issue 41).  Tansu on S3 storage does this: it lists
 the partition's objects within the fetch's wait and stops listing when the
 wait is over, so once a partition holds more objects than it can list in
 `fetch.wait.max.ms` every fetch is empty (docs/durable.md).  A broker that
 works never triggers it: records arrive.
+
+Gaps (kdsync.kafka.gaps): a run of records that starts above the next offset
+expected of its partition is a gap; it is accepted only when a look at the
+broker accounts for every offset in it (transaction markers, aborted records,
+compaction, retention), else the records after it are not handed over and
+the partition is fetched again from the expected offset — never skipped.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import time
 from typing import Callable
 
 from kdsync.core import Batch, Event
+from kdsync.kafka.gaps import GAP_RETRY_MAX_S, GAP_STALL_S, GapLook, Pending, accounting_on
 from kdsync.kafka.idle_watch import IdleWatch
 from kdsync.kafka.records import pack_payload
 from kdsync.observability.logs import kv
@@ -104,7 +114,8 @@ class SourceConsumer:
                  commit_interval: float = 1.0, on_commit: Callable[[str, float], None] | None = None,
                  shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
                  on_restart: Callable[[int], None] | None = None, idle: tuple = IDLE_DEFAULTS,
-                 on_topics: Callable[[list[str]], None] | None = None):
+                 on_topics: Callable[[list[str]], None] | None = None,
+                 on_gap: Callable[[str], None] | None = None):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -144,6 +155,13 @@ class SourceConsumer:
         self._thread: threading.Thread | None = None
         # idle partitions paused and watched (kdsync.kafka.idle_watch): (after s, watch s, hot partitions)
         self.idle = IdleWatch(self.conf, *idle)
+        # gap accounting (kdsync.kafka.gaps): partitions whose gap is being re-fetched, and the look
+        self.gap_check = accounting_on()
+        self.gaps: dict[str, int] = {}  # kind -> gaps counted (tests; `on_gap` feeds the metric)
+        self.on_gap = on_gap  # (kind), consumer thread: kdsync_source_gaps_total{kind}
+        self._pending_gaps: dict[tuple[str, int], Pending] = {}
+        self._look = GapLook({k: v for k, v in self.conf.items() if not callable(v)})
+        self._unverified_said: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------ the loop's side
     def add_topic(self, topic: str, start: dict[int, int]) -> None:
@@ -198,6 +216,8 @@ class SourceConsumer:
                     self._refresh(c, assigned)
                 self._drain_commits(c)
                 self.idle.step(c, now)
+                if self._pending_gaps:
+                    self._retry_gaps(c, now)
                 if assigned and now - last_record > self._stall_after():
                     last_record = now
                     waiting = self._waiting(c, assigned, consumed)
@@ -235,7 +255,7 @@ class SourceConsumer:
                 if first is None:
                     continue
                 last_record = time.monotonic()
-                runs = self._runs([first] + c.consume(self.batch - 1, timeout=0), consumed)
+                runs = self._runs([first] + c.consume(self.batch - 1, timeout=0), consumed, c)
                 if runs:
                     self.loop.call_soon_threadsafe(self.on_runs, runs)
         except Exception as e:  # a bug or an unexpected client error: stop with one line
@@ -245,16 +265,24 @@ class SourceConsumer:
             c.close()
             self.idle.close()
 
-    def _runs(self, msgs: list, consumed: dict[tuple[str, int], int]) -> list[SourceRun]:
+    def _runs(self, msgs: list, consumed: dict[tuple[str, int], int], c=None) -> list[SourceRun]:
         """Cut consumed messages into runs (a new run at every change of
         partition and every offset gap), keeping their order; each run is
-        one Batch, built without a Python object per record beyond its payload."""
+        one Batch, built without a Python object per record beyond its payload.
+        A run that starts above the offset expected of its partition is a gap
+        (`_gap`): unless accounted for, that run and the partition's later
+        ones in `msgs` are dropped (the partition is fetched again)."""
         runs: list[SourceRun] = []
         wall, mono = time.time(), time.monotonic()
         origin = self.origin
         now_ms = 0
         cur = None  # [topic, partition, first offset, next offset, payloads, timestamps]
         parts: list = []
+        last: dict[tuple[str, int], list] = {}  # the latest run of each partition in msgs
+        expect = self.idle.next  # next offset to consume of every assigned partition
+        check = self.gap_check and c is not None
+        pending = self._pending_gaps
+        held: set[tuple[str, int]] = set()  # partitions whose records in msgs are dropped (a gap re-fetched)
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -265,8 +293,19 @@ class SourceConsumer:
                 continue
             topic, part, off = m.topic(), m.partition(), m.offset()
             if cur is None or cur[3] != off or cur[1] != part or cur[0] != topic:
+                tp = (topic, part)
+                prev = last.get(tp)
+                exp = prev[3] if prev is not None else expect.get(tp)
                 cur = [topic, part, off, off, [], []]
-                parts.append(cur)
+                if held and tp in held:
+                    pass  # dropped: not in parts
+                elif check and exp is not None and off > exp and not self._gap(c, tp, exp, off):
+                    held.add(tp)
+                else:
+                    if pending and tp in pending and (exp is None or off <= exp):
+                        self._gap_closed(tp, off)
+                    parts.append(cur)
+                    last[tp] = cur
             cur[3] = off + 1
             cur[4].append(pack_payload(m.key(), m.value(), m.headers()))
             ts = m.timestamp()[1]
@@ -279,6 +318,102 @@ class SourceConsumer:
             self.idle.consumed((topic, part), nxt, mono)
             runs.append(SourceRun(topic, part, Batch.of(origin, part, first, payloads, tss), wall, mono))
         return runs
+
+    # ------------------------------------------------------------ gaps (kdsync.kafka.gaps)
+    def _count_gap(self, kind: str) -> None:
+        self.gaps[kind] = self.gaps.get(kind, 0) + 1
+        if self.on_gap is not None:
+            self.on_gap(kind)
+
+    def _gap(self, c, tp: tuple[str, int], exp: int, off: int) -> bool:
+        """Offsets [exp, off) of `tp` were not handed over: True when a look
+        accounts for every one (the run is accepted); else the partition is
+        sought back to `exp` and paused until its retry (False: drop the run)."""
+        from confluent_kafka import TopicPartition
+
+        now = time.monotonic()
+        p = self._pending_gaps.get(tp)
+        if p is not None and p.unverified and p.start == exp and p.end == off:
+            # a cluster the look cannot ask: the same gap after a re-fetch is what librdkafka gives
+            del self._pending_gaps[tp]
+            self._count_gap("unverified")
+            if tp not in self._unverified_said:
+                self._unverified_said.add(tp)
+                log.warning("source gap accepted unverified: the broker skipped these offsets twice and the "
+                            "look cannot ask it (security.protocol)", **kv(topic=tp[0], partition=tp[1],
+                                                                           offsets=f"{exp}..{off - 1}"))
+            return True
+        acct = self._look.account(c, tp[0], tp[1], exp, off)
+        if not acct.missing:
+            if p is not None:
+                del self._pending_gaps[tp]
+            for kind in acct.kinds:
+                self._count_gap(kind)
+            if "retention" in acct.kinds:
+                log.warning("source records were deleted (retention) before they were consumed", **kv(
+                    topic=tp[0], partition=tp[1], offsets=f"{exp}..{exp + acct.kinds['retention'] - 1}"))
+            else:
+                log.debug("source gap accounted for", **kv(topic=tp[0], partition=tp[1], offsets=f"{exp}..{off - 1}",
+                                                          **acct.kinds))
+            return True
+        if p is None or p.start != exp:
+            p = self._pending_gaps[tp] = Pending(exp, off, now, acct.broker, unverified=acct.unverified)
+        p.end, p.broker = off, acct.broker if acct.broker != "?" else p.broker
+        p.tries += 1
+        p.retry_at = now + (0.0 if p.tries == 1 else min(GAP_RETRY_MAX_S, 0.05 * 2 ** p.tries))
+        missing = ",".join(f"{lo}..{hi - 1}" for lo, hi in acct.missing[:5])
+        if p.tries == 1:
+            log.info("source gap: records the broker did not hand over; fetching them again", **kv(
+                topic=tp[0], partition=tp[1], offsets=f"{exp}..{off - 1}", missing=missing, broker=p.broker,
+                **({"look": acct.error} if acct.error else {})))
+        p.missing, p.error = missing, acct.error
+        self._say_stalled(tp, p, now)
+        tpo = TopicPartition(tp[0], tp[1], exp)
+        c.pause([tpo])
+        try:
+            c.seek(tpo)
+        except Exception as e:  # noqa: BLE001 - not fetching yet: the retry seeks again
+            log.debug("seek failed", **kv(topic=tp[0], partition=tp[1], error=str(e)))
+        return False
+
+    def _retry_gaps(self, c, now: float) -> None:
+        """Resume the partitions whose gap is due for a re-fetch (sought back to its start)."""
+        from confluent_kafka import TopicPartition
+
+        due = [(tp, p) for tp, p in self._pending_gaps.items() if p.retry_at and p.retry_at <= now]
+        for tp, p in due:
+            p.retry_at = 0.0  # resumed: the next answer decides
+            tpo = TopicPartition(tp[0], tp[1], p.start)
+            try:
+                c.seek(tpo)
+            except Exception:  # noqa: BLE001 - the partition's fetcher not started yet: resume alone
+                pass
+            c.resume([tpo])
+            if tp in self.idle.paused:  # the watch had it paused: it stays fetched until consumed
+                self.idle.paused.discard(tp)
+                self.idle.paused_at.pop(tp, None)
+        for tp, p in self._pending_gaps.items():
+            self._say_stalled(tp, p, now)
+
+    @staticmethod
+    def _say_stalled(tp: tuple[str, int], p: Pending, now: float) -> None:
+        """A gap not closed for GAP_STALL_S: one `stalled:` line (kdsync.observability.stalls' vocabulary)."""
+        if not p.stalled and now - p.since >= GAP_STALL_S:
+            p.stalled = True
+            log.warning("stalled: a source partition holds at records the broker does not hand over", **kv(
+                topic=tp[0], partition=tp[1], offsets=f"{p.start}..{p.end - 1}", missing=p.missing,
+                broker=p.broker, tries=p.tries, for_s=round(now - p.since, 1),
+                **({"look": p.error} if p.error else {})))
+
+    def _gap_closed(self, tp: tuple[str, int], off: int) -> None:
+        """The re-fetch of `tp` brought the expected offset: one WARNING, counted."""
+        p = self._pending_gaps.pop(tp)
+        self._count_gap("refetched")
+        log.warning("source gap closed by a re-fetch: the broker skipped records it holds", **kv(
+            topic=tp[0], partition=tp[1], offsets=f"{p.start}..{p.end - 1}", broker=p.broker, tries=p.tries,
+            after_s=round(time.monotonic() - p.since, 2)))
+        if p.stalled:
+            log.info("stall over", **kv(topic=tp[0], partition=tp[1], stage="source gap"))
 
     def _waiting(self, c, assigned, consumed) -> dict[tuple[str, int], int]:
         """Partitions whose high watermark (from the last fetch responses) is
@@ -295,7 +430,9 @@ class SourceConsumer:
                 pos = c.position([TopicPartition(t, p)])[0].offset
             except Exception:
                 continue
-            nxt = consumed.get((t, p), pos if pos is not None and pos >= 0 else -1)
+            nxt = consumed.get((t, p))
+            if nxt is None:  # nothing consumed yet: librdkafka has no position (-1001); the assigned offset
+                nxt = pos if pos is not None and pos >= 0 else self.idle.next.get((t, p), -1)
             if hi is not None and nxt >= 0 and hi > nxt:
                 out[(t, p)] = hi - nxt
         return out
