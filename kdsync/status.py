@@ -22,9 +22,10 @@ import os
 import time
 from typing import Any, Iterable
 
-__all__ = ["KAFKA_ERROR_RECENT_S", "member_status", "problems", "render"]
+__all__ = ["KAFKA_ERROR_RECENT_S", "RECENT_S", "member_status", "problems", "render"]
 
 KAFKA_ERROR_RECENT_S = 15.0  # a Kafka client error this recent makes the member's status unhealthy
+RECENT_S = 15.0  # a refusal or a second process claiming a peer's id is shown this long after it was last seen
 
 
 def member_status(me: str, protocol: str, shard: int | None, started: float, wire: tuple[int, int],
@@ -42,6 +43,8 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
     if tcp is not None:
         refusals.update(tcp.refusals)
         twins.update(tcp.twins)
+    refusals = {p: r for p, r in refusals.items() if now - r[2] <= RECENT_S}  # a dialer retries every few seconds
+    twins = {p: line for p, (line, seen) in twins.items() if now - seen <= RECENT_S}
     stalls: dict[str, list[str]] = {}
     for topic, stage in stalled:
         stalls.setdefault(topic, []).append(stage)

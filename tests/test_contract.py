@@ -169,10 +169,15 @@ def test_a_second_incarnation_that_comes_back_is_named_a_restart_is_not(caplog):
         assert not t.note_incarnation("dc2", "d", "127.0.0.1:7492", "127.0.0.1:6001")
         assert t.note_incarnation("dc2", "c", "0.0.0.0:7402", "127.0.0.1:5002")
         assert t.note_incarnation("dc2", "e", "127.0.0.1:7402", "127.0.0.1:5003")  # the real one restarted
+        # a copy at another address while the real one's link is up cannot be its restart: refused at once
+        t2 = TcpTransport("dc1", ("127.0.0.1", 1), {"dc2": ("127.0.0.1", 7402)}, lambda *_: None)
+        assert t2.note_incarnation("dc2", "x", "127.0.0.1:7402", "127.0.0.1:5000")
+        assert not t2.note_incarnation("dc2", "y", "127.0.0.1:7492", "127.0.0.1:6000", live=True)
+        assert "dc2" in t2.twins
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1, lines  # one line a minute
+    assert len(lines) == 2, lines  # one line a minute for each transport
     assert "two processes claim member dc2" in lines[0] and "127.0.0.1:7402" in lines[0] and "127.0.0.1:7492" in lines[0]
-    assert "dc2" in t.twins
+    assert "two processes claim member dc2" in t.twins["dc2"][0]
 
 
 def test_refusals_are_counted_by_reason_and_logged_once_per_reason_until_admitted(caplog):

@@ -186,7 +186,7 @@ class Transport(abc.ABC):
         self.local = local
         self.status: Callable[[], dict] | None = None  # answers a `kdsync status` probe (the member's view)
         self.refusals: dict[str, tuple[str, str, float]] = {}  # peer -> (why, reason, time.monotonic()) of its last
-        self.twins: dict[str, str] = {}  # peer -> the line saying two processes claim its id
+        self.twins: dict[str, tuple[str, float]] = {}  # peer -> (the line: two processes claim it, last seen)
         self._incarnations: dict[str, list[tuple[str, str, str]]] = {}  # peer -> (incarnation, where, listen)
         self._twin_logged: dict[str, float] = {}
         self._closing = False
@@ -215,7 +215,7 @@ class Transport(abc.ABC):
         """`peer` passed a handshake: a later refusal is logged again."""
         self.refusals.pop(peer, None)
 
-    def note_incarnation(self, peer: str, incarnation: str, listen: str, addr: str) -> bool:
+    def note_incarnation(self, peer: str, incarnation: str, listen: str, addr: str, live: bool = False) -> bool:
         """An authenticated link from `peer`'s process `incarnation`, which
         says it listens at `listen`; returns whether to take it.  A process
         displaced by another incarnation of the same id that comes back is
@@ -223,22 +223,27 @@ class Transport(abc.ABC):
         claim the id.  One ERROR a minute names both; from then on, a
         process whose listen address is not the one configured for `peer`
         is refused while one that is exists (a copied config with another
-        port stays out; the real member keeps its link)."""
+        port stays out; the real member keeps its link).  `live`: the link
+        of the last incarnation taken is still up — a newcomer that is not
+        at the configured address while that one is cannot be its restart."""
         if not incarnation:
             return True
         seen = self._incarnations.get(peer, [])
         where = f"{listen or '?'} (connecting from {addr})"
-        if seen and seen[-1][0] != incarnation and any(x[0] == incarnation for x in seen[:-1]):
+        if seen and seen[-1][0] != incarnation and (
+                any(x[0] == incarnation for x in seen[:-1])
+                or (live and self._configured_at(peer, seen[-1][2]) and not self._configured_at(peer, listen))):
             other = seen[-1][1]
-            self.twins[peer] = (f"two processes claim member {peer}: one at {where}, the other at {other}; each "
-                                f"member needs its own [member] id: stop the one that should not run")
-            now = time.monotonic()
-            if now - self._twin_logged.get(peer, float("-inf")) >= 60.0:
-                self._twin_logged[peer] = now
-                self.log.error("%s", self.twins[peer])
+            line = (f"two processes claim member {peer}: one at {where}, the other at {other}; each member needs "
+                    f"its own [member] id: stop the one that should not run")
+            self.twins[peer] = (line, time.monotonic())
+            if self.twins[peer][1] - self._twin_logged.get(peer, float("-inf")) >= 60.0:
+                self._twin_logged[peer] = self.twins[peer][1]
+                self.log.error("%s", line)
         self._incarnations[peer] = ([x for x in seen if x[0] != incarnation] + [(incarnation, where, listen)])[-4:]
         if peer in self.twins and not self._configured_at(peer, listen) and any(
                 self._configured_at(peer, x[2]) for x in self._incarnations[peer]):
+            self.twins[peer] = (self.twins[peer][0], time.monotonic())  # still knocking
             return False
         return True
 

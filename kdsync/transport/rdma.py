@@ -968,7 +968,8 @@ class RdmaTransport(Transport):
         peer = conn.peer
         self.note_admitted(peer)
         if conn.role == "listener":
-            if not self.note_incarnation(peer, hs.peer_incarnation, hs.peer_listen, "rdma"):
+            live = peer in self._in and self._in[peer].state == "up"
+            if not self.note_incarnation(peer, hs.peer_incarnation, hs.peer_listen, "rdma", live):
                 raise HandshakeError(f"another process claims member {peer} at {hs.peer_listen}, where {peer} "
                                      f"is not configured", "identity")
             old = self._in.get(peer)

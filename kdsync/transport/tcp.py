@@ -581,7 +581,8 @@ class TcpTransport(Transport):
             if hs.probe is not None:  # `kdsync check` / `kdsync status`: never this peer's link
                 return _Probe(hs.probe, hs.peer or "")
             assert hs.peer is not None
-            if not self.note_incarnation(hs.peer, hs.peer_incarnation, hs.peer_listen, _peername(writer)):
+            live = hs.peer in self._inbound and not self._inbound[hs.peer].is_closing()
+            if not self.note_incarnation(hs.peer, hs.peer_incarnation, hs.peer_listen, _peername(writer), live):
                 raise HandshakeError(f"another process claims member {hs.peer} at {hs.peer_listen}, where "
                                      f"{hs.peer} is not configured (the one at its configured address keeps the "
                                      f"link)", "identity")
