@@ -483,7 +483,8 @@ class LocalGroup:
                  metrics: bool = False, witnesses: set[int] | frozenset[int] = frozenset(), shards: int = 1,
                  workers: int | None = None, source_partitions: int = 1, durable: bool = False,
                  stall_after_ms: int = 10_000, expect_stalls: bool = False, host: str = "127.0.0.1",
-                 broker: str | None = None):
+                 broker: str | None = None,
+                 durable_tuning: bool = True):
         # the environment's choice does not turn a durable group (S3: Tansu only) into an error
         self.broker = check_broker(broker, durable) if broker is not None else (
             "tansu" if durable else default_broker())
@@ -513,7 +514,8 @@ class LocalGroup:
         self.timing = dict(tick_ms=tick_ms, heartbeat_ms=heartbeat_ms, suspect_ms=suspect_ms, retransmit_ms=retransmit_ms)
         self.peer_address = peer_address or (lambda i, j: f"{self.host}:{self.ports[j]}")
         self.extra = extra or {}
-        if durable:  # Tansu on S3 stores one object per batch and lists a partition's objects on every fetch
+        # durable (unless durable_tuning=False: the members' plain defaults, as a user's config would have them):
+        if durable and durable_tuning:  # Tansu on S3 stores one object per batch and lists a partition's objects on every fetch
             self.extra = {"kafka.producer": {"linger.ms": DURABLE_LINGER_MS},
                           "kafka.consumer": {"fetch.wait.max.ms": 100}, **self.extra}
         self.procs: list[subprocess.Popen | None] = [None] * n
