@@ -1,7 +1,9 @@
-"""The kdsync-kafka Spark data source against a real Tansu broker, and its
-range planning as a pure function."""
+"""The kdsync-kafka Spark data source against a real broker (Tansu, or noida
+with KDSYNC_TEST_BROKER=noida), and its range planning as a pure function."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from conftest_spark import get_spark
@@ -26,9 +28,16 @@ def test_plan_ranges_starting_and_ending_offsets():
 @pytest.fixture(scope="module")
 def two_clusters():
     from kdsync.kafka.embedded import embedded_clusters
+    from kdsync.testing.local import default_broker
 
-    with embedded_clusters(2, names=["a", "b"]) as cs:
+    with embedded_clusters(2, names=["a", "b"], broker=default_broker()) as cs:
         yield cs
+
+
+# source timestamps of the records: a minute ago, well inside the default 7-day
+# retention (a broker that enforces it, as Kafka and noida do, would delete
+# records stamped in 1970 at once)
+T0 = int(time.time() * 1000) - 60_000
 
 
 def _produce(cluster, topic, n, partitions):
@@ -42,7 +51,7 @@ def _produce(cluster, topic, n, partitions):
                   "log_level": 3})
     for i in range(n):
         p.produce(topic, key=b"k%d" % i, value=b"v%d" % i, partition=i % partitions,
-                  headers=[("i", str(i).encode()), ("nil", None)], timestamp=1_000_000 + i)
+                  headers=[("i", str(i).encode()), ("nil", None)], timestamp=T0 + i)
     assert p.flush(30) == 0
 
 
@@ -68,7 +77,7 @@ def test_reads_every_record_in_parallel_ranges(two_clusters):
     # whatever the broker reported as the end, reading to EOF found everything
     assert sum(highs) <= 600
     one = next(r for r in rows if r["cluster"] == "a" and r["partition"] == 1 and r["offset"] == 0)
-    assert (one["key"], one["value"], one["timestamp"]) == (b"k1", b"v1", 1_000_001)
+    assert (one["key"], one["value"], one["timestamp"]) == (b"k1", b"v1", T0 + 1)
     assert [(h["key"], h["value"]) for h in one["headers"]] == [("i", b"1"), ("nil", None)]
     assert sorted({r["partition"] for r in rows if r["cluster"] == "b"}) == [0, 1, 2]
     # one Spark task per planned range: cluster a cut by what its broker reported
