@@ -11,7 +11,9 @@ as N replica entries all naming its single node, and -1 (the broker default)
 as 1.  It does not enforce min.insync.replicas (acks=all succeeds with one
 replica) and keeps records past retention.ms in memory storage.  So these
 tests check what kdsync asks for and what the cluster reports, which is what a
-real Kafka cluster would then enforce.
+real Kafka cluster would then enforce.  noida-db enforces the replication
+factor as Kafka does (at most its one broker): on it, the member refuses to
+start with one line.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import pytest
 
 from kdsync.config import ConfigError, config_from_dict
 from kdsync.kafka.embedded import EmbeddedCluster
-from kdsync.kafka.topic import ensure_topic, topic_settings, weaker_settings
+from kdsync.kafka.topic import ensure_topic, partition_count, topic_settings, weaker_settings
 
-from helpers import member_command, solo_config
+from helpers import member_command, refused_start, solo_config
 
 
 def _cfg(topics: dict):
@@ -159,6 +161,22 @@ def test_member_creates_the_global_topic_with_the_settings_and_warns_about_weake
         assert ('weaker="replication factor 1 < 3; min.insync.replicas 1 < 2; retention.ms not set '
                 '(asked 604800000)"') in warn[0]
         assert topic_settings(c.bootstrap, "audit-global") == (1, {"min.insync.replicas": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_replication_factor_the_cluster_cannot_hold_stops_the_member_with_one_line(tmp_path):
+    """noida, like a real Kafka cluster, refuses a replication factor above
+    its broker count (Tansu accepts it and reports N replicas on its one
+    node, above): the member stops at start, exit 1, one line naming the
+    topic, what was asked and the broker's reason; nothing half made."""
+    with EmbeddedCluster("one-broker", log_dir=tmp_path, broker="noida") as c:
+        ensure_topic(c.bootstrap, "orders")
+        cfg = solo_config(tmp_path / "orders.toml", c.bootstrap, "orders", ASKED)
+        line, _ = refused_start(cfg, timeout=60)
+        assert line.startswith("kdsync run: topics: creating orders-global (replication_factor=3, "), line
+        assert "replication factor of 3 cannot be reached because only 1 broker(s) are registered" in line, line
+        assert partition_count(c.bootstrap, "orders-global") == 0
 
 
 def test_ensure_topics_makes_hundreds_at_once_and_warns_once_per_weaker_existing_topic(tmp_path, caplog):
