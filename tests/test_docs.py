@@ -166,7 +166,7 @@ def test_metric_labels_in_docs_match():
 
 
 COMMANDS = [["run"], ["demo"], ["audit"], ["archive"], ["compact"], ["restore"], ["offsets", "sync"],
-            ["offsets", "translate"]]
+            ["offsets", "translate"], ["check"], ["status"]]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
