@@ -320,3 +320,42 @@ def test_a_transaction_marker_is_accounted_for_without_a_refetch(tmp_path):
         src, got = asyncio.run(_consume(c.bootstrap, "events", lambda got: got and got[-1] == 9))
         assert got == [0, 1, 2, 3, 4, 5, 6, 8, 9]
         assert src.gaps == {"control": 1}
+
+
+# ------------------------------------------------------------------ real members: the drop in front of dc1's member
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_member_whose_broker_drops_a_fetched_batch_orders_every_record(tmp_path):
+    """Three `kdsync run` members; dc1's broker is reached through the proxy,
+    which drops one batch from the first Fetch answer of dc1's source that
+    holds three or more.  Every record of every cluster is in every global
+    topic, once, in origin order, and dc1 counted one gap closed by a
+    re-fetch.  With KDSYNC_SOURCE_GAP_ACCOUNTING=off in the environment
+    this test fails: the dropped batch's records are in no global topic."""
+    from kdsync.testing.fetch_proxy import ProxiedCluster
+    from kdsync.testing.local import LocalGroup, check_global_topics
+
+    g = LocalGroup(3, tmp_path, metrics=True)
+    g.clusters[0] = ProxiedCluster("dc1", log_dir=g.dir)
+    try:
+        g.start_brokers()
+        for i in range(3):
+            _write_batches(g.bootstrap(i), g.topic, 10, 5, g.names[i])
+        g.clusters[0].proxy.arm(g.topic, min_batches=3, index=1)
+        g.start_members()
+        g.wait_ready(60)
+        got = g.wait_for(150, 90, poll=0.2)
+        dropped = g.clusters[0].proxy.dropped
+        assert len(dropped) == 1, "the proxy dropped nothing: the test injected no gap"
+        ok, detail = check_global_topics(got, expected=150)
+        assert ok, f"dropped {dropped}: {detail}"
+        keys = {r.key for r in got["dc1"]}
+        assert all(b"dc1-%d-%d" % (b, i) in keys for b in range(10) for i in range(5))
+        gaps = {k[1][0][1]: v for k, v in g.metrics(0).items() if k[0] == "kdsync_source_gaps_total"}
+        assert gaps["refetched"] == 1, gaps
+        line = [x for x in g.log_text(0).splitlines() if "source gap closed by a re-fetch" in x]
+        assert len(line) == 1 and f"broker={g.clusters[0].proxy.address}" in line[0], line
+    finally:
+        g.close()
