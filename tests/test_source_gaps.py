@@ -359,3 +359,25 @@ def test_a_member_whose_broker_drops_a_fetched_batch_orders_every_record(tmp_pat
         assert len(line) == 1 and f"broker={g.clusters[0].proxy.address}" in line[0], line
     finally:
         g.close()
+
+
+def test_a_gap_that_never_closes_holds_the_partition_and_says_stalled_with_its_offsets(monkeypatch, caplog):
+    import logging
+
+    from kdsync.kafka import source
+    from kdsync.kafka.gaps import Account
+
+    monkeypatch.setattr(source, "GAP_STALL_S", 0.0)
+    look = _Look([Account(missing=[[2, 3]], broker="b:1") for _ in range(3)])
+    s, counted = _consumer(look)
+    consumed, c = {}, _Client()
+    with caplog.at_level(logging.INFO, logger="kdsync.source"):
+        runs = s._runs([_Msg("t", 0, o) for o in (0, 1, 3, 4)], consumed, c)
+        assert [e.offset for r in runs for e in r.events] == [0, 1]
+        for _ in range(2):  # the broker answers every re-fetch from 2 with the same later batch
+            assert s._runs([_Msg("t", 0, o) for o in (3, 4)], consumed, c) == []
+    assert consumed[("t", 0)] == 2 and counted == [] and s._pending_gaps[("t", 0)].tries == 3
+    stalled = [r.kv for r in caplog.records if r.getMessage().startswith("stalled: ")]
+    assert len(stalled) == 1, stalled
+    assert {k: stalled[0][k] for k in ("topic", "partition", "offsets", "broker")} == \
+        {"topic": "t", "partition": 0, "offsets": "2..2", "broker": "b:1"}
