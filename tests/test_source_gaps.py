@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kdsync.kafka.gaps import Pending, classify
+from kdsync.kafka.gaps import Pending, accounting_on, classify
 from kdsync.kafka.wire import BatchHeader, encode_fetch_v4, parse_batches, parse_fetch_v4
 from kdsync.testing.fetch_proxy import _lower_fetch
 
@@ -173,8 +173,6 @@ class _Look:
         self.answers, self.asked = answers, []
 
     def account(self, c, topic, partition, start, end):
-        from kdsync.kafka.gaps import Account
-
         self.asked.append((topic, partition, start, end))
         return self.answers.pop(0)
 
@@ -198,8 +196,7 @@ def test_a_gap_the_look_accounts_for_is_one_look_and_the_run_is_handed_over():
     s, counted = _consumer(look)
     consumed = {}
     runs = s._runs([_Msg("t", 0, o) for o in (0, 1, 3, 4)] + [_Msg("t", 1, 0)], consumed, _Client())
-    assert [(r.partition, r.batch.first_offset if hasattr(r.batch, "first_offset") else r.events[0].offset,
-             len(r.events)) for r in runs] == [(0, 0, 2), (0, 3, 2), (1, 0, 1)]
+    assert [(r.partition, r.events[0].offset, len(r.events)) for r in runs] == [(0, 0, 2), (0, 3, 2), (1, 0, 1)]
     assert look.asked == [("t", 0, 2, 3)] and counted == ["control"] and consumed[("t", 0)] == 5
     # consecutive runs: no look at all (one comparison per run)
     s._runs([_Msg("t", 0, 5), _Msg("t", 0, 6)], consumed, _Client())
@@ -228,7 +225,7 @@ def test_with_the_accounting_off_a_gap_is_handed_over_as_before(monkeypatch):
     monkeypatch.setenv("KDSYNC_SOURCE_GAP_ACCOUNTING", "off")
     look = _Look([])
     s, _ = _consumer(look)
-    s.gap_check = __import__("kdsync.kafka.gaps", fromlist=["x"]).accounting_on()
+    s.gap_check = accounting_on()  # what SourceConsumer reads at construction
     runs = s._runs([_Msg("t", 0, o) for o in (0, 1, 3)], {}, _Client())
     assert [e.offset for r in runs for e in r.events] == [0, 1, 3] and look.asked == []
 
