@@ -132,3 +132,24 @@ def test_a_fixed_port_another_broker_holds_is_refused_with_the_brokers_own_line(
         assert f"port {a.port} is already in use" in str(e.value) and "\n" not in str(e.value)
         assert not b.running()
         b.close()
+
+
+def test_local_group_takes_its_broker_from_the_argument_then_the_environment(tmp_path, monkeypatch):
+    """LocalGroup(broker=...) wins; without it $KDSYNC_TEST_BROKER (checked,
+    one line), else Tansu; a durable group is Tansu's whatever the
+    environment says, and durable noida asked for by name is refused."""
+    from kdsync.testing.local import LocalGroup
+
+    monkeypatch.delenv("KDSYNC_TEST_BROKER", raising=False)
+    assert LocalGroup(1, tmp_path).broker == "tansu"
+    assert LocalGroup(1, tmp_path, broker="noida").clusters[0].broker == "noida"
+    monkeypatch.setenv("KDSYNC_TEST_BROKER", "noida")
+    assert LocalGroup(1, tmp_path).clusters[0].broker == "noida"
+    assert LocalGroup(1, tmp_path, broker="tansu").broker == "tansu"
+    assert LocalGroup(1, tmp_path, durable=True).broker == "tansu"
+    with pytest.raises(ValueError, match="^durable clusters are Tansu only"):
+        LocalGroup(1, tmp_path, durable=True, broker="noida")
+    monkeypatch.setenv("KDSYNC_TEST_BROKER", "redpanda")
+    with pytest.raises(ValueError, match=r"^KDSYNC_TEST_BROKER: unknown broker 'redpanda' \(expected one of: tansu, "
+                                         r"noida\)$"):
+        LocalGroup(1, tmp_path)
