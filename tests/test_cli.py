@@ -66,9 +66,9 @@ def test_kdsync_sim_help(capsys):
 
 
 @pytest.mark.parametrize("main, argv, line", [
-    (kdsync, [], "kdsync: give a command: run, demo, audit, archive, compact, restore, offsets (see kdsync --help)"),
+    (kdsync, [], "kdsync: give a command: run, demo, audit, archive, compact, restore, offsets, check, status (see kdsync --help)"),
     (kdsync, ["bogus"], "kdsync: unknown command 'bogus' (expected one of: run, demo, audit, archive, compact, "
-                        "restore, offsets)"),
+                        "restore, offsets, check, status)"),
     (kdsync, ["--bogus"], "kdsync: unrecognized option --bogus (see kdsync --help)"),
     (kdsync, ["run", "--bogus"], "kdsync run: unrecognized option --bogus (see kdsync run --help)"),
     (kdsync, ["run", "--config"], "kdsync run: option '--config' requires an argument (see kdsync run --help)"),
