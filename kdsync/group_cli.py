@@ -84,6 +84,15 @@ def _dial_address(addr: str) -> tuple[str, int]:
     return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host), port
 
 
+def _running(cfg) -> int | None:
+    """The pid of the process running this member here (its state directory's
+    lock, or its supervisor's with --workers), if any."""
+    from kdsync.state import StateDirLock
+
+    return (StateDirLock(cfg.state_path()).held_by_other()
+            or StateDirLock(cfg.state_path(), "supervisor.lock").held_by_other())
+
+
 # ---------------------------------------------------------------- kdsync check
 def check_kafka(cfg, timeout: float) -> list[Finding]:
     """The member's brokers: reachable, its source topics there, its global
@@ -187,12 +196,10 @@ async def check_peers(cfg, shard, timeout: float) -> list[Finding]:
 
 def check(path: str, timeout: float = 5.0) -> tuple[int, list[Finding]]:
     """`kdsync check`: (exit code, findings)."""
-    from kdsync.state import StateDirLock
-
     cfg = _load(path)
     found = [Finding("ok", f"config: {path} is valid (member {cfg.member.id}, protocol {cfg.protocol.name}, "
                            f"{len(cfg.peers)} members)")]
-    holder = StateDirLock(cfg.state_path()).held_by_other()
+    holder = _running(cfg)
     found.append(Finding("note", f"state: member {cfg.member.id} is running here (pid {holder})" if holder else
                          f"state: no member runs on {cfg.state_path()} now"))
     if cfg.member.role == "member":
@@ -213,7 +220,6 @@ def _check_cmd(config: _Config, timeout: _Timeout = 5.0) -> int:
 
 # ---------------------------------------------------------------- kdsync status
 async def _ask(cfg, shard, timeout: float) -> dict:
-    from kdsync.state import StateDirLock
     from kdsync.transport import TransportError
     from kdsync.transport.handshake import HandshakeError
     from kdsync.transport.tcp import probe
@@ -226,7 +232,7 @@ async def _ask(cfg, shard, timeout: float) -> dict:
     except HandshakeError as e:
         return {"member": me, "shard": shard, "error": f"its listen address {addr[0]}:{addr[1]} refused: {e}"}
     except (TransportError, asyncio.TimeoutError, OSError) as e:
-        holder = StateDirLock(cfg.state_path()).held_by_other()
+        holder = _running(cfg)
         why = (f"running (pid {holder}) but not answering at {addr[0]}:{addr[1]} ({e or 'timed out'})" if holder
                else f"not running (nothing answers at {addr[0]}:{addr[1]})")
         return {"member": me, "shard": shard, "error": why}
