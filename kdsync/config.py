@@ -349,6 +349,9 @@ class KafkaSection(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     consumer: dict[str, Any] = Field(default_factory=dict)
     producer: dict[str, Any] = Field(default_factory=dict)
+    # kdsync's own, not librdkafka's: true orders whatever read_committed hands over, without the
+    # start-up probe and the check of transactional records (kdsync.kafka.transactions, docs/config.md)
+    trust_read_committed: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -360,9 +363,16 @@ class KafkaSection(BaseModel):
             if k in ("consumer", "producer") and not isinstance(v, dict):
                 raise ValueError(f"{_KEY}{k}{_KEY}must be a table of librdkafka properties")
             for k2, v2 in sub:
+                name = f"{k}.{k2}" if k2 is not None else k
                 if not isinstance(v2, (str, int, float, bool)):
-                    name = f"{k}.{k2}" if k2 is not None else k
                     raise ValueError(f"{_KEY}{name}{_KEY}librdkafka property must be a string, number or boolean")
+                if (k2 or k) == "isolation.level" and k != "producer" and v2 != "read_committed":
+                    key = f'{k}."{k2}"' if k2 is not None else f'"{k}"'
+                    raise ValueError(f"{_KEY}{key}{_KEY}{v2!r}: kdsync reads its source read_committed (aborted "
+                                     f"records never enter the order); leave it out")
+        if "trust_read_committed" in data and not isinstance(data["trust_read_committed"], bool):
+            raise ValueError(f"{_KEY}trust_read_committed{_KEY}must be true or false, got "
+                             f"{data['trust_read_committed']!r}")
         return data
 
     def common(self) -> dict[str, KafkaValue]:

@@ -291,6 +291,7 @@ class Member:
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
             on_commit=self._committed_delay,
             on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(), on_gap=self.metrics.source_gap,
+            txn_probe=not self.cfg.kafka.trust_read_committed,  # kdsync.kafka.transactions
             shard=None if self.shard is None else (self.shard, self.shards),
             on_topics=self._on_listed if self._discovers() else None)
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))

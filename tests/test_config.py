@@ -42,6 +42,10 @@ def test_minimal_spec_config(tmp_path):
     assert cfg.peer_addresses()["dc2"] == ("127.0.0.1", 7402)
     assert cfg.topics.global_topic("test") == "test-global"
     assert cfg.kafka.consumer_conf() == {"bootstrap.servers": "127.0.0.1:9092"}
+    assert cfg.kafka.trust_read_committed is False  # the broker is probed; not a librdkafka property
+    assert "trust_read_committed" not in load_config(write(tmp_path, MINIMAL.replace(
+        '"bootstrap.servers" = "127.0.0.1:9092"', '"bootstrap.servers" = "127.0.0.1:9092"\ntrust_read_committed = true'),
+        "t.toml")).kafka.producer_conf()
     assert cfg.protocol.name == "derecho" and cfg.transport.kind == "auto"
     assert cfg.secret_bytes() is None and cfg.metrics.listen is None
     assert cfg.state_path() == tmp_path / ".kdsync-state" / "dc1"
@@ -93,6 +97,16 @@ listen = "127.0.0.1:9464"
     (lambda t: t.replace('"bootstrap.servers" = "127.0.0.1:9092"', '"bootstrap.servers" = "127.0.0.1:9092"\n"x.y" = [1]'),
      "config error: kafka.x.y: librdkafka property must be a string, number or boolean"),
     (lambda t: t.replace('[kafka]\n"bootstrap.servers" = "127.0.0.1:9092"', ''), None),
+    (lambda t: t.replace('"bootstrap.servers" = "127.0.0.1:9092"', '"bootstrap.servers" = "127.0.0.1:9092"\n'
+                                                                    'trust_read_committed = "yes"'),
+     "config error: kafka.trust_read_committed: must be true or false, got 'yes'"),
+    (lambda t: t.replace('"bootstrap.servers" = "127.0.0.1:9092"', '"bootstrap.servers" = "127.0.0.1:9092"\n'
+                                                                    '"isolation.level" = "read_uncommitted"'),
+     "config error: kafka.\"isolation.level\": 'read_uncommitted': kdsync reads its source read_committed "
+     "(aborted records never enter the order); leave it out"),
+    (lambda t: t + '\n[kafka.consumer]\n"isolation.level" = "read_uncommitted"\n',
+     "config error: kafka.consumer.\"isolation.level\": 'read_uncommitted': kdsync reads its source "
+     "read_committed (aborted records never enter the order); leave it out"),
     (lambda t: t + '\n[transport]\nsecret = "a"\nsecret_file = "b"\n', None),
     (lambda t: t + '\n[transport]\ntls = { certfile = "missing.pem", keyfile = "k" }\n', "config error: transport.tls.certfile: no such file 'missing.pem'"),
     (lambda t: t + "\n[[[", None),

@@ -36,6 +36,11 @@ expected of its partition is a gap; it is accepted only when a look at the
 broker accounts for every offset in it (transaction markers, aborted records,
 compaction, retention), else the records after it are not handed over and
 the partition is fetched again from the expected offset — never skipped.
+
+Transactions (kdsync.kafka.transactions): with `txn_probe`, the thread first
+asks its broker whether read_committed readers see aborted records; on one
+that shows them (or cannot be asked), every run is checked against its
+batches' headers and a partition holds at its first transactional record.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from kdsync.core import Batch, Event
 from kdsync.kafka.gaps import GAP_RETRY_MAX_S, GAP_STALL_S, GapLook, Pending, accounting_on
 from kdsync.kafka.idle_watch import IdleWatch
 from kdsync.kafka.records import pack_payload
+from kdsync.kafka.transactions import TxnGuard
 from kdsync.observability.logs import kv
 from kdsync.observability.profiler import profiler
 
@@ -115,7 +121,7 @@ class SourceConsumer:
                  shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
                  on_restart: Callable[[int], None] | None = None, idle: tuple = IDLE_DEFAULTS,
                  on_topics: Callable[[list[str]], None] | None = None,
-                 on_gap: Callable[[str], None] | None = None):
+                 on_gap: Callable[[str], None] | None = None, txn_probe: bool = False):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
         self.origin = origin
@@ -162,6 +168,9 @@ class SourceConsumer:
         self._pending_gaps: dict[tuple[str, int], Pending] = {}
         self._look = GapLook({k: v for k, v in self.conf.items() if not callable(v)})
         self._unverified_said: set[tuple[str, int]] = set()
+        # transactional records on a broker that may hand over aborted ones (kdsync.kafka.transactions)
+        txn_id = f"kdsync-txn-probe-{origin}" + (f"-s{shard[0]}" if shard else "")
+        self.txn = TxnGuard(self.conf, self._look, txn_id) if txn_probe else None
 
     # ------------------------------------------------------------ the loop's side
     def add_topic(self, topic: str, start: dict[int, int]) -> None:
@@ -202,6 +211,8 @@ class SourceConsumer:
     def _consume(self) -> None:
         from confluent_kafka import Consumer
 
+        if self.txn is not None:
+            self.txn.start()  # before the first fetch: what the broker's read_committed can be trusted with
         c = Consumer(self.conf)
         assigned: dict[tuple[str, int], bool] = {}
         consumed: dict[tuple[str, int], int] = {}  # next offset to consume, per source partition
@@ -218,6 +229,8 @@ class SourceConsumer:
                 self.idle.step(c, now)
                 if self._pending_gaps:
                     self._retry_gaps(c, now)
+                if self.txn is not None and self.txn.retry:
+                    self._retry_txn(c, now)
                 if assigned and now - last_record > self._stall_after():
                     last_record = now
                     waiting = self._waiting(c, assigned, consumed)
@@ -313,11 +326,57 @@ class SourceConsumer:
                 ts = now_ms = now_ms or int(wall * 1000)
             cur[5].append(ts)
         self._moved = True
+        if self.txn is not None and self.txn.on and c is not None:
+            parts = self._txn_cut(c, parts)
         for topic, part, first, nxt, payloads, tss in parts:
             consumed[(topic, part)] = nxt
             self.idle.consumed((topic, part), nxt, mono)
             runs.append(SourceRun(topic, part, Batch.of(origin, part, first, payloads, tss), wall, mono))
+        if self.txn is not None and self.txn.held:
+            for tp in self.txn.held:  # held for good: never paused and resumed by the idle watch
+                self.idle.last.pop(tp, None)
         return runs
+
+    # ------------------------------------------------------------ transactions (kdsync.kafka.transactions)
+    def _txn_cut(self, c, parts: list) -> list:
+        """`parts` as the transaction guard lets them through: a run is cut
+        where its partition stops (held at a transactional record, or its
+        look failed), the partition paused and sought back there."""
+        from confluent_kafka import TopicPartition
+
+        out, stopped = [], set()
+        for part in parts:
+            tp = (part[0], part[1])
+            if tp in stopped:
+                continue
+            first, nxt = part[2], part[3]
+            ok = self.txn.allowed(c, tp, first, nxt)
+            if ok < nxt:
+                stopped.add(tp)
+                tpo = TopicPartition(tp[0], tp[1], ok)
+                c.pause([tpo])
+                try:
+                    c.seek(tpo)
+                except Exception as e:  # noqa: BLE001 - paused: a retry seeks again
+                    log.debug("seek failed", **kv(topic=tp[0], partition=tp[1], error=str(e)))
+                if ok == first:
+                    continue
+                part[3] = ok
+                del part[4][ok - first:], part[5][ok - first:]
+            out.append(part)
+        return out
+
+    def _retry_txn(self, c, now: float) -> None:
+        """Resume the partitions whose failed batch-header look is due again."""
+        from confluent_kafka import TopicPartition
+
+        for (t, p), off in self.txn.due(now):
+            tpo = TopicPartition(t, p, off)
+            try:
+                c.seek(tpo)
+            except Exception:  # noqa: BLE001 - the partition's fetcher not started yet: resume alone
+                pass
+            c.resume([tpo])
 
     # ------------------------------------------------------------ gaps (kdsync.kafka.gaps)
     def _count_gap(self, kind: str) -> None:
@@ -423,7 +482,7 @@ class SourceConsumer:
         out = {}
         paused = self.idle.paused  # not fetched: no fetch answer to be stalled (the watch asks their ends)
         for (t, p) in list(assigned):
-            if (t, p) in paused:
+            if (t, p) in paused or (self.txn is not None and self.txn.stopped((t, p))):
                 continue
             try:
                 _, hi = c.get_watermark_offsets(TopicPartition(t, p), cached=True)
@@ -474,6 +533,9 @@ class SourceConsumer:
         c.close()
         c = Consumer(self.conf)
         c.incremental_assign(positions)
+        held = [tp for tp in positions if self.txn is not None and self.txn.stopped((tp.topic, tp.partition))]
+        if held:  # held partitions stay held in the new client
+            c.pause(held)
         self.idle.reset(time.monotonic())
         if self.on_restart is not None:
             self.on_restart(wait)
@@ -559,7 +621,8 @@ class SourceConsumer:
                 if last.get((t, p)) != lag:  # a thousand idle partitions: nothing to tell
                     last[(t, p)] = lag
                     self.on_lag(t, p, lag)
-                self._unfetched.setdefault(t, {})[p] = max(0, hi - consumed.get((t, p), done))
+                held = self.txn is not None and tp in self.txn.held  # said once by its own stalled line
+                self._unfetched.setdefault(t, {})[p] = 0 if held else max(0, hi - consumed.get((t, p), done))
 
     def _drain_commits(self, c, final: bool = False) -> None:
         """Take the queued commits (durable below: back-pressure and lag see
