@@ -72,6 +72,7 @@ def _all_config_keys():
     keys += [(f"peers.<id>.{k}", d) for k, d in _config_keys(PeerEntry, "")]  # peers.<id> = { address, role }
     keys += [("peers.<id>", None), ("kafka.<property>", None)]
     keys += [(f"kafka.{k}", None) for k in ("consumer", "producer")]
+    keys += [(f"kafka.{k}", f.default) for k, f in KafkaSection.model_fields.items() if k not in ("consumer", "producer")]
     return keys
 
 
