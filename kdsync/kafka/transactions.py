@@ -234,8 +234,17 @@ class TxnGuard:
 
     # ------------------------------------------------------------------
     def _leader(self, c, tp: tuple[str, int]) -> tuple[str, int]:
+        """The partition's leader; one metadata listing fills in every partition's
+        (a thousand source topics: one listing, not one per partition)."""
         if tp not in self._leaders:
-            self._leaders[tp] = self.look.leader(c, tp[0], tp[1])
+            md = c.list_topics(timeout=5)  # every topic: naming one may create it
+            for name, t in md.topics.items():
+                for p, pm in (t.partitions or {}).items():
+                    b = md.brokers.get(pm.leader)
+                    if b is not None:
+                        self._leaders[(name, p)] = (b.host, b.port)
+            if tp not in self._leaders:
+                raise WireError(f"{tp[0]}[{tp[1]}] has no leader in the metadata")
         return self._leaders[tp]
 
     def _hold(self, tp: tuple[str, int], offset: int, why: str = "", **fields) -> int:
