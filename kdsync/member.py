@@ -67,7 +67,7 @@ from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
 from kdsync.state import StateDirLock, StateLog
-from kdsync.stopping import StopClock
+from kdsync.stopping import StopClock, leave_groups
 from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
 from kdsync.transport.channels import split_channel
 
@@ -508,6 +508,11 @@ class Member:
         self.gc_pauses.close()
         if self.source is not None:
             self.source.pause()  # no new source records; the thread still drains commits
+        if self.transport is not None and self._fatal is None:
+            with step("leaving the groups"):  # the peers move on at once, not after suspect_ms
+                left = await leave_groups(lambda: [(p, p.node) for p in self.pipelines.values()], self.process,
+                                          self.pcfg.tick_ms / 1000)
+                log.info("left the groups", **kv(groups=len(self.pipelines), not_confirmed=left))
         writers = [p.writer for p in self.pipelines.values() if p.writer is not None]
         if self.producer is not None and self._fatal is None:
             with step("delivery reports"):

@@ -12,6 +12,12 @@ A supervisor does not wait for ever — systemd kills after TimeoutStopSec
 period (30 s by default) — and a member that hangs there is killed with
 nothing said.
 
+The first step leaves the ordering groups (`leave_groups`): every node
+announces the clean stop (`OrderingNode.leave`), so the peers form their
+next view at once instead of waiting `suspect_ms` for the silence, and the
+member waits (at most `LEAVE_WAIT_S`) until each group took note.  Own
+events not ordered yet are not committed: the restart consumes them again.
+
 `StopClock` times the steps: a step slower than `SLOW_STEP_S` is logged
 with its duration (`stop step slow`), and when the whole stop has not
 finished within the timeout it logs which step it is stuck in, dumps every
@@ -33,11 +39,35 @@ from typing import Callable, Iterator
 
 from kdsync.observability.logs import kv
 
-__all__ = ["SLOW_STEP_S", "StopClock"]
+__all__ = ["LEAVE_WAIT_S", "SLOW_STEP_S", "StopClock", "leave_groups"]
 
 log = logging.getLogger("kdsync.member")
 
 SLOW_STEP_S = 2.0  # a stop step taking longer than this is logged
+LEAVE_WAIT_S = 2.0  # a stop waits at most this long for its groups to take note of its leave
+
+
+async def leave_groups(nodes: Callable[[], list], process: Callable[[object], None], tick_s: float,
+                       wait_s: float = LEAVE_WAIT_S) -> int:
+    """Announce the clean stop to every group (module doc) and wait until
+    each took note, ticking the leaving nodes (their Leave is repeated every
+    retransmit period) and draining them with `process(item)`; `nodes()`
+    gives (item, node) pairs.  Returns how many groups had not taken note
+    when the wait ended (0: all did)."""
+    import asyncio
+
+    for item, node in nodes():
+        node.leave()
+        process(item)
+    deadline = time.monotonic() + wait_s
+    while True:
+        waiting = [(item, node) for item, node in nodes() if not node.left]
+        if not waiting or time.monotonic() >= deadline:
+            return len(waiting)
+        await asyncio.sleep(tick_s)
+        for item, node in waiting:
+            node.tick()
+            process(item)
 
 
 def _hard_exit(code: int) -> None:  # pragma: no cover - replaced in tests

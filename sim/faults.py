@@ -1,5 +1,6 @@
 """The fault player of a simulation: the scenario's `faults:` applied at
-their times (crash, restart, partition, heal, link faults, clock pauses), in
+their times (crash, clean stop, restart, partition, heal, link faults, clock
+pauses), in
 file order on ties, each followed by the majority bookkeeping of the host
 (`Simulation.topology_changed`).  Format: docs/scenario.md."""
 
@@ -10,7 +11,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sim.runner import Simulation
 
-__all__ = ["FaultPlayer"]
+__all__ = ["FaultPlayer", "STOP_BOUND_S"]
+
+STOP_BOUND_S = 5.0  # a clean stop ends its process once the group took note, or this long after it began
 
 
 class FaultPlayer:
@@ -29,6 +32,9 @@ class FaultPlayer:
             if a == "crash":
                 for n in self.sim.site_nodes[f.crash]:
                     n.crash()
+            elif a == "stop":
+                for n in self.sim.site_nodes[f.stop]:
+                    n.stop(STOP_BOUND_S)
             elif a == "restart":
                 for n in self.sim.site_nodes[f.restart]:
                     n.start()

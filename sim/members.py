@@ -79,6 +79,7 @@ class Host(Protocol):
     max_inflight: int  # records consumed and not yet durable before a consumer pauses
     quiesce: bool  # kdsync run's [protocol] quiesce: idle nodes sleep, members ping (kdsync.core.liveness)
     peers: dict[str, list[str]]  # member -> the other members
+    tick_s: float  # one tick of the nodes
 
     @property
     def now(self) -> float: ...
@@ -115,6 +116,9 @@ class Host(Protocol):
 
     def cpu_release(self, node: "SimMember") -> None:
         """The node's service is over: its core is free."""
+
+    def topology_changed(self) -> None:
+        """A process went down or came up (the majority bookkeeping)."""
 
 
 class SimMember:
@@ -159,6 +163,8 @@ class SimMember:
 
     # ------------------------------------------------------------ life cycle
     def start(self) -> None:
+        if self.up and self.node is not None and getattr(self.node, "leaving", False):
+            self.crash()  # a clean stop still waiting for its group: that process ends, a new one starts
         if self.up:
             return
         c = self.cluster
@@ -198,6 +204,26 @@ class SimMember:
         self.busy = False
         self.paused_until = -1.0
         self.status = "down"
+
+    def stop(self, bound_s: float) -> None:
+        """A clean stop (SIGTERM): the node leaves (`OrderingNode.leave`); the
+        process ends once the group took note of it, or `bound_s` later at
+        the latest, and is then down as after a crash (memory gone, disk and
+        cluster kept)."""
+        if not self.up or (self.node is not None and getattr(self.node, "leaving", False)):
+            return
+        self._input(lambda: self.node.leave())
+        self.host.after(self.host.tick_s, self._stop_check, (self.epoch, self.host.now + bound_s))
+
+    def _stop_check(self, arg) -> None:
+        epoch, deadline = arg
+        if epoch != self.epoch or not self.up:
+            return
+        if (self.node is not None and self.node.left and not self.busy) or self.host.now >= deadline:
+            self.crash()
+            self.host.topology_changed()
+            return
+        self.host.after(self.host.tick_s, self._stop_check, arg)
 
     def pause(self, until: float) -> None:
         if self.up:

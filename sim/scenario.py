@@ -138,12 +138,13 @@ class LinkFault(LinkSpec):
     to: str
 
 
-_FAULT_ACTIONS = ("crash", "restart", "partition", "heal", "link", "clock_pause")
+_FAULT_ACTIONS = ("crash", "stop", "restart", "partition", "heal", "link", "clock_pause")
 
 
 class FaultSpec(_Strict):
     at_s: float = Field(ge=0)
     crash: str | None = None
+    stop: str | None = None  # a clean stop: the member leaves (announced), then its process ends
     restart: str | None = None
     partition: list[list[str]] | None = None
     heal: Literal[True] | None = None
@@ -446,7 +447,7 @@ def _cross_check(s: Scenario) -> tuple[tuple, str] | None:
     for i, f in enumerate(s.faults):
         if f.at_s >= s.duration_s:
             return ("faults", i, "at_s"), f"must be before duration_s ({s.duration_s}); everything heals then"
-        for key in ("crash", "restart", "clock_pause"):
+        for key in ("crash", "stop", "restart", "clock_pause"):
             name = getattr(f, key)
             if name is not None and name not in seen:
                 return ("faults", i, key), unknown(name)

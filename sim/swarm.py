@@ -26,7 +26,10 @@ lossy-link             one direction of a link gets slow and lossy
 pause                  one member's clock stops
 =====================  ========================================================
 
-Every crash is followed by a restart and every link fault and partition ends
+A third of the crashes drawn are clean stops instead (SIGTERM: the member
+announces its leave, then its process ends; its own stream of draws, so a
+seed's other faults are those it always had).  Every crash is followed by a
+restart and every link fault and partition ends
 before the fault phase does; then a *probe* burst at every cluster demands
 liveness after the heal (the healed group must order new events), and the
 run settles (`stop_when_settled`: it stops once every member is up and
@@ -245,6 +248,12 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
     weights = [w for _, w in EPISODES]
     for kind in rng.choices(names, weights, k=rng.randint(1, 6)):
         f.episode(kind)
+    stops = random.Random(f"swarm2/{seed}/stop")  # its own stream: the other draws stay as they were
+    for x in f.out:  # a third of the process ends are clean stops (SIGTERM: the member leaves, announced)
+        if "crash" in x and stops.random() < 1 / 3:
+            x["stop"] = x.pop("crash")
+    if any("stop" in x for x in f.out):
+        f.kinds.append("clean-stop")
     faults = sorted(f.out, key=lambda x: x["at_s"])  # stable: a restart stays after its crash
 
     clocks = _draw_clocks(seed, ids, duration, members) if protocol == "clock" else []

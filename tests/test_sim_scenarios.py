@@ -72,3 +72,35 @@ def test_mirror_reports_agreement_violations_on_concurrent_bursts_and_exits_0(ca
     assert "\x1b" not in out  # no progress bar when stdout is not a terminal
     assert "agreement" in out
     assert f"repro: kdsync-sim run {path} --seed 10" in out
+
+
+def _worst_live_latency_ms(result, stopped: dict[str, tuple[float, float]]) -> float:
+    """The worst latency of events created while a member was down, among
+    the events of the other members delivered at the other members."""
+    worst = 0.0
+    t = result.trace
+    for origin, member, sub, dlv in zip(t["origin"], t["member"], t["submit_ts"], t["deliver_ts"]):
+        for m, (down, up) in stopped.items():
+            if down <= sub < up and m not in (origin, member):
+                worst = max(worst, (dlv - sub) * 1000)
+    return worst
+
+
+def test_a_clean_stop_costs_no_suspect_timeout_a_crash_does():
+    """Issue 42: the rolling stops of five-rolling-stops.yaml against the same
+    schedule of crashes.  A stop is announced, so the live regions' events
+    created while a member is down wait a view change, not suspect_ms (3 s)."""
+    stops = load_scenario(SCENARIOS / "five-rolling-stops.yaml")
+    faults = [f.model_dump(by_alias=True, exclude_none=True) for f in stops.faults]
+    crashes = stops.model_copy(update={"faults": [type(stops.faults[0]).model_validate(
+        {("crash" if k == "stop" else k): v for k, v in f.items()}) for f in faults]})
+    down = {f["stop"]: (f["at_s"], f["at_s"] + 3.0) for f in faults if "stop" in f}
+    worst = {}
+    for name, sc in (("stop", stops), ("crash", crashes)):
+        result = run_scenario(sc)
+        assert result.failing == [] and result.summary["violations"] == [], name
+        assert all(n == result.summary["events_submitted"] for n in result.summary["events_delivered"].values())
+        worst[name] = _worst_live_latency_ms(result, down)
+    print(f"worst live latency while a member is down: stop {worst['stop']:.0f} ms, crash {worst['crash']:.0f} ms")
+    assert worst["crash"] > 3000  # suspect_ms of silence first
+    assert worst["stop"] < 1000, worst

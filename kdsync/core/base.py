@@ -184,6 +184,14 @@ class NodeBase:
         pass
 
     # ----------------------------------------------------------------- outputs
+    def leave(self) -> None:
+        """A clean stop: nothing to announce in a protocol without views."""
+        self.leaving = True
+
+    @property
+    def left(self) -> bool:
+        return getattr(self, "leaving", False)
+
     def has_ready(self) -> bool:
         return bool(self._msgs or self._deliveries or self._views or self._reads or self._hard_dirty)
 

@@ -54,6 +54,7 @@ from typing import Iterable
 from kdsync.core.base import NodeBase
 from kdsync.core.batch import Batch
 from kdsync.core.catchup import Catchup
+from kdsync.core.departure import Departures
 from kdsync.core.messages import (
     DERECHO_MESSAGES,
     Accept,
@@ -67,9 +68,11 @@ from kdsync.core.messages import (
     Hint,
     Install,
     Join,
+    Leave,
     LogData,
     LogReq,
     Message,
+    Nudge,
     Report,
     Snapshot,
 )
@@ -117,7 +120,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-class DerechoNode(NodeBase):
+class DerechoNode(Departures, NodeBase):
     protocol = "derecho"
     State = State
     MESSAGES = DERECHO_MESSAGES
@@ -165,6 +168,8 @@ class DerechoNode(NodeBase):
             Hint: self.vc.on_hint,
             LogReq: self.catchup.on_log_req,
             LogData: self.catchup.on_log_data,
+            Leave: self._on_leave,
+            Nudge: self._on_nudge,
         }
 
     # ------------------------------------------------------------ state
@@ -286,6 +291,8 @@ class DerechoNode(NodeBase):
         self.last_sent = {m: -10**9 for m in v.members}
         self.acked_sent: dict[str, tuple | None] = {m: None for m in v.members}  # what we last told each peer
         self.suspected: set[str] = set()
+        self.departed: set[str] = set()  # peers that left this view cleanly (Leave): suspected for good
+        self._lagging: dict[str, tuple[tuple, int]] = {}  # peer -> (our received vector it lags, since when)
         self._mine_acked: dict[str, int] = {}  # peer -> how many of our slots it acknowledged
         self._ack_round = -1  # round of the earliest data slot received and not yet acknowledged
         self.vc.reset_view()
@@ -297,6 +304,8 @@ class DerechoNode(NodeBase):
     def receive(self, sender: str, data: bytes) -> None:
         try:
             msg = self.codec.decode(data, sender)
+            if self.leaving and self._leaving_answer(msg):
+                return
             self._handlers[type(msg)](msg)
         except RemoteProtocolError:
             self.stats["bad_messages"] += 1
@@ -394,6 +403,10 @@ class DerechoNode(NodeBase):
         now = self.now
         cfg = self.cfg
         state = self.state
+        if self.leaving:  # nothing but the Leave until the group took note of it
+            if not self.left and now - self._leave_sent >= cfg.retransmit_ticks:
+                self._send_leave()
+            return
         if state in (State.JOINING, State.REJOINING) and now - self.vc.join_sent >= cfg.retransmit_ticks * 4:
             self.vc.send_join()
         if state is State.JOINING:
@@ -403,6 +416,7 @@ class DerechoNode(NodeBase):
         if member:
             # failure suspicion
             silent = {m for m in v.members if m != self.me and now - self.last_heard[m] > cfg.suspect_ticks}
+            silent |= self.departed.difference(self.vc.rejoined)  # a new incarnation of a leaver votes again
             if state is not State.ACTIVE and state is not State.CATCHING_UP:
                 # the view is over anyway: suspicion is just a timeout, not sticky, so
                 # members that hear each other again after a partition heals can form
@@ -427,6 +441,8 @@ class DerechoNode(NodeBase):
                 every = cfg.heartbeat_ticks * 4 if p in self.suspected else slow
                 if now - self.last_sent[p] >= every:
                     self._send_ack(p)
+        if member and not self.wedged:
+            self._nudge_lagging()
         # retransmit own slots to lagging peers
         st = self.stream
         if not self.wedged and st.my_k >= 0:
@@ -470,6 +486,9 @@ class DerechoNode(NodeBase):
         me = self.me
         for p in self.view.members:
             if p != me and self.acked_sent.get(p) != cur:
+                return False
+        for acks in st.acks.values():  # a peer has not acknowledged what we hold: we wait for it (Nudge)
+            if any(a < c for a, c in zip(acks, cur)):
                 return False
         return not self.vc.joiners or not self.vc.wanted_joiners()
 

@@ -536,8 +536,30 @@ class LogData(Message):
 
 
 
+class Leave(Message):
+    """The sender stops cleanly and leaves `view`: its peers suspect it at
+    once instead of after suspect_ticks (wire version 2; a peer of an older
+    release drops it and suspects the silence, as before)."""
+
+    __slots__ = ("view",)
+    TYPE = 20
+    FIELDS = (("view", INT),)
+    view: int
+
+
+class Nudge(Message):
+    """The sender holds slots of `view` it has not seen the receiver
+    acknowledge for a while: the receiver's acknowledgement was lost while
+    both were quiet (kdsync.core.liveness), so it is asked to send it again."""
+
+    __slots__ = ("view",)
+    TYPE = 21
+    FIELDS = (("view", INT),)
+    view: int
+
+
 DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                    Snapshot, Hint, LogReq, LogData)
+                    Snapshot, Hint, LogReq, LogData, Leave, Nudge)
 SEQUENCER_MESSAGES = DERECHO_MESSAGES + (Forward,)
 
 # -------------------------------------------------------------------- clock
@@ -602,7 +624,7 @@ class SlotData(Message):
 
 
 CLOCK_MESSAGES = (ClockAppend, ClockAck, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData)
+                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge)
 
 # ------------------------------------------------------------------- mirror
 class MirrorData(Message):

@@ -64,6 +64,15 @@ class OrderingNode(Protocol):
         with it; the others ignore it).  Skew, drift and jumps never cost
         safety, only latency."""
 
+    def leave(self) -> None:
+        """Stop cleanly: tell the peers at once (they move on without this
+        member instead of waiting for its silence); keep draining ready()
+        until `left`, then stop driving the node."""
+
+    @property
+    def left(self) -> bool:
+        """After leave(): the peers took note (True at once for the baselines)."""
+
     def has_ready(self) -> bool:
         """True when ready() would hand over something to do."""
 

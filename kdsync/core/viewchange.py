@@ -464,6 +464,8 @@ class ViewChange:
     # ------------------------------------------------------------- joining
     def send_join(self) -> None:
         n = self.n
+        if n.leaving:
+            return  # a member that left cleanly does not ask to be taken back
         data = Join(n.me, n.incarnation, n.durable_seq, n.next_seq).encode()
         for p in n.peers:
             n._send(p, data)

@@ -1,6 +1,6 @@
 """A seeded, synchronous in-memory network of ordering nodes (etcd raft's
 `network` for kdsync): cut, isolate, drop, duplicate, reorder, recover,
-crash, restart, stabilize.  Every message is the real encoded bytes the node
+crash, stop (a clean one), restart, stabilize.  Every message is the real encoded bytes the node
 produced, so the codec is exercised on every hop.  Each member's "global
 topic" is a list of delivered batches (`NetworkMember.batches`; `topic()` takes it
 apart into Events for tests); a crashed member keeps only that and its hard
@@ -118,6 +118,21 @@ class InMemoryNetwork:
         m.node, m.up = None, False
         self.queue = [q for q in self.queue if q[1] != i and q[0] != i]
         self.log.append(f"crash {i}")
+
+    def stop(self, i: str, max_ticks: int = 200) -> int:
+        """A clean stop (SIGTERM): the node leaves, the network runs until the
+        group took note of it (`left`, bounded), then the process is gone as
+        after a crash.  Returns the ticks it took."""
+        m = self.members[i]
+        m.node.leave()
+        self.log.append(f"stop {i}")
+        t = 0
+        self.stabilize()
+        while not m.node.left and t < max_ticks:
+            self.tick()
+            t += 1
+        self.crash(i)
+        return t
 
     def restart(self, i: str) -> None:
         """Restart from what survives: the global topic, the hard state, and the

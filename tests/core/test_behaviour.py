@@ -413,3 +413,47 @@ def test_a_lost_forward_backlog_is_resent_in_one_round_not_one_chunk_per_round()
     used = net.run_until(lambda: all(net.topic_len(i) == 640 for i in "abc"), 60)
     assert used <= 2 * FAST["retransmit_ticks"] + 4, f"{used} ticks: resent one chunk per round"
     assert not check_invariants(net, submitted=sub)
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_a_clean_stop_is_announced_and_the_others_move_on_at_once(drop):
+    """A member stopping cleanly leaves: the others form the next view within
+    a few retransmissions, not after suspect_ticks of silence; with lossy
+    links the Leave is repeated until the group took note.  Its restart is
+    taken back, and every event is delivered once everywhere."""
+    slow = dict(FAST, suspect_ticks=300)  # a silence would take 300 ticks to notice
+    net = formed(("a", "b", "c", "d", "e"), **slow)
+    sub = keys(net.submit("a", 3)) | keys(net.submit("c", 3))
+    net.stabilize()
+    for a in net.ids:
+        for b in net.ids:
+            if a != b:
+                net.drop(a, b, drop)
+    sub |= keys(net.submit("c", 4))  # may still be undelivered when c stops: consumed again after its restart
+    took = net.stop("c")
+    assert took < 60, took
+    moved = net.run_until(lambda: all(net.node(i).status == "active" and "c" not in net.node(i).view.members
+                                      for i in ("a", "b", "d", "e")), 300)
+    assert took + moved < 100, (took, moved)  # far below suspect_ticks
+    sub |= keys(net.submit("b", 5))
+    net.run_until(lambda: all(len(net.topic(i)) >= 6 + 5 for i in ("a", "b", "d", "e")), 300)
+    net.recover()
+    net.restart("c")
+    net.run_until(converged(net, 5), 600)
+    net.tick(20)
+    assert not check_invariants(net, submitted=sub)
+    assert len(net.topic("c")) == len(net.topic("a")) == len(sub)
+
+
+def test_a_leaving_member_never_leads_nor_rejoins_and_a_lone_one_leaves_at_once():
+    net = formed(("a", "b", "c"), **dict(FAST, suspect_ticks=300))
+    net.node("a").leave()  # the lowest rank, the one that would lead the view change
+    net.run_until(lambda: net.node("a").left, 60)
+    net.run_until(lambda: all("a" not in net.node(i).view.members and net.node(i).status == "active"
+                              for i in ("b", "c")), 200)
+    net.tick(50)
+    assert net.node("a").status != "active" and "a" not in net.node("b").view.members  # it asked nothing back
+    solo = InMemoryNetwork(["x"], seed=1, **FAST)
+    solo.run_until(lambda: solo.node("x").status == "active", 100)
+    solo.node("x").leave()
+    assert solo.node("x").left

@@ -1,0 +1,53 @@
+"""A clean stop is announced (issue 42): on SIGTERM a member leaves its
+groups, so the others install their next view at once instead of after
+suspect_ms of silence; its restart is taken back; nothing lost or doubled."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from kdsync.testing.local import LocalGroup, check_global_topics, write_events
+from tests.helpers import member_logs, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+SUSPECT_MS = 4000  # a silent member would be noticed only after this long
+
+
+def _ts(line: str) -> float:
+    return float(re.search(r"ts=([0-9.]+)", line).group(1))
+
+
+@pytest.mark.parametrize("protocol", ["derecho", "clock"])
+def test_sigterm_leaves_the_group_at_once_and_the_restart_is_taken_back(tmp_path, protocol):
+    g = LocalGroup(3, tmp_path, protocol=protocol, suspect_ms=SUSPECT_MS, metrics=True)
+    with g:
+        g.start_brokers()
+        g.start_members()
+        g.wait_ready(90)
+        for i in range(3):
+            write_events(g.bootstrap(i), g.topic, 50, f"a{i}")
+        got = g.wait_for(150, 60)
+        assert all(len(v) == 150 for v in got.values()), member_logs(g)
+        g.signal_member(2, signal.SIGTERM)
+        assert g.wait_member(2, 30) == 0
+        stopping = next(ln for ln in g.log_text(2).splitlines() if 'msg=stopping' in ln)
+        assert "left the groups" in g.log_text(2) and "not_confirmed=0" in g.log_text(2), g.log_text(2)[-2000:]
+        wait_until(lambda: "members=dc1,dc2 " in g.log_text(0) and "members=dc1,dc2 " in g.log_text(1), 30,
+                   "the next view without dc3")
+        installed = next(ln for ln in g.log_text(0).splitlines() if "view installed" in ln and "members=dc1,dc2 " in ln)
+        took = _ts(installed) - _ts(stopping)
+        print(f"{protocol}: SIGTERM to the next view {took * 1000:.0f} ms (suspect_ms {SUSPECT_MS})")
+        assert took < SUSPECT_MS / 1000 / 2, took  # announced, not noticed by silence
+        assert "peer silent" not in g.log_text(0)
+        for i in range(2):
+            write_events(g.bootstrap(i), g.topic, 50, f"b{i}")
+        g.start_member(2)
+        g.wait_ready(60, members=[2])
+        write_events(g.bootstrap(2), g.topic, 50, "c2")
+        got = g.wait_for(300, 90)
+        ok, detail = check_global_topics(got, expected=300)
+        assert ok, detail + "\n" + member_logs(g)
