@@ -15,6 +15,14 @@ farthest member's acknowledgement or for a round-robin turn: a slot costs
 about one one-way delay from the farthest sender (C2) or the round trip to
 the origin's nearest majority (C1), whichever is larger.
 
+*Acknowledgements.*  A slot from a near sender is acknowledged at once; one
+from a far sender (its age on arrival, skew included, above four ticks as
+measured on the node's clock) with the next tick's reports, one message per
+peer per tick for all of them: the five-region scenario then sends 7.0 peer
+messages per event instead of 12.3 at the same p50/p99 (93 / 159 ms), and
+the simulator runs it in two thirds of the time — across regions the tick is
+a few ms and the delay tens, so waiting for it costs nothing measurable.
+
 *Clocks.*  The adapter hands the node its host's wall clock (`clock()`)
 before inputs.  Skew, drift and jumps change when C2 holds, never what is
 delivered: timestamps of one sender strictly increase (the hybrid clock), and
@@ -175,6 +183,9 @@ class ClockNode(DerechoNode):
 
     def __init__(self, config, **kw) -> None:
         self._ack_due = False  # a slot arrived since our last acknowledgement
+        self._ack_at_tick = False  # ...from a far sender: acknowledge with the next tick's reports (module doc)
+        self._tick_us = 0  # the tick period as measured on the node's clock (0: not known yet)
+        self._last_tick_us: int | None = None
         super().__init__(config, **kw)
         h = self._handlers
         del h[Append], h[Ack]  # not in this protocol's codec
@@ -212,6 +223,10 @@ class ClockNode(DerechoNode):
         k = senders.index(s)
         if st.add(k, msg.first, msg.slots):
             self._ack_due = True
+            # far (the slot's age, skew included, is more than four ticks): one report per peer
+            # per tick acknowledges it; near (a LAN, or long ticks): at once
+            if msg.slots and self._tick_us and self.now_us - msg.slots[-1][0] > 4 * self._tick_us:
+                self._ack_at_tick = True
         elif msg.slots:
             self.acked_sent[s] = None  # a retransmission: our acknowledgement was lost, the next heartbeat repeats it
         st.on_report(k, msg.cut, msg.clock)
@@ -247,7 +262,20 @@ class ClockNode(DerechoNode):
 
     # ------------------------------------------------------------- ticks
     def tick(self) -> None:
+        now_us = self.now_us
+        if self._last_tick_us is not None and now_us > self._last_tick_us:
+            gap = now_us - self._last_tick_us
+            self._tick_us = gap if not self._tick_us else (3 * self._tick_us + gap) // 4
+        self._last_tick_us = now_us
         super().tick()
+        if self._ack_at_tick:  # the acknowledgements of far slots that arrived since the last tick
+            self._ack_at_tick = False
+            if self._ack_due:
+                self._ack_due = False
+                if self._is_member() and not self.wedged:
+                    for p in self.view.members:
+                        if p != self.me and p not in self.suspected:
+                            self._send_ack(p)
         if not self.wedged and self._is_member() and self.stream.waiting():
             # a clock report per tick while something waits for C2, to each peer
             # that got nothing from us since the previous tick (every message reports)
@@ -264,7 +292,7 @@ class ClockNode(DerechoNode):
         return bool(self.pending) and not self.wedged and self.stream.may_cut(IN_FLIGHT)
 
     def has_ready(self) -> bool:
-        return self._ack_due or self._may_cut() or super(DerechoNode, self).has_ready()
+        return (self._ack_due and not self._ack_at_tick) or self._may_cut() or super(DerechoNode, self).has_ready()
 
     def _before_ready(self) -> None:
         st = self.stream
@@ -274,7 +302,7 @@ class ClockNode(DerechoNode):
             self._multicast_slots(first, cur, self._slots_message(first, slots, cur))
             self._ack_due = False  # that message acknowledges and reports
             self._try_deliver()
-        if self._ack_due:
+        if self._ack_due and not self._ack_at_tick:
             self._ack_due = False
             if self._is_member() and not self.wedged:
                 for p in self.view.members:
