@@ -130,6 +130,14 @@ def _json_frame(kind: int, obj: dict[str, Any]) -> bytes:
     return encode_frame(kind, json.dumps(obj, separators=(",", ":")).encode())
 
 
+def _hello_frame(member_id: str, nonce: str, local: Local | None, **extra: str) -> bytes:
+    """A HELLO: who we are, our nonce, the wire versions we speak (and `extra`)."""
+    body: dict[str, Any] = {"v": HANDSHAKE_VERSION, "id": member_id, **extra, "nonce": nonce}
+    if local is not None:
+        body["wire"] = list(local.wire)
+    return _json_frame(HELLO, body)
+
+
 def _wire_error(local: Local, peer: str, theirs: object, reply: bytes | None = None) -> ContractError:
     return ContractError(f"no common wire version: this member speaks {show_wire(local.wire)}, {peer} speaks "
                          f"{show_wire(theirs)} (upgrade the older one; docs/operations.md)", "wire_version", reply)
@@ -168,12 +176,8 @@ class DialerHandshake:
         self.done = False
 
     def hello(self) -> bytes:
-        body: dict[str, Any] = {"v": HANDSHAKE_VERSION, "id": self.member_id, "to": self.peer, "nonce": self.nonce}
-        if self.local is not None:
-            body["wire"] = list(self.local.wire)
-        if self.probe is not None:
-            body["probe"] = self.probe
-        return _json_frame(HELLO, body)
+        return _hello_frame(self.member_id, self.nonce, self.local, to=self.peer,
+                            **({"probe": self.probe} if self.probe is not None else {}))
 
     def receive(self, frame: Frame) -> bytes | None:
         if self.done:
@@ -239,10 +243,7 @@ class ListenerHandshake:
         self.done = False
 
     def _hello(self) -> bytes:
-        body: dict[str, Any] = {"v": HANDSHAKE_VERSION, "id": self.member_id, "nonce": self.nonce}
-        if self.local is not None:
-            body["wire"] = list(self.local.wire)
-        return _json_frame(HELLO, body)
+        return _hello_frame(self.member_id, self.nonce, self.local)
 
     def receive(self, frame: Frame) -> bytes | None:
         if self.done:
