@@ -295,11 +295,13 @@ class EndOffsets:
 
     def _exact(self, c, ends: list[int], deadline: float | None = None) -> None:
         """Read each partition on from `ends[i]` to partition EOF; update `ends` in place."""
+        from kdsync.kafka.gaps import ReadGaps
         from kdsync.kafka.topic import read_to_eof
 
         for i, high in enumerate(ends):
             p = self.ids[i]
-            gen = read_to_eof(c, self.topic, p, high, timeout=self._left(deadline), idle=deadline is None, poll=0.02)
+            gen = read_to_eof(c, self.topic, p, high, timeout=self._left(deadline), idle=deadline is None, poll=0.02,
+                              gaps=ReadGaps(self.conf))
             last = None
             try:
                 while True:

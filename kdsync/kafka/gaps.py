@@ -31,6 +31,13 @@ WARNING per partition — what librdkafka alone can do.
 `kdsync_source_gaps_total{kind}` counts gaps by kind (a gap holding markers
 and aborted records counts once for each); `refetched` counts gaps closed by
 a re-fetch.
+
+The readers that take a global topic back (start-up, catch-up, the exact end
+of a checkpoint, the producer's recovery, `kdsync offsets`) account with
+`ReadGaps` through `kdsync.kafka.topic.read_to_eof(..., gaps=)`: kdsync
+alone writes a global topic, so only retention and compaction explain a
+gap; anything else is re-fetched, and a gap that does not close fails the
+read (GlobalGapError, one line) — `kdsync_global_read_gaps_total{kind}`.
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from kdsync.fatal import FatalError
 from kdsync.kafka.wire import OFFSET_OUT_OF_RANGE, BatchHeader, WireError, fetch_batches
 from kdsync.observability.logs import kv
 
-__all__ = ["GAP_KINDS", "Account", "GapLook", "Pending", "accounting_on", "classify"]
+__all__ = ["GAP_KINDS", "READ_GAP_KINDS", "Account", "GapLook", "GlobalGapError", "Pending", "ReadGaps",
+           "accounting_on", "classify", "read_accounting_on", "read_gap_counts"]
 
 log = logging.getLogger("kdsync.source")
 
@@ -223,3 +232,131 @@ class GapLook:
 
         lo, _ = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=5, cached=False)
         return lo
+
+
+# ---------------------------------------------------------------- reading a global topic back
+READ_GAP_KINDS = ("retention", "compacted", "refetched", "failed")
+READ_GAP_GIVE_UP_S = 10.0  # a gap of a global topic not closed by re-fetches this long: the read fails
+_READ_RETRY_MAX_S = 1.0
+_read_counts = {k: 0 for k in READ_GAP_KINDS}  # the process's global-read gaps (kdsync_global_read_gaps_total)
+
+
+def read_accounting_on() -> bool:
+    """KDSYNC_GLOBAL_GAP_ACCOUNTING=off turns the accounting of global-topic
+    reads off (tests that show what it prevents); anything else, or unset: on."""
+    return os.environ.get("KDSYNC_GLOBAL_GAP_ACCOUNTING", "on").lower() not in ("off", "0", "false", "no")
+
+
+def read_gap_counts() -> dict[str, int]:
+    """Gaps of global-topic reads in this process so far, by kind (a copy)."""
+    return dict(_read_counts)
+
+
+class GlobalGapError(FatalError):
+    """A global topic read back has offsets that are neither records nor
+    explained, and fetching them again did not bring them; str() is one line
+    naming topic, partition and offsets."""
+
+
+class ReadGaps:
+    """The gap accounting of a read of a topic only kdsync writes — a global
+    topic, read back at start (kdsync.kafka.reader.load_start), by catch-up
+    reads (GlobalReader), for the exact end of a checkpoint
+    (kdsync.kafka.checkpoint.EndOffsets), by the producer's recovery
+    (kdsync.kafka.sink.read_present) and by `kdsync offsets`.
+
+    kdsync writes a global topic with an idempotent producer and no
+    transactions, so between two consumed offsets every offset is a record.
+    `read_to_eof(..., gaps=ReadGaps(conf))` hands each skipped range
+    [lo, hi) to `explained`:
+
+    | what lies there | then |
+    |---|---|
+    | below the partition's log start (retention, DeleteRecords) | accepted (`retention`) |
+    | nothing, on a topic with cleanup.policy=compact (the look of GapLook) | accepted (`compacted`) |
+    | anything else | fetched again from `lo` (the records after the gap are not handed over) |
+
+    A gap a re-fetch closes is logged once (`refetched`, the broker named);
+    one that has not closed after READ_GAP_GIVE_UP_S raises GlobalGapError
+    (`failed`), one line naming topic, partition, offsets and what a look
+    found there: a skipped position would make the member resume at the
+    wrong place, so a read never goes past it.  One per reader; not
+    thread-safe (one read at a time, like its consumer)."""
+
+    def __init__(self, conf: dict | str):
+        self.conf = {"bootstrap.servers": conf} if isinstance(conf, str) else dict(conf)
+        self.look = GapLook(self.conf)
+        self.pending: dict[tuple[str, int], Pending] = {}  # (topic, partition) -> the gap being re-fetched
+        self.counts = {k: 0 for k in READ_GAP_KINDS}
+
+    def _count(self, kind: str) -> None:
+        self.counts[kind] += 1
+        _read_counts[kind] += 1
+
+    def explained(self, c, topic: str, partition: int, lo: int, hi: int) -> bool:
+        """A read of topic[partition] expected offset `lo` and got `hi`:
+        True when [lo, hi) is explained (counted), False when the caller must
+        fetch again from `lo`.  Raises GlobalGapError (see the class doc)."""
+        import time
+
+        from confluent_kafka import TopicPartition
+
+        try:
+            low, _ = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=5, cached=False)
+        except Exception:  # noqa: BLE001 - not known: nothing is explained by it
+            low = -1
+        if low >= hi:
+            self._count("retention")
+            return True
+        lo = max(lo, low)
+        if self.look.compacted(topic):
+            acct = self.look.account(c, topic, partition, lo, hi)
+            if not acct.missing and acct.error is None:
+                self._count("compacted")
+                return True
+        now = time.monotonic()
+        key = (topic, partition)
+        p = self.pending.get(key)
+        if p is None or not p.start <= lo < p.end:
+            p = self.pending[key] = Pending(lo, hi, now)
+        p.tries += 1
+        p.end = max(p.end, hi)
+        if now - p.since >= READ_GAP_GIVE_UP_S:
+            self._count("failed")
+            self.pending.pop(key, None)
+            acct = self.look.account(c, topic, partition, p.start, p.end)
+            if acct.error is not None:
+                there = f"the look at the broker failed: {acct.error}"
+            elif any(k in acct.kinds for k in ("control", "aborted")):
+                there = "transaction records (kdsync never writes transactions: another writer?)"
+            else:
+                there = ("the broker holds records there and does not hand them over" if acct.missing
+                         else "no record there and the topic is not compacted")
+            raise GlobalGapError(
+                f"global topic {topic} partition {partition}: offsets {p.start}..{p.end - 1} are missing from "
+                f"what the broker ({acct.broker}) hands over after {p.tries} fetches in {now - p.since:.0f} s "
+                f"({there}); kdsync does not read past a position it cannot see, see docs/operations.md")
+        if p.tries > 1:  # the same gap again: back off before the next fetch
+            time.sleep(min(_READ_RETRY_MAX_S, 0.05 * 2 ** (p.tries - 2)))
+        return False
+
+    def arrived(self, c, topic: str, partition: int, nxt: int) -> None:
+        """Every offset below `nxt` of topic[partition] was read: a gap being re-fetched there is closed."""
+        key = (topic, partition)
+        p = self.pending.get(key)
+        if p is None or nxt < p.end:
+            return
+        del self.pending[key]
+        self._count("refetched")
+        try:
+            host, port = self.look.leader(c, topic, partition)
+            broker = f"{host}:{port}"
+        except Exception:  # noqa: BLE001 - the line without it
+            broker = "?"
+        log.warning("global topic gap closed by a re-fetch: the broker skipped records it holds",
+                    **kv(topic=topic, partition=partition, offsets=f"{p.start}..{p.end - 1}", broker=broker,
+                         fetches=p.tries + 1))
+
+    def forget(self, topic: str, partition: int) -> None:
+        """A read of topic[partition] ended (or was abandoned): no gap of it pending."""
+        self.pending.pop((topic, partition), None)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import ConsumerGroupState, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from kdsync.kafka.gaps import GlobalGapError, ReadGaps
 from kdsync.kafka.topic import consumer, read_to_eof
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_SEQ, global_partition
 
@@ -117,6 +118,7 @@ class _Reader:
         # small fetches: a probe wants the records near one offset, not megabytes ahead
         self.c = consumer({"bootstrap.servers": bootstrap, "queued.min.messages": 500, "log_level": 0,
                             "max.partition.fetch.bytes": 262144, "fetch.max.bytes": 1048576})
+        self.gaps = ReadGaps(bootstrap)  # every offset of a global topic read, or the command fails
         self.timeout = timeout
         self.ends: dict[tuple[str, int], int] = {}
 
@@ -132,7 +134,8 @@ class _Reader:
 
     def _scan(self, topic: str, partition: int, start: int):
         try:
-            for m in read_to_eof(self.c, topic, partition, start, timeout=self.timeout, strict=True, batch=500):
+            for m in read_to_eof(self.c, topic, partition, start, timeout=self.timeout, strict=True, batch=500,
+                                 gaps=self.gaps):
                 if m.offset() >= start:  # an offset reset may start below `start`
                     yield m
         except TimeoutError:
@@ -140,6 +143,8 @@ class _Reader:
                                f"{self.timeout:g}s") from None
         except KafkaException as e:
             raise OffsetsError(f"reading {topic}[{partition}]: {e.args[0].str()}") from None
+        except GlobalGapError as e:
+            raise OffsetsError(str(e)) from None
 
     def first_at(self, topic: str, partition: int, offset: int):
         """The record at `offset`, or the first one after it, or None at the end."""

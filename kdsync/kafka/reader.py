@@ -26,6 +26,7 @@ from typing import NamedTuple
 from kdsync.core import Event
 from kdsync.fatal import FatalError
 from kdsync.kafka.checkpoint import Checkpoint, checkpoint_topic, read_checkpoint
+from kdsync.kafka.gaps import ReadGaps
 from kdsync.kafka.records import GlobalHeaders, event_from_global, read_global_headers
 from kdsync.kafka.topic import FetchStalledError, consumer, read_to_eof
 
@@ -108,9 +109,10 @@ def _position(m) -> GlobalHeaders:
     return h
 
 
-def _read(c, topic: str, p: int, start: int, low: int, keys: _Keys, timeout: float) -> PartitionRead:
+def _read(c, topic: str, p: int, start: int, low: int, keys: _Keys, timeout: float,
+          gaps: ReadGaps | None = None) -> PartitionRead:
     r = PartitionRead(p, low, start)
-    gen = read_to_eof(c, topic, p, start, timeout=timeout, idle=True, poll=POLL)
+    gen = read_to_eof(c, topic, p, start, timeout=timeout, idle=True, poll=POLL, gaps=gaps)
     of = keys.of
     end = None
     try:
@@ -126,32 +128,33 @@ def _read(c, topic: str, p: int, start: int, low: int, keys: _Keys, timeout: flo
     return r
 
 
-def _exists(c, topic: str, p: int, offset: int, timeout: float = 2.0) -> bool:
+def _exists(c, topic: str, p: int, offset: int, timeout: float = 2.0, gaps: ReadGaps | None = None) -> bool:
     """Whether topic[p] holds a record at `offset` at or beyond what
     ListOffsets reported as its end (Tansu reports too low an end after
     multi-record batches, and never answers a fetch beyond the end: hence a
     short timeout)."""
     try:
-        with closing(read_to_eof(c, topic, p, offset, offset + 1, timeout=timeout, poll=POLL)) as recs:
+        with closing(read_to_eof(c, topic, p, offset, offset + 1, timeout=timeout, poll=POLL, gaps=gaps)) as recs:
             return any(m.offset() == offset for m in recs)
     except TimeoutError:
         return False
 
 
 def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint | None, keys: _Keys,
-                    timeout: float, index: int | None = None) -> PartitionRead:
+                    timeout: float, index: int | None = None, gaps: ReadGaps | None = None) -> PartitionRead:
     """Read partition p from where the checkpoint says (module doc of
     kdsync.kafka.checkpoint), checking the record just before; from its
     first record when there is no checkpoint or it does not fit.  `low`,
     `high`: the partition's offsets as ListOffsets reports them (`high` may
     be too low; a read never starts beyond it, as some brokers then never
     report the end).  `index`: p's place in the checkpoint's offsets (a
-    shard's checkpoint has one; default p)."""
+    shard's checkpoint has one; default p).  `gaps`: the read's gap
+    accounting (kdsync.kafka.gaps.ReadGaps)."""
     seq = cp.seq if cp is not None else 0
     h = cp.offsets[p if index is None else index] if cp is not None else None
     if h is not None and h >= 1 and h - 1 >= low:
-        first = h - 1 if h - 1 < high or _exists(c, topic, p, h - 1) else max(low, high - 1)
-        r = _read(c, topic, p, first, low, keys, timeout)
+        first = h - 1 if h - 1 < high or _exists(c, topic, p, h - 1, gaps=gaps) else max(low, high - 1)
+        r = _read(c, topic, p, first, low, keys, timeout, gaps)
         i = bisect.bisect_left(r.offsets, h - 1)
         if i < len(r.offsets) and r.offsets[i] == h - 1 and r.seqs[i] < seq:
             r.how = ANCHORED  # records read before the anchor have positions below it: harmless
@@ -161,9 +164,9 @@ def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint |
                     "reading the partition from its first record",
                     extra={"kv": {"topic": topic, "partition": p, "checkpoint_offset": h, "checkpoint_seq": seq}})
         if first > low:
-            r = _read(c, topic, p, low, low, keys, timeout)
+            r = _read(c, topic, p, low, low, keys, timeout, gaps)
     elif h is not None and h >= low:  # h == 0, or the record before h was deleted but none after
-        r = _read(c, topic, p, h, low, keys, timeout)
+        r = _read(c, topic, p, h, low, keys, timeout, gaps)
         if h == 0:
             r.how = FROM_START
             return r
@@ -173,7 +176,7 @@ def _read_partition(c, topic: str, p: int, low: int, high: int, cp: Checkpoint |
         # a record below the checkpoint's position at its offset: the offsets do not fit; h == low, so
         # these are the partition's records from its first one
     else:
-        r = _read(c, topic, p, low, low, keys, timeout)
+        r = _read(c, topic, p, low, low, keys, timeout, gaps)
     r.how = FROM_START if low == 0 else AFTER_DELETION
     return r
 
@@ -183,7 +186,9 @@ def load_start(conf: dict, global_topic: str, partitions: int, timeout: float = 
     """Read the latest checkpoint of `global_topic` and the topic from there
     to its end; return where to resume (see `decide_start`).  `timeout`
     counts from the last record received, so a long read that progresses
-    never times out.  `shard`: the start of that shard, which owns partition
+    never times out; an offset of the topic neither read nor explained
+    (kdsync.kafka.gaps.ReadGaps) is fetched again, and raises GlobalGapError
+    when it cannot be.  `shard`: the start of that shard, which owns partition
     `shard` alone (its checkpoints, kdsync.kafka.checkpoint; `partitions` is
     then 1).  Raises StartError (positions cannot be proven),
     ForeignRecordError (a record kdsync did not write), TimeoutError or
@@ -191,6 +196,7 @@ def load_start(conf: dict, global_topic: str, partitions: int, timeout: float = 
     from confluent_kafka import TopicPartition
 
     keys = _Keys()
+    gaps = ReadGaps(conf)  # every position between the checkpoint and the end is read, or the start fails
     with closing(consumer(conf)) as c:
         cp = read_checkpoint(c, global_topic, timeout, shard=shard)
         ids = [shard] if shard is not None else list(range(partitions))
@@ -201,7 +207,7 @@ def load_start(conf: dict, global_topic: str, partitions: int, timeout: float = 
         marks = [c.get_watermark_offsets(TopicPartition(global_topic, p), timeout=timeout, cached=False)
                  for p in ids]
         offsets_cp = cp if cp is not None and cp.offsets else None
-        reads = [_read_partition(c, global_topic, p, max(low, 0), max(high, 0), offsets_cp, keys, timeout, i)
+        reads = [_read_partition(c, global_topic, p, max(low, 0), max(high, 0), offsets_cp, keys, timeout, i, gaps)
                  for i, (p, (low, high)) in enumerate(zip(ids, marks))]
     return decide_start(global_topic, reads, cp, keys.list)
 
@@ -323,11 +329,13 @@ class GlobalReader:
         self.ids = [shard] if shard is not None else list(range(partitions))
         self.seq_base = seq_base  # one partition: position - offset (a topic restored from past position 0)
         self._c = None
+        self.gaps = ReadGaps(conf)
 
     def read(self, start: int, stop: int, timeout: float = 60.0) -> list[Event]:
         """The events at positions [start, stop) (fewer if the topic ends
         first).  One partition: read from offset `start - seq_base`; several: scan.
-        Raises TimeoutError, KafkaException or ForeignRecordError."""
+        Raises TimeoutError, KafkaException, ForeignRecordError or
+        GlobalGapError (an offset the broker does not hand over)."""
         if self._c is None:
             self._c = consumer(self.conf)
         try:
@@ -341,7 +349,7 @@ class GlobalReader:
         for p in self.ids:
             one = len(self.ids) == 1
             first = max(0, start - self.seq_base) if one else 0
-            with closing(read_to_eof(self._c, self.global_topic, p, first, timeout=timeout)) as recs:
+            with closing(read_to_eof(self._c, self.global_topic, p, first, timeout=timeout, gaps=self.gaps)) as recs:
                 for m in recs:
                     seq, ev = event_from_global(m)
                     if start <= seq < stop:

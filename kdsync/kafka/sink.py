@@ -319,16 +319,19 @@ def read_present(conf: dict, global_topic: str, floors: dict[int, int], min_seq:
                  timeout: float = 60.0) -> set[int]:
     """The positions >= `min_seq` in `global_topic`, read from each partition
     p's offset floors[p] to its end (blocking; raises TimeoutError /
-    KafkaException when the brokers do not answer)."""
+    KafkaException when the brokers do not answer, GlobalGapError when an
+    offset is neither read nor explained: kdsync.kafka.gaps.ReadGaps)."""
     from contextlib import closing
 
+    from kdsync.kafka.gaps import ReadGaps
     from kdsync.kafka.records import read_global_headers
     from kdsync.kafka.topic import consumer, read_to_eof
 
     out: set[int] = set()
+    gaps = ReadGaps(conf)  # a position skipped would be written twice
     with closing(consumer(conf)) as c:
         for p, floor in sorted(floors.items()):
-            for m in read_to_eof(c, global_topic, p, floor, timeout=timeout, idle=True, poll=0.05):
+            for m in read_to_eof(c, global_topic, p, floor, timeout=timeout, idle=True, poll=0.05, gaps=gaps):
                 h = read_global_headers(m.headers())
                 if h is not None and h.seq >= min_seq:
                     out.add(h.seq)

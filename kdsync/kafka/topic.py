@@ -96,7 +96,7 @@ class PartitionEndError(ValueError):
 
 def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, stop: int | None = None, *,
                 timeout: float = 30.0, idle: bool = False, strict: bool = False, batch: int = 1000,
-                poll: float = 0.2) -> Iterator[Message]:
+                poll: float = 0.2, gaps=None) -> Iterator[Message]:
     """Assign consumer `c` (created with enable.partition.eof) to
     `topic[partition]` at offset `start` and yield its records until partition
     EOF or offset `stop` (exclusive); unassign when done or abandoned.
@@ -110,9 +110,17 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
     before `stop` raises PartitionEndError.  The generator's return value
     (``end = yield from read_to_eof(...)``) is the partition's end offset
     at EOF, `stop` when it stopped there, None for a missing topic.
+    `gaps` (a kdsync.kafka.gaps.ReadGaps, for topics only kdsync writes): an
+    offset skipped between `start` and a record or the end is explained or
+    fetched again, never read past (one comparison per record; raises
+    GlobalGapError when it cannot be read).
     """
     global _learned_wait_ms
     c.assign([TopicPartition(topic, partition, max(start, 0))])  # out of range -> earliest
+    if gaps is not None:
+        from kdsync.kafka.gaps import read_accounting_on
+
+        gaps = gaps if read_accounting_on() else None
     try:
         deadline = time.monotonic() + timeout
         progress = time.monotonic()
@@ -138,6 +146,10 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
+                        if gaps is not None and m.offset() > nxt and not gaps.explained(
+                                c, topic, partition, nxt, m.offset()):
+                            _seek(c, topic, partition, nxt)  # the end is beyond offsets never read: again
+                            break
                         if strict and stop is not None and m.offset() < stop:
                             raise PartitionEndError(f"{topic}[{partition}] ends at {m.offset()}, "
                                                     f"before the requested end {stop}")
@@ -151,6 +163,13 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
                     elif err.fatal():
                         raise KafkaException(err)
                     continue
+                if gaps is not None:
+                    if m.offset() > nxt and not gaps.explained(c, topic, partition, nxt,
+                                                               m.offset() if stop is None else min(m.offset(), stop)):
+                        _seek(c, topic, partition, nxt)  # fetch again; the records after the gap are not handed over
+                        break
+                    if gaps.pending:
+                        gaps.arrived(c, topic, partition, m.offset() + 1)
                 if stop is not None and m.offset() >= stop:
                     return stop
                 if idle:
@@ -160,7 +179,17 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
                 if stop is not None and m.offset() + 1 >= stop:
                     return stop
     finally:
+        if gaps is not None:
+            gaps.forget(topic, partition)
         c.unassign()
+
+
+def _seek(c: Consumer, topic: str, partition: int, offset: int) -> None:
+    """Fetch topic[partition] again from `offset` (what was fetched beyond it is dropped)."""
+    try:
+        c.seek(TopicPartition(topic, partition, offset))
+    except KafkaException:  # not yet fetching: assign there
+        c.assign([TopicPartition(topic, partition, offset)])
 
 
 def iter_partition(conf: str | dict, topic: str, partition: int = 0, start: int = 0,

@@ -22,6 +22,9 @@ Exported (all prefixed `kdsync_`):
   source_restarts_total, source_fetch_wait_ms   the source client re-created after a stalled fetch (kdsync.kafka.source)
   source_gaps_total{kind}             source offset gaps by what filled them: control|aborted|compacted|retention,
                                        refetched (closed by fetching again), unverified (kdsync.kafka.gaps)
+  global_read_gaps_total{kind}        offsets skipped by a read of a global topic (start-up, catch-up, exact end,
+                                       producer recovery): retention|compacted, refetched, failed (the read
+                                       failed: kdsync.kafka.gaps.ReadGaps); the process's count
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kdsync.kafka.gaps import GAP_KINDS
+from kdsync.kafka.gaps import GAP_KINDS, READ_GAP_KINDS, read_gap_counts
 
 __all__ = ["MemberMetrics", "observe_many"]
 
@@ -109,6 +112,19 @@ class _Live:
             yield fb
 
 
+class _ReadGaps:
+    """kdsync_global_read_gaps_total{kind}: the gaps the process's reads of global topics met
+    (kdsync.kafka.gaps.ReadGaps keeps the count; read at scrape time)."""
+
+    def collect(self):
+        fam = CounterMetricFamily("kdsync_global_read_gaps", "offsets skipped by a read of a global topic, by what "
+                                  "explained or closed them (kdsync.kafka.gaps.ReadGaps)", labels=["kind"])
+        counts = read_gap_counts()
+        for kind in READ_GAP_KINDS:
+            fam.add_metric([kind], counts[kind])
+        yield fam
+
+
 class MemberMetrics:
     def __init__(self, peers: Callable[[], dict] = dict, cores: Callable[[], dict[str, dict]] = dict,
                  links: Callable[[], tuple[dict, tuple | None]] = lambda: ({}, None)):
@@ -152,6 +168,7 @@ class MemberMetrics:
                                      "when the latest confirmed checkpoint was written (Unix time)", ["topic"],
                                      registry=reg)
         reg.register(_Live(peers, cores, links))
+        reg.register(_ReadGaps())
         self._status: dict[str, str] = {}
         self.server = None
 
