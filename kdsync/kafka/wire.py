@@ -32,6 +32,7 @@ FETCH, API_VERSIONS = 1, 18
 BATCH_HEADER = 61  # bytes of a v2 record batch before its records
 _TRANSACTIONAL, _CONTROL = 0x10, 0x20
 OFFSET_OUT_OF_RANGE = 1
+FETCH_WAIT_MS = (100, 400, 1600)  # an empty answer while records wait: asked again with a longer wait
 
 
 class WireError(Exception):
@@ -226,15 +227,21 @@ def fetch_batches(host: str, port: int, topic: str, partition: int, start: int, 
     """Fetch (read_uncommitted) `topic`[`partition`] from `start` until a
     batch reaches `stop` or beyond, the high watermark is reached or
     `max_fetches` answers came; returns every batch header read and the
-    last answer.  Raises WireError."""
+    last answer.  Raises WireError.
+
+    An answer with nothing while the high watermark is ahead is asked again
+    with a longer fetch wait (FETCH_WAIT_MS): Tansu on S3 answers a fetch
+    whose wait is shorter than its listing of the partition's objects with
+    nothing (docs/durable.md), so with one 100 ms wait every look at a
+    durable Tansu partition of many small batches came back empty."""
     conf = conf or {}
     batches: list[BatchHeader] = []
     try:
         with _connect(host, port, conf, timeout) as s:
             s.settimeout(timeout)
-            offset, ans = start, None
+            offset, ans, waits = start, None, 0
             for corr in range(1, max_fetches + 1):
-                s.sendall(encode_fetch_v4(corr, topic, partition, offset))
+                s.sendall(encode_fetch_v4(corr, topic, partition, offset, max_wait_ms=FETCH_WAIT_MS[waits]))
                 size = struct.unpack(">i", _recv_exact(s, 4))[0]
                 ans = parse_fetch_v4(_recv_exact(s, size), topic, partition)
                 if ans.error:
@@ -242,6 +249,9 @@ def fetch_batches(host: str, port: int, topic: str, partition: int, start: int, 
                 new = [b for b in ans.batches if b.last_offset >= offset]
                 batches += new
                 if not new:
+                    if ans.high_watermark > offset and waits + 1 < len(FETCH_WAIT_MS):
+                        waits += 1
+                        continue
                     break
                 offset = new[-1].last_offset + 1
                 if offset >= stop or offset >= ans.high_watermark:
