@@ -255,3 +255,52 @@ def test_a_member_restarted_through_a_dropping_broker_resumes_at_the_right_posit
     finally:
         g.close()
 
+
+
+# ------------------------------------------------------------------ the look's fetch wait (kdsync.kafka.wire)
+
+
+def test_a_look_answered_with_nothing_while_records_wait_asks_again_with_a_longer_wait():
+    """A stand-in for durable Tansu: a fetch whose wait is shorter than its
+    (S3) listing is answered with nothing and the high watermark ahead.  The
+    look asks again with a longer wait (100 -> 400 ms) and reads the batch;
+    with one 100 ms wait it read nothing (the transaction look's 'the look
+    read up to offset 0 of 445' on durable Tansu)."""
+    import socket
+    import struct
+    import threading
+
+    from kdsync.kafka.wire import FETCH_WAIT_MS, fetch_batches
+    from test_source_gaps import batch
+
+    waits: list[int] = []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            while True:
+                head = conn.recv(4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    return
+                req = conn.recv(struct.unpack(">i", head)[0], socket.MSG_WAITALL)
+                corr = struct.unpack_from(">i", req, 4)[0]
+                n = struct.unpack_from(">h", req, 8)[0]
+                wait = struct.unpack_from(">i", req, 10 + n + 4)[0]
+                waits.append(wait)
+                recs = batch(0, [0, 1, 2]) if wait >= 300 else b""
+                body = (struct.pack(">ii", corr, 0) + struct.pack(">i", 1) + struct.pack(">h", 6) + b"events"
+                        + struct.pack(">i", 1) + struct.pack(">ihqq", 0, 0, 3, 3) + struct.pack(">i", 0)
+                        + struct.pack(">i", len(recs)) + recs)
+                conn.sendall(struct.pack(">i", len(body)) + body)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        batches, ans = fetch_batches("127.0.0.1", srv.getsockname()[1], "events", 0, 0, 3, timeout=5)
+    finally:
+        srv.close()
+    assert FETCH_WAIT_MS[0] == 100 and waits == [100, 400], waits
+    assert [(b.base_offset, b.last_offset) for b in batches] == [(0, 2)] and ans.high_watermark == 3
