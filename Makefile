@@ -4,10 +4,12 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test demo bench nemesis test-rdma clean
+.PHONY: install test demo bench nemesis test-rdma test-rdma-stress clean
 
 SEED    ?= 1
 MINUTES ?= 2
+STARTS  ?= 300
+KIND    ?= transport
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -29,8 +31,14 @@ bench: install
 nemesis: install
 	$(VPY) -m kdsync.testing.nemesis --seed $(SEED) --minutes $(MINUTES) --out results/nemesis/seed-$(SEED).json
 
+# the soft-RoCE guest's "ci" suite (every RDMA behaviour once; what make test runs too)
 test-rdma: install
-	bash infra/rdma-vm/run-tests.sh
+	KDSYNC_VM_SUITE=ci bash infra/rdma-vm/run-tests.sh
+
+# STARTS RDMA member starts and stops in the guest (KIND=transport: the member's transport start-up alone;
+# KIND=member: kdsync run with Kafka); a crash keeps its log, core and gdb stacks in build/rdma-stress/
+test-rdma-stress: install
+	KDSYNC_VM_SUITE=stress KDSYNC_STRESS_STARTS=$(STARTS) KDSYNC_STRESS_KIND=$(KIND) bash infra/rdma-vm/run-tests.sh build/rdma-stress
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

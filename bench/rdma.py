@@ -1,6 +1,8 @@
 """RDMA vs TCP section: figures from the soft-RoCE VM run of
-infra/rdma-vm/run-tests.sh (results.json written by tests/rdma inside the
-guest).  The VM is booted only with `--rdma` (it takes minutes)."""
+infra/rdma-vm/run-tests.sh with KDSYNC_VM_SUITE=bench (results.json written
+by tests/rdma's measurements inside the guest: test_rdma_perf.py, and
+test_member_perf.py's four kdsync run groups; make test's "ci" suite does not
+run them).  The VM is booted only with `--rdma` (it takes minutes)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 from bench.common import Headline, NotMeasured, Section, Table
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "build" / "rdma-vm"
+DEFAULT_OUT = ROOT / "build" / "rdma-vm-bench"
 
 
 def boot_vm(out: Path, timeout: float = 1500) -> str:
@@ -21,7 +23,9 @@ def boot_vm(out: Path, timeout: float = 1500) -> str:
     script = ROOT / "infra" / "rdma-vm" / "run-tests.sh"
     if not script.exists():
         raise NotMeasured(f"{script.relative_to(ROOT)} does not exist")
-    env = dict(os.environ, KDSYNC_VM_TIMEOUT=os.environ.get("KDSYNC_VM_TIMEOUT", "1200"))
+    # the guest's "bench" suite: the measurements (tests/rdma/test_rdma_perf.py, test_member_perf.py)
+    env = dict(os.environ, KDSYNC_VM_SUITE="bench")
+    env.pop("KDSYNC_VM_CMD", None)
     try:
         p = subprocess.run(["bash", str(script), str(out)], cwd=ROOT, capture_output=True, text=True,
                            timeout=timeout, env=env)
@@ -59,7 +63,7 @@ def rdma_section(boot: bool, results_dir: Path = DEFAULT_OUT) -> Section:
     path = results_dir / "results.json"
     if not path.is_file():
         raise NotMeasured(f"no VM results ({path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} "
-                          f"missing); run `make test-rdma` or `python -m bench.run --rdma`")
+                          f"missing); run `python -m bench.run --rdma` (KDSYNC_VM_SUITE=bench)")
     data = _flatten(json.loads(path.read_text()))
     run_file = results_dir / "run.json"
     commit = json.loads(run_file.read_text()).get("commit", "unknown") if run_file.is_file() else "unknown"

@@ -19,6 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "infra" / "rdma-vm" / "run-tests.sh"
 
+# The "ci" suite of the guest (infra/rdma-vm/run-tests.sh): every behaviour once.  The measurements
+# (test_rdma_perf.py, test_member_perf.py) are make bench's; the start stress is make test-rdma-stress.
 EXPECTED = {
     "test_device_is_usable",
     "test_send_receive_many_in_order",
@@ -28,13 +30,30 @@ EXPECTED = {
     "test_wrong_secret_is_refused",
     "test_mixed_group_rdma_and_tcp",
     "test_three_members_agree_over_rdma",
-    "test_rdma_vs_tcp_latency_and_throughput",
-    "test_three_clusters_ordered_over_rdma_identical_and_exactly_once",
     "test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical",
     "test_mixed_group_one_member_without_rdma",
     "test_rdma_device_deleted_mid_stream_members_go_on_over_tcp",
-    "test_member_latency_and_cpu_per_event_rdma_vs_tcp",
 }
+NOT_IN_CI = {"test_rdma_vs_tcp_latency_and_throughput", "test_member_latency_and_cpu_per_event_rdma_vs_tcp",
+             "test_member_starts_stress"}
+
+
+def _vm_budget() -> int:
+    """The qemu limit run-tests.sh gives the ci suite (it scales with the suite's work), or the
+    KDSYNC_VM_TIMEOUT the caller set."""
+    if os.environ.get("KDSYNC_VM_TIMEOUT"):
+        return int(os.environ["KDSYNC_VM_TIMEOUT"])
+    try:
+        out = subprocess.run(["bash", str(SCRIPT), "--budget"], capture_output=True, text=True, timeout=10,
+                             env=dict(os.environ, KDSYNC_VM_SUITE="ci"))
+        return int(out.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 600
+
+
+# qemu's limit, plus installing qemu and building the guest image on a fresh machine (a cached image: seconds)
+IMAGE_BUILD_S = 600
+HOST_TIMEOUT_S = _vm_budget() + IMAGE_BUILD_S + 60
 
 
 def _no_rdma_here() -> str:
@@ -91,16 +110,17 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(HOST_TIMEOUT_S + 30)
 def test_rdma_transport_in_soft_roce_vm(tmp_path):
     if os.environ.get("KDSYNC_SKIP_VM") == "1":
         pytest.skip("skipped: KDSYNC_SKIP_VM=1")
     if not sys.platform.startswith("linux"):
         pytest.skip(f"skipped: the VM runner needs Linux, this is {sys.platform}")
     out = tmp_path / "rdma-vm"
-    env = dict(os.environ, KDSYNC_VM_TIMEOUT=os.environ.get("KDSYNC_VM_TIMEOUT", "600"))
+    env = dict(os.environ, KDSYNC_VM_SUITE="ci")
+    env.pop("KDSYNC_VM_CMD", None)
     proc = subprocess.run(
-        ["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=870, env=env, cwd=ROOT
+        ["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=HOST_TIMEOUT_S, env=env, cwd=ROOT
     )
     if proc.returncode == 3:
         reason_file = out / "skip_reason"
@@ -108,6 +128,7 @@ def test_rdma_transport_in_soft_roce_vm(tmp_path):
         pytest.skip(f"skipped: {reason}")
     assert proc.returncode == 0, (
         f"run-tests.sh exit {proc.returncode}\n--- stderr\n{proc.stderr[-3000:]}\n--- guest.log\n{_tail(out / 'guest.log')}"
+        f"\n(the guest's member logs, cores and gdb stacks, if any: {out / 'artifacts'})"
     )
 
     suite = ET.parse(out / "junit.xml").getroot()
@@ -117,24 +138,14 @@ def test_rdma_transport_in_soft_roce_vm(tmp_path):
     assert counts["failures"] == counts["errors"] == counts["skipped"] == 0, counts
     ran = {case.get("name") for case in suite.iter("testcase")}
     assert EXPECTED <= ran, f"missing in-VM tests: {sorted(EXPECTED - ran)}"
+    assert not (NOT_IN_CI & ran), f"measurements or stress in the ci suite: {sorted(NOT_IN_CI & ran)}"
 
     results = json.loads((out / "results.json").read_text())
     assert results["pytest_exit"] == 0
-    perf = results["perf"]
-    for kind in ("rdma", "tcp"):
-        assert perf[kind]["round_trips"] >= 100 and perf[kind]["rtt_us_p50"] > 0
-        assert perf[kind]["throughput_msgs_s"] > 0
-    assert perf["rtt_p50_rdma_over_tcp"] > 0 and perf["throughput_rdma_over_tcp"] > 0
     assert results["group_rdma"]["events"] == 300 and results["group_rdma"]["members"] == 3
-    assert results["kdsync_run_rdma"]["events"] == 300 and results["kdsync_run_rdma"]["members"] == 3
-    member = results["member"]
-    for f in ("p50_ms", "p99_ms", "cpu_us_per_event"):
-        assert member[f"rdma_{f}"] > 0 and member[f"tcp_{f}"] > 0 and member[f"{f}_ratio_rdma_over_tcp"] > 0, member
+    assert results["kdsync_run_rdma"]["events"] == 450 and results["kdsync_run_rdma"]["members"] == 3
     info = (out / "vm-info.txt").read_text()
     assert "rxe0" in info and "ACTIVE" in info
+    assert not (out / "artifacts").exists(), "the guest kept cores: a process crashed in native code"
     run = json.loads((out / "run.json").read_text())
-    print(
-        f"\nRDMA VM: image {run['image_seconds']}s, vm {run['vm_seconds']}s; "
-        f"RTT p50 rdma {perf['rdma']['rtt_us_p50']}us / tcp {perf['tcp']['rtt_us_p50']}us "
-        f"(ratio {perf['rtt_p50_rdma_over_tcp']}), throughput ratio {perf['throughput_rdma_over_tcp']}"
-    )
+    print(f"\nRDMA VM (ci suite): image {run['image_seconds']}s, vm {run['vm_seconds']}s of {run['timeout']}s")

@@ -5,7 +5,15 @@
 # results come back through a second, writable 9p share.
 #
 # Usage: infra/rdma-vm/run-tests.sh [OUT_DIR]      (default build/rdma-vm)
-# Env:   KDSYNC_VM_TIMEOUT  seconds before qemu is killed (default 420)
+#        infra/rdma-vm/run-tests.sh --budget        prints the suite's qemu limit in seconds, and exits
+# Env:   KDSYNC_VM_SUITE    which in-VM tests (tests/rdma): "ci" (default: every behaviour once, what
+#                           make test and make test-rdma run), "bench" (the RDMA/TCP measurements of
+#                           make bench: transport round trips and throughput, four kdsync run groups),
+#                           "stress" (KDSYNC_STRESS_STARTS member starts, default 300: make test-rdma-stress;
+#                           KDSYNC_STRESS_KIND "transport" (default) or "member": tests/rdma/test_start_stress.py),
+#                           "all" (ci and bench)
+#        KDSYNC_VM_TIMEOUT  seconds before qemu is killed (default: the suite's budget, below: it scales
+#                           with the work, the stress suite's with its starts)
 #        KDSYNC_VM_CMD      a shell command to run in the guest instead of pytest
 #        KDSYNC_VM_CACHE    image cache directory (see build-image.sh)
 #        KDSYNC_VM_KERNEL_ARGS  extra kernel arguments (default "quiet"; "" shows boot messages)
@@ -16,11 +24,37 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PROJECT="$(cd "$HERE/../.." && pwd)"
+SUITE="${KDSYNC_VM_SUITE:-ci}"
+STARTS="${KDSYNC_STRESS_STARTS:-300}"
+KIND="${KDSYNC_STRESS_KIND:-transport}"
+
+# The qemu limit of each suite: the guest's boot and set-up (~40 s under TCG
+# on a quiet box) plus the suite's work, each with room for a box busy with
+# other jobs (about 2x what a quiet box takes).  Measured on a quiet box:
+# see docs/rdma.md ("The VM tests").
+budget() {
+    case "$SUITE" in
+        ci) echo 600 ;;
+        bench) echo 1200 ;;
+        all) echo 1500 ;;
+        stress) if [ "$KIND" = member ]; then echo $(( 300 + STARTS * 30 )); else echo $(( 240 + STARTS * 5 )); fi ;;
+        *) echo "unknown KDSYNC_VM_SUITE '$SUITE' (ci, bench, stress, all)" >&2; exit 2 ;;
+    esac
+}
+if [ "${1:-}" = "--budget" ]; then
+    budget
+    exit 0
+fi
 OUT="${1:-$PROJECT/build/rdma-vm}"
-TIMEOUT="${KDSYNC_VM_TIMEOUT:-420}"
+TIMEOUT="${KDSYNC_VM_TIMEOUT:-$(budget)}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-rm -f "$OUT"/{junit.xml,results.json,guest.log,console.log,exit_code,vm-info.txt,skip_reason,cmd,run.json}
+rm -rf "$OUT"/{junit.xml,results.json,guest.log,console.log,exit_code,vm-info.txt,skip_reason,cmd,run.json,suite,stress_starts,stress_kind,guest_budget,artifacts,stress-crashes}
+echo "$SUITE" >"$OUT/suite"
+echo "$STARTS" >"$OUT/stress_starts"
+echo "$KIND" >"$OUT/stress_kind"
+# the guest keeps its artifacts (logs, cores) at this point, before qemu is killed
+echo $(( TIMEOUT > 150 ? TIMEOUT - 75 : TIMEOUT / 2 )) >"$OUT/guest_budget"
 
 skip() {
     echo "skipped: $*" >&2
@@ -56,7 +90,7 @@ fi
 
 # TCG: the host's /dev/kvm is a nested paravirtual KVM that cannot boot a stock
 # kernel, and CI hosts may have no KVM at all; emulation is slower but certain.
-log "booting guest (TCG, timeout ${TIMEOUT}s), console in $OUT/console.log"
+log "booting guest (TCG, suite $SUITE, timeout ${TIMEOUT}s), console in $OUT/console.log"
 qemu-system-x86_64 \
     -accel tcg,thread=multi -cpu max -m 2048 -smp 2 \
     -kernel "$IMAGE/vmlinuz" -initrd "$IMAGE/initrd.img" \
@@ -88,7 +122,8 @@ COMMIT="$(git -C "$PROJECT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if [ "$COMMIT" != unknown ] && ! git -C "$PROJECT" diff --quiet HEAD -- kdsync tests/rdma 2>/dev/null; then
     COMMIT="$COMMIT+changes"
 fi
-printf '{"image": "%s", "image_seconds": %d, "vm_seconds": %d, "commit": "%s"}\n' "$IMAGE" $((t1 - t0)) $((t2 - t1)) "$COMMIT" >"$OUT/run.json"
+printf '{"image": "%s", "image_seconds": %d, "vm_seconds": %d, "commit": "%s", "suite": "%s", "timeout": %d}\n' \
+    "$IMAGE" $((t1 - t0)) $((t2 - t1)) "$COMMIT" "$SUITE" "$TIMEOUT" >"$OUT/run.json"
 log "image $((t1 - t0))s, vm $((t2 - t1))s"
 
 if [ ! -f "$OUT/exit_code" ]; then
@@ -96,13 +131,13 @@ if [ ! -f "$OUT/exit_code" ]; then
         tail -30 "$OUT/console.log" >&2 2>/dev/null || true
         skip "the guest did not boot under qemu within ${TIMEOUT}s (console tail above)"
     fi
-    echo "guest did not finish the tests within ${TIMEOUT}s; see $OUT/guest.log" >&2
+    echo "guest did not finish the $SUITE suite within ${TIMEOUT}s; see $OUT/guest.log" >&2
     tail -30 "$OUT/guest.log" >&2 2>/dev/null || true
     exit 1
 fi
 code="$(cat "$OUT/exit_code")"
 tail -40 "$OUT/guest.log" >&2 || true
-[ "$code" = 0 ] || { echo "in-VM tests failed (exit $code); see $OUT/guest.log" >&2; exit 1; }
+[ "$code" = 0 ] || { echo "in-VM tests failed (exit $code); see $OUT/guest.log and $OUT/artifacts/ (member logs, cores, gdb stacks)" >&2; exit 1; }
 log "in-VM tests passed"
 if command -v python3 >/dev/null && [ -f "$OUT/results.json" ]; then
     python3 - "$OUT/results.json" <<'PY' >&2 || true
@@ -116,6 +151,10 @@ for kind in ("rdma", "tcp"):
 print(f"[rdma-vm] RDMA/TCP: RTT p50 ratio {p.get('rtt_p50_rdma_over_tcp')}, throughput ratio {p.get('throughput_rdma_over_tcp')}")
 g = r.get("group_rdma", {})
 print(f"[rdma-vm] 3-member {g.get('protocol')} group over RDMA: {g.get('events')} events agreed in {g.get('deliver_all_s')} s")
+st = r.get("stress")
+if st:
+    print(f"[rdma-vm] stress: {st.get('starts')} member starts, {st.get('native_crashes')} native crashes, "
+          f"{st.get('other_failures')} other failures in {st.get('seconds')} s")
 m = r.get("member", {})
 print(f"[rdma-vm] kdsync run members rdma/tcp: p50 {m.get('p50_ms_ratio_rdma_over_tcp')}, "
       f"p99 {m.get('p99_ms_ratio_rdma_over_tcp')}, CPU/event {m.get('cpu_us_per_event_ratio_rdma_over_tcp')}")

@@ -21,6 +21,14 @@ if not IN_VM:
 _RESULTS: dict = {}
 
 
+def pytest_configure(config):
+    # Which suite runs a test (infra/rdma-vm/run-tests.sh, KDSYNC_VM_SUITE): unmarked tests are "ci" (each
+    # behaviour once: make test, make test-rdma); "bench" measures (make bench); "stress" repeats member
+    # starts (make test-rdma-stress).
+    config.addinivalue_line("markers", "bench: RDMA/TCP measurements, run by make bench (KDSYNC_VM_SUITE=bench)")
+    config.addinivalue_line("markers", "stress: member start/stop stress, make test-rdma-stress (KDSYNC_VM_SUITE=stress)")
+
+
 @pytest.fixture(scope="session")
 def addr() -> str:
     """The guest address rxe0 serves (qemu user networking gives 10.0.2.15)."""

@@ -16,6 +16,9 @@ import pytest
 
 from kdsync.testing.load import run_load
 
+# a measurement, not a behaviour: make bench runs it (KDSYNC_VM_SUITE=bench), make test does not
+pytestmark = pytest.mark.bench
+
 RATE_EPS, PHASE_S = 45.0, 6.0  # 15 events/s per cluster: the guest (2 emulated CPUs, ~2 ms of member CPU per event) stays unsaturated
 ORDER = ("tcp", "rdma", "rdma", "tcp")
 FIGURES = ("p50_ms", "p99_ms", "cpu_us_per_event", "frames_out_per_event")

@@ -11,10 +11,15 @@ import asyncio
 import statistics
 import time
 
+import pytest
+
 from kdsync.transport.rdma import RdmaTransport
 from kdsync.transport.tcp import TcpTransport
 
 from helpers import group, wait_for
+
+# a measurement, not a behaviour: make bench runs it (KDSYNC_VM_SUITE=bench), make test does not
+pytestmark = pytest.mark.bench
 
 ROUNDS = 2
 WARMUP, ROUND_TRIPS = 20, 100
