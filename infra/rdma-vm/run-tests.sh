@@ -151,6 +151,10 @@ for kind in ("rdma", "tcp"):
 print(f"[rdma-vm] RDMA/TCP: RTT p50 ratio {p.get('rtt_p50_rdma_over_tcp')}, throughput ratio {p.get('throughput_rdma_over_tcp')}")
 g = r.get("group_rdma", {})
 print(f"[rdma-vm] 3-member {g.get('protocol')} group over RDMA: {g.get('events')} events agreed in {g.get('deliver_all_s')} s")
+lt = r.get("lifetimes")
+if lt:
+    print(f"[rdma-vm] transport dropped unclosed and collected: {lt.get('dropped_unclosed_with_finalizers')} "
+          f"(without the finalizers: {lt.get('dropped_unclosed_without_finalizers')})")
 st = r.get("stress")
 if st:
     print(f"[rdma-vm] stress: {st.get('starts')} member starts, {st.get('native_crashes')} native crashes, "

@@ -268,6 +268,61 @@ def _resolve_ipv4(host: str) -> str:
         raise TransportError(f"cannot resolve {host!r}: {exc}") from None
 
 
+# ------------------------------------------------------------ verbs lifetimes (issue 44)
+#
+# pyverbs 44 wraps librdmacm's own objects: a CMID's `context` (a pyverbs
+# Context) is librdmacm's ibv_context of the device, shared by every cm_id
+# of the process, and its `pd` is librdmacm's shared protection domain.  A
+# listener's connection ids even share the listener's very wrappers.  Only
+# CMID.close() makes those wrappers inert (it NULLs their pointers); a
+# wrapper finalized before that closes what it wraps: Context's finalizer
+# closes every CQ and completion channel made on it and then
+# ibv_close_device()s librdmacm's context, PD's ibv_dealloc_pd()s the shared
+# PD -- under every other cm_id, QP and MR of the process, which then crash
+# in native code (SIGSEGV) at their next use.  Cython's cyclic-GC clear of a
+# CMID drops its `ctx`/`pd` references *without* calling close() first, so a
+# CMID reached only through a reference cycle, or whose close() raised, is
+# enough.  The rule this module keeps, so that never happens:
+#
+#   every pyverbs object is owned by a _Conn or by the transport, closed
+#   explicitly in dependency order (a connection's CMID -- its QP, its MRs --
+#   before the CQ, the completion channel, the listener, the event
+#   channels); an owner collected without being closed closes what it owns
+#   in its finalizer, which the collector runs before it clears any
+#   reference; an object whose close() fails is parked for the life of the
+#   process (never finalized, not even at exit); and all of it happens on
+#   the transport's loop thread (a finalizer only runs on garbage).
+
+_PARKED: list = []  # pyverbs objects whose close() failed: kept, never finalized
+
+
+def _park(obj: Any) -> None:
+    """Keep `obj` for the life of the process: its close() failed, so its
+    Context/PD wrappers may still point at librdmacm's shared context and PD,
+    and finalizing it would close them under every other cm_id."""
+    _PARKED.append(obj)
+    try:  # one reference more than anything will ever drop: not freed at interpreter exit either
+        import ctypes
+
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    except Exception:  # pragma: no cover - CPython always has it
+        pass
+
+
+def _close_verbs(objs: Any, log: Any = None) -> None:
+    """Close pyverbs objects in the order given (dependents first); one whose
+    close() fails is parked, never left to the garbage collector."""
+    for obj in objs:
+        if obj is None:
+            continue
+        try:
+            obj.close()
+        except Exception as exc:  # pyverbs' errors, or anything else: the object must not be finalized
+            _park(obj)
+            if log is not None:
+                log.warning("rdma: closing %s failed (%s); kept open until the process exits", type(obj).__name__, exc)
+
+
 def rdma_usable(peer_host: str, timeout: float = 1.0) -> tuple[bool, str]:
     """Can this machine reach `peer_host` over RDMA?
 
@@ -303,10 +358,7 @@ def rdma_usable(peer_host: str, timeout: float = 1.0) -> tuple[bool, str]:
     except (pv.Error, TransportError, OSError) as exc:
         return False, f"RDMA address resolution of {ip} failed: {exc}"
     finally:
-        if cmid is not None:
-            cmid.close()
-        if chan is not None:
-            chan.close()
+        _close_verbs((cmid, chan))
 
 
 class _Conn:
@@ -345,6 +397,27 @@ class _Conn:
     @property
     def pending_out(self) -> int:
         return len(self.out) - self.out_pos
+
+    def close_verbs(self) -> None:
+        """Close the cm id (its QP, its MRs; it makes its Context/PD wrappers
+        inert) and then the event channel; the lifetime rule above."""
+        cmid, chan = self.cmid, self.chan
+        self.cmid = self.chan = None
+        # the QP goes with the cm id, before the buffers its work requests name
+        _close_verbs((cmid, chan), self.tr.log if self.tr is not None else None)
+        self.recv_posted.clear()
+        self.send_free.clear()
+        self.send_busy.clear()
+
+    def __del__(self) -> None:
+        # Collected without _fail (its transport dropped unclosed): close the
+        # cm id now -- the collector runs this before it clears any reference,
+        # so the CMID's Context/PD wrappers are inert before they can go.
+        if getattr(self, "cmid", None) is not None or getattr(self, "chan", None) is not None:
+            try:
+                self.close_verbs()
+            except Exception:  # interpreter exit: module globals gone; nothing better to do
+                pass
 
     def __repr__(self) -> str:
         return f"<rdma {self.role} {self.peer} qpn={self.qpn} {self.state}>"
@@ -437,7 +510,7 @@ class RdmaTransport(Transport):
         host, port = self.listen
         try:
             self._listen()
-        except (self._pv.Error, OSError) as exc:
+        except (self._pv.Error, OSError, TransportError) as exc:
             self._release()
             raise TransportError(f"cannot listen for RDMA on {host}:{port}: {exc}; check [member] listen") from None
         self._started = True
@@ -495,7 +568,7 @@ class RdmaTransport(Transport):
             self._cq = pv.CQ(ctx, cqe, None, self._cc, 0)
             self._cq.req_notify()
             self._listener.listen(64)
-        except (pv.Error, OSError):
+        except (pv.Error, OSError, TransportError):
             self._release()
             raise
         self._loop.add_reader(self._cc_fd, self._on_cq_event)
@@ -563,15 +636,24 @@ class RdmaTransport(Transport):
                 if fd >= 0:
                     loop.remove_reader(fd)
         # QPs are gone (connections closed); now the CQ, its channel, the listener.
-        for obj in (self._cq, self._cc, self._listener, self._lchan):
-            if obj is not None:
-                try:
-                    obj.close()
-                except self._pv.Error as exc:
-                    self.log.warning("rdma: closing %s: %s", type(obj).__name__, exc)
+        objs = (self._cq, self._cc, self._listener, self._lchan)
         self._cq = self._cc = self._listener = self._lchan = None
+        _close_verbs(objs, self.log)
         self._cc_fd = self._lchan_fd = -1
         self.device_up = False
+
+    def __del__(self) -> None:
+        # Collected without close(): every connection's cm id first (its QP
+        # holds the CQ), then the CQ, its channel, the listener -- before the
+        # collector clears any reference (the lifetime rule, module top).
+        if getattr(self, "_cq", None) is None and getattr(self, "_listener", None) is None \
+                and getattr(self, "_lchan", None) is None and getattr(self, "_cc", None) is None:
+            return
+        for conn in sorted(getattr(self, "_conns", ()), key=id):
+            conn.close_verbs()
+        objs = (self._cq, self._cc, self._listener, self._lchan)
+        self._cq = self._cc = self._listener = self._lchan = None
+        _close_verbs(objs)
 
     # ------------------------------------------------------------ device loss
 
@@ -743,7 +825,7 @@ class RdmaTransport(Transport):
                     conn.cmid.reject()
                 except pv.Error:
                     pass
-                conn.cmid.close()
+                conn.close_verbs()
                 continue
             self._conns.add(conn)
             try:
@@ -767,6 +849,8 @@ class RdmaTransport(Transport):
 
     def _on_cq_event(self) -> None:
         pv = self._pv
+        if self._cq is None or self._cc is None:
+            return  # released (device lost, closing): pyverbs would take None for a CQ
         try:
             self._cc.get_cq_event(self._cq)
         except pv.Error:
@@ -1034,25 +1118,12 @@ class RdmaTransport(Transport):
         log = self.log.info if (was_up and not quiet and not self._closing) else self.log.debug
         log("rdma: %s link %s closed: %s", conn.role, peer, why)
         pv = self._pv
-        if conn.cmid is not None:
-            if conn.connected:
-                try:
-                    conn.cmid.disconnect()
-                except pv.Error:
-                    pass
+        if conn.cmid is not None and conn.connected:
             try:
-                conn.cmid.close()
-            except pv.Error as exc:
-                self.log.debug("rdma: closing cm id: %s", exc)
-        if conn.chan is not None:
-            try:
-                conn.chan.close()
+                conn.cmid.disconnect()
             except pv.Error:
                 pass
-        conn.cmid = conn.chan = None
-        conn.recv_posted.clear()
-        conn.send_free.clear()
-        conn.send_busy.clear()
+        conn.close_verbs()  # the cm id (QP, MRs), then its event channel; a failure parks it
         self._conns.discard(conn)
         if not conn.finished.done():
             conn.finished.set_result(was_up)

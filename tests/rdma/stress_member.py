@@ -20,6 +20,7 @@ crash leaves every thread's Python stack in the output)
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import json
 import logging
@@ -49,7 +50,13 @@ async def _run(me: str, peers: dict[str, tuple[str, int]]) -> None:
                         local=Local({"stress": "1"}, listen="%s:%d" % peers[me]))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def on_term() -> None:
+        # a stop that hangs leaves every thread's stack in the output and ends (exit 1), as kdsync run's does
+        faulthandler.dump_traceback_later(20, exit=True)
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
     await tr.start()
     while not stop.is_set():
         for p in tr.peers:
@@ -66,6 +73,7 @@ def main() -> None:
     me = sys.argv[1]
     peers = {k: (v[0], int(v[1])) for k, v in json.loads(sys.argv[2]).items()}
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stress test asks a slow start where it is
     gc.set_threshold(100, 5, 5)
     threading.Thread(target=_churn, name="churn", daemon=True).start()
     asyncio.run(_run(me, peers))

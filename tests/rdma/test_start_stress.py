@@ -195,6 +195,10 @@ class Stress:
                     waiting.discard(i)
             time.sleep(0.1)
         for i in waiting:
+            p = g.procs[i]
+            if KIND == "transport" and p is not None and p.poll() is None:
+                p.send_signal(signal.SIGUSR1)  # stress_member.py: faulthandler's stack of every thread, where it is
+                time.sleep(1.0)
             self._fail(f"{g.names[i]} life {self.lives[i]}: not listening over RDMA in {UP_S:.0f} s", g.logs[i])
 
 
