@@ -33,7 +33,6 @@ EXPECTED = {
     "test_a_member_killed_mid_stream_and_restarted_keeps_every_cluster_identical",
     "test_mixed_group_one_member_without_rdma",
     "test_rdma_device_deleted_mid_stream_members_go_on_over_tcp",
-    "test_a_transport_dropped_unclosed_is_collected_and_rdma_goes_on",
 }
 NOT_IN_CI = {"test_rdma_vs_tcp_latency_and_throughput", "test_member_latency_and_cpu_per_event_rdma_vs_tcp",
              "test_member_starts_stress"}
@@ -145,7 +144,6 @@ def test_rdma_transport_in_soft_roce_vm(tmp_path):
     assert results["pytest_exit"] == 0
     assert results["group_rdma"]["events"] == 300 and results["group_rdma"]["members"] == 3
     assert results["kdsync_run_rdma"]["events"] == 450 and results["kdsync_run_rdma"]["members"] == 3
-    assert results["lifetimes"]["dropped_unclosed_with_finalizers"] == "OK", results["lifetimes"]
     info = (out / "vm-info.txt").read_text()
     assert "rxe0" in info and "ACTIVE" in info
     assert not (out / "artifacts").exists(), "the guest kept cores: a process crashed in native code"

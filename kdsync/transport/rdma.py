@@ -653,7 +653,7 @@ class RdmaTransport(Transport):
             conn.close_verbs()
         objs = (self._cq, self._cc, self._listener, self._lchan)
         self._cq = self._cc = self._listener = self._lchan = None
-        _close_verbs(objs)
+        _close_verbs(objs, getattr(self, "log", None))
 
     # ------------------------------------------------------------ device loss
 
