@@ -22,6 +22,7 @@ from pathlib import Path
 from bench.common import Headline, NotMeasured, Section, Table, ratio
 
 PROTOCOLS = ("derecho", "clock", "mirror")
+BROKERS = ("tansu", "noida")
 DRAIN_GOAL_EPS = 22_000  # issue 9: >= 2x the ~11 K events/s of 3 clusters measured before
 
 
@@ -34,6 +35,7 @@ class MemberParams:
     drain_runs: int = 3  # drains per protocol, alternating (a sub-second span swings +-30 % on this box): the median
     cpu_pairs: int = 3  # rounds of (copy floor, derecho, clock, clock coalesced) at 1 000 events/s for the CPU ratios
     coalesce_us: int = 2000  # [member] coalesce_us of the coalesced clock run
+    brokers: tuple[str, ...] = BROKERS  # the 1 000 events/s point once more on each implementation, alternating
 
 
 def _cpu_runs(p: MemberParams) -> list[tuple[str, str, dict]]:
@@ -85,7 +87,7 @@ def _row(r: dict) -> dict:
     keys = ("protocol", "rate_eps", "events", "p50_ms", "p99_ms", "floor_p50_ms", "floor_p99_ms", "cpu_us_per_event",
             "cpu_us_loop", "cpu_us_kafka", "cpu_us_threads", "frames_out_per_event", "member_cpu_pct",
             "stage_fetch_ms", "stage_handoff_ms", "stage_sent_ms", "stage_delivered_ms", "stage_produced_ms",
-            "stage_report_ms", "drain_eps", "idle_cpu_pct", "agreement", "loadavg_1m")
+            "stage_report_ms", "drain_eps", "idle_cpu_pct", "broker_cpu_us_per_event", "agreement", "loadavg_1m")
     return {k: r.get(k) for k in keys}
 
 
@@ -111,6 +113,32 @@ def _more_drains(p: MemberParams, rows: list[dict], errors: list[str], progress=
         r["drain_eps_runs"] = "/".join(f"{x:.0f}" for x in xs) if xs else None
         if xs:
             r["drain_eps"] = round(statistics.median(xs), 1)
+
+
+def _by_broker(p: MemberParams, errors: list[str], progress=None) -> list[dict]:
+    """The 1 000 events/s point of every protocol on each broker implementation,
+    the brokers alternating per protocol (the pairs see the same box): latency
+    next to that broker's own producer -> consumer floor, the member's CPU and
+    the broker's CPU per ordered event."""
+    from kdsync.testing.load import run_load
+
+    rows = []
+    for proto in PROTOCOLS:
+        for broker in p.brokers:
+            with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-broker-{broker}-{proto}-") as d:
+                try:
+                    r = run_load(proto, 1000.0, p.duration_s, workdir=Path(d), broker=broker)
+                except Exception as e:  # one point failing must not hide the others
+                    errors.append(f"{proto} on {broker}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    continue
+            rows.append({"broker": broker, "protocol": proto, "events": r.get("events"), "p50_ms": r.get("p50_ms"),
+                         "p99_ms": r.get("p99_ms"), "floor_p50_ms": r.get("floor_p50_ms"),
+                         "floor_p99_ms": r.get("floor_p99_ms"), "cpu_us_per_event": r.get("cpu_us_per_event"),
+                         "broker_cpu_us_per_event": r.get("broker_cpu_us_per_event"),
+                         "agreement": r.get("agreement"), "loadavg_1m": r.get("loadavg_1m")})
+        if progress:
+            progress()
+    return rows
 
 
 def member_section(p: MemberParams, out: Path, progress=None) -> Section:
@@ -144,6 +172,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     except Exception as e:
         errors.append(f"copy floor: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     pairs = _cpu_ratios(p, errors, progress)
+    per_broker = _by_broker(p, errors, progress)
     sec.intro.append(
         f"`python -m bench.load` per point: 3 embedded Tansu clusters, one `kdsync run` each with the default "
         f"configuration (only `[protocol] name`), a source topic of 2 partitions, one paced writer per cluster for "
@@ -165,10 +194,18 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"least that far apart), in alternation, {p.duration_s:g} s of load each and no drain or idle phase; each "
         f"row is the median of its runs and `over_floor` its ratio to the copy floor's median. The single copy-floor "
         f"row of member_load is kept for history; the ratios are the paired ones.")
+    sec.intro.append(
+        f"Per broker (table member_brokers): the 1 000 events/s point of each protocol on embedded Tansu and on "
+        f"noida-db, the two brokers alternating per protocol, {p.duration_s:g} s each; broker CPU = the three "
+        f"broker processes' CPU time over the load / events ordered, per cluster: what the members' requests (and "
+        f"the writers') cost the broker. Compare within a broker: the floor is that broker's own.")
     sec.tables.append(Table("member_load", "Member under paced load (derecho, clock and mirror, 3 clusters)", rows))
     if pairs:
         sec.tables.append(Table("member_cpu", "CPU per event at 1 000 events/s next to the copy floor, paired runs",
                                 pairs))
+    if per_broker:
+        sec.tables.append(Table("member_brokers", "The 1 000 events/s point on each broker implementation",
+                                per_broker))
     by_run = {r["run"]: r for r in pairs}
     by = {(r["protocol"], r["rate_eps"]): r for r in rows}
 
@@ -215,6 +252,15 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
                                   "member_load.csv"))
     sec.headlines.append(Headline("idle member CPU, derecho (% of a core)", val("derecho", 1000.0, "idle_cpu_pct"),
                                   "<= 2 (issue 9)", "member_load.csv"))
+    pb = {(r["broker"], r["protocol"]): r for r in per_broker}
+    for broker in p.brokers:
+        d, m = (pb.get((broker, k), {}).get("p50_ms") for k in ("derecho", "mirror"))
+        sec.headlines.append(Headline(f"derecho p50 - mirror p50 at 1 000 events/s on {broker} (ms)",
+                                      round(d - m, 1) if d is not None and m is not None else None, "(report)",
+                                      "member_brokers.csv"))
+        sec.headlines.append(Headline(f"broker CPU per ordered event, derecho at 1 000 events/s on {broker} (µs)",
+                                      pb.get((broker, "derecho"), {}).get("broker_cpu_us_per_event"), "(report)",
+                                      "member_brokers.csv"))
     if errors:
         sec.notes.append("not measured: " + "; ".join(errors))
     sec.notes.append(f"load average while measuring: {', '.join(str(r['loadavg_1m']) for r in rows)} "

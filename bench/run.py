@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import plots as plot
     from bench.audit import audit_section
     from bench.core import core_section
-    from bench.member import MemberParams, member_section
+    from bench.member import PROTOCOLS as PROTOCOLS_MEMBER, MemberParams, member_section
     from bench.rdma import rdma_section
     from bench.scale import scale_section
     from bench.real import RealParams, real_section
@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs = sweep_jobs(params, work) if "sim" in wanted or "audit" in wanted else []
         yjobs = yardstick_jobs(work) if "sim" in wanted and not args.quick else []
         member_params = MemberParams()
-        member_steps = 3 * len(member_params.rates) + member_params.drain_runs - 1 + member_params.cpu_pairs
-        total = (len(wanted) + len(jobs) + len(yjobs) + (3 if "real" in wanted else 0)
+        member_steps = (3 * len(member_params.rates) + member_params.drain_runs - 1 + member_params.cpu_pairs
+                        + len(PROTOCOLS_MEMBER))
+        total = (len(wanted) + len(jobs) + len(yjobs) + (3 * len(real_params.brokers) if "real" in wanted else 0)
                  + (member_steps if "member" in wanted else 0) + (2 if "shards" in wanted else 0)
                  + (5 if "topics" in wanted else 0))
         prog = Progress(total)

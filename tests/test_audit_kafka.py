@@ -1,4 +1,5 @@
-"""`kdsync audit` against real brokers: three embedded Tansu clusters, source
+"""`kdsync audit` against real brokers: three embedded clusters (Tansu, then
+noida-db: the module runs once per implementation), source
 and global topics written directly with a producer, one anomaly injected into
 dc2's global topic per topic; the audit must report exactly that anomaly."""
 
@@ -15,11 +16,11 @@ PER_CLUSTER = 12
 CASES = ["clean", "duplicate", "missing", "swap", "reorder", "foreign"]
 
 
-@pytest.fixture(scope="module")
-def clusters():
+@pytest.fixture(scope="module", params=["tansu", "noida"])
+def clusters(request):
     from kdsync.kafka.embedded import embedded_clusters
 
-    with embedded_clusters(3) as cs:
+    with embedded_clusters(3, broker=request.param) as cs:
         yield cs
 
 

@@ -1,5 +1,5 @@
 """Many source topics per member (issue 26), with real `kdsync run` members
-on three real Tansu clusters: every topic is its own ordering group, and
+on three real clusters (Tansu; the kill-and-restart test on noida-db too): every topic is its own ordering group, and
 all of them must form, order the same and stay exactly once while a member
 is killed with SIGKILL mid-stream and restarted, with `quiesce` on (idle
 groups sleep between the bursts).  A member whose hard states of a hundred
@@ -68,10 +68,11 @@ def _check_every_topic(g: LocalGroup, expected: int, timeout: float = 120.0) -> 
         assert len(keys) == expected, f"{t}: {len(keys)} distinct keys for {expected} records"
 
 
-def test_eighty_topics_form_order_identically_and_exactly_once_through_a_kill_and_restart(tmp_path):
+@pytest.mark.parametrize("broker", ["tansu", "noida"])
+def test_eighty_topics_form_order_identically_and_exactly_once_through_a_kill_and_restart(tmp_path, broker):
     g = LocalGroup(3, tmp_path, topic="one", metrics=True, tick_ms=20, heartbeat_ms=60, suspect_ms=600,
                    retransmit_ms=40, extra={"topics": {"source": {"allow": "^(app-|one$)"}},
-                                            "metrics": {"topic_histograms": 40}})
+                                            "metrics": {"topic_histograms": 40}}, broker=broker)
     try:
         g.start_brokers()
         for i in range(g.n):

@@ -146,7 +146,8 @@ def test_supervisor_stops_workers_on_sigterm(tmp_path, shards):
 
 
 # ---------------------------------------------------------------- real clusters
-def test_two_shards_two_workers_kill9_a_worker(tmp_path):
+@pytest.mark.parametrize("broker", ["tansu", "noida"])
+def test_two_shards_two_workers_kill9_a_worker(tmp_path, broker):
     """3 clusters, 2 shards in 2 workers each, 4 source partitions; events
     stream into every cluster while one worker of dc2 is killed with SIGKILL;
     its supervisor restarts it.  Then every partition of the global topic is
@@ -156,7 +157,7 @@ def test_two_shards_two_workers_kill9_a_worker(tmp_path):
 
     per, n = 1500, 3
     trace = tmp_path / "trace.jsonl"
-    with LocalGroup(n, tmp_path, shards=2, workers=2, source_partitions=4, metrics=True) as g:
+    with LocalGroup(n, tmp_path, shards=2, workers=2, source_partitions=4, metrics=True, broker=broker) as g:
         g.member_args[0] = ["--trace-latency", str(trace)]  # dc1's workers trace (dc2's is the one killed)
         g.start_brokers()
         g.start_members()

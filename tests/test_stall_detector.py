@@ -39,8 +39,9 @@ def _stalled(g: LocalGroup, i: int, stage: str) -> float | None:
     return None
 
 
-def test_a_frozen_broker_is_reported_as_a_stalled_delivery_report_stage_then_recovers(tmp_path):
-    with LocalGroup(3, tmp_path, metrics=True, stall_after_ms=1500, expect_stalls=True) as g:
+@pytest.mark.parametrize("broker", ["tansu", "noida"])
+def test_a_frozen_broker_is_reported_as_a_stalled_delivery_report_stage_then_recovers(tmp_path, broker):
+    with LocalGroup(3, tmp_path, metrics=True, stall_after_ms=1500, expect_stalls=True, broker=broker) as g:
         g.start_brokers()
         g.start_members()
         g.wait_ready(60)

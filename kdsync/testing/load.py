@@ -215,7 +215,8 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
              peer_address: Callable[[int, int], str] | None = None, workdir: str | os.PathLike | None = None,
              backlog: int = 0, idle_s: float = 0.0, timing: dict | None = None, secret: str | None = None,
              extra: dict[str, dict] | None = None, floor: bool = True, timeout_s: float = 120.0,
-             on_group: Callable | None = None, on_done: Callable | None = None, host: str = "127.0.0.1") -> dict:
+             on_group: Callable | None = None, on_done: Callable | None = None, host: str = "127.0.0.1",
+             broker: str | None = None) -> dict:
     """One paced-load run (see the module docstring); returns a dict of figures:
     p50_ms/p99_ms (paced events, every global topic), floor_p50_ms/floor_p99_ms,
     cpu_us_per_event (mean over members) and per member, member_cpu_pct (load
@@ -227,7 +228,10 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
     `extra` = further config sections; `host` = the address members listen
     and dial on (an RDMA device's, for `[transport] kind = "rdma"`); `on_group(g)` is called once the
     members are active (e.g. to start a profiler on their pids), `on_done(g,
-    out)` after the figures, before anything is stopped."""
+    out)` after the figures, before anything is stopped; `broker` = the
+    embedded implementation ("tansu" / "noida"; None: LocalGroup's default).
+    broker_cpu_us_per_event: the brokers' CPU time over the load phase / events
+    ordered, mean over clusters (the requests a member makes are served there)."""
     import psutil
 
     from kdsync.testing import local
@@ -241,7 +245,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                  "partitions": partitions, "timing": "default" if timing is None else "custom"}
     try:
         g = local.LocalGroup(clusters, Path(workdir), protocol=protocol, metrics=True, peer_address=peer_address,
-                            extra=extra, secret=secret, host=host)
+                            extra=extra, secret=secret, host=host, broker=broker)
         g.timing = dict(timing or {})  # empty: no [protocol] key but name, as the README's minimal config
         with g:
             for c in g.clusters:
@@ -255,6 +259,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             g.start_members()
             g.wait_ready(timeout=90)
             procs = [psutil.Process(p.pid) for p in g.procs]
+            brokers = [psutil.Process(c.pid) for c in g.clusters if c.pid]
             before = 0
             if backlog:
                 before = backlog * clusters
@@ -283,6 +288,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             frames0 = [frames_out(g, i) for i in range(clusters)]
             stages0 = [stage_sums(g, i) for i in range(clusters)]
             cpu0 = [cpu_s(p) for p in procs]
+            bcpu0 = [cpu_s(p) for p in brokers]
             split0 = [thread_cpu(p) for p in procs]
             t0 = time.monotonic()
             writers.go()
@@ -291,6 +297,7 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             got = g.wait_for(total, timeout_s, poll=0.05)
             t1 = time.monotonic()
             cpu1 = [cpu_s(p) for p in procs]
+            bcpu1 = [cpu_s(p) for p in brokers]
             split1 = [thread_cpu(p) for p in procs]
             frames1 = [frames_out(g, i) for i in range(clusters)]
             stages1 = [stage_sums(g, i) for i in range(clusters)]
@@ -318,6 +325,10 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 "loadavg_1m": round(load0[0], 2),
             })
             out["cpu_us_per_event"] = round(sum(out["cpu_us_per_event_by_member"]) / clusters, 1)
+            if brokers:
+                out["broker_cpu_us_per_event"] = round(sum(b1 - b0 for b0, b1 in zip(bcpu0, bcpu1)) / len(brokers)
+                                                       / max(1, sum(ordered) / clusters) * 1e6, 1)
+            out["broker"] = g.broker
             for stage in ("fetch", "handoff", "sent", "delivered", "produced", "report"):
                 # mean time of the stage per batch in the phase, ms, over every member
                 tot = sum(b.get(stage, (0, 0))[0] - a.get(stage, (0, 0))[0] for a, b in zip(stages0, stages1))
