@@ -9,6 +9,8 @@ the rest of each Ready is done and its node drained again.  The loop goes
 on meanwhile.  Saved one file and one fsync at a time, on the loop, the
 view changes of a hundred groups at once held every group's messages past
 the view change's timeouts, round after round: they never formed.
+
+What the handshake uses of the member is `HandshakeHost`: nothing else.
 """
 
 from __future__ import annotations
@@ -16,26 +18,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kdsync.observability.logs import kv
-from kdsync.pipeline import TopicPipeline, serve_read
+from kdsync.pipeline import ReadHost, TopicPipeline, serve_read
 from kdsync.state import StateLog
 from kdsync.ticks import wall_us
 from kdsync.transport.channels import frame_channel
 
-if TYPE_CHECKING:
-    from kdsync.member import Member
-
-__all__ = ["ReadyHandshake"]
+__all__ = ["HandshakeHost", "ReadyHandshake"]
 
 log = logging.getLogger("kdsync.member")
+
+
+class HandshakeHost(ReadHost, Protocol):
+    """What the Ready handshake uses of the member that runs it: the loop
+    (to save the iteration's hard states at its end), the transport's send,
+    the tick clock, the sleeping groups' view digest, the metrics, and the
+    callbacks for deliveries and a fatal error; plus `ReadHost` for the
+    node's reads."""
+
+    loop: asyncio.AbstractEventLoop
+    witness: bool  # no global topic: a delivery is durable at once
+    transport: Any  # kdsync.transport.Transport: send(peer, frame)
+    clock: Any  # kdsync.ticks.TickClock: wake_if_busy(node)
+    sleepers: Any  # kdsync.ticks.Sleepers: views.set(topic, view_id)
+    metrics: Any  # kdsync.observability.metrics.MemberMetrics: view_id, live_members, delivered, set_status
+
+    def deliver(self, p: TopicPipeline, d: Any) -> None: ...
+
+    def fatal(self, msg: str) -> None: ...
 
 
 class ReadyHandshake:
     """The handshake of every node of member `m`, with its hard states in `state_log`."""
 
-    def __init__(self, m: Member, state_log: StateLog):
+    def __init__(self, m: HandshakeHost, state_log: StateLog):
         self.m = m
         self.state_log = state_log
         self._held: list = []  # (pipeline, Ready) whose hard state waits for this iteration's fsync

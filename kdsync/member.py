@@ -149,6 +149,15 @@ class Member:
     def stop_requested(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def state_log(self) -> StateLog:
+        """The hard-state log of every group (kdsync.pipeline.PipelineHost)."""
+        return self.handshake.state_log
+
+    def producer_failed(self, why: str) -> None:
+        """A writer's producer failed: re-create it in place (kdsync.producer_recovery)."""
+        self.recovery.failed(why)
+
     # ------------------------------------------------------------ start
     async def run(self) -> int:
         """Run until SIGINT/SIGTERM or a fatal error; return 0 or 1."""

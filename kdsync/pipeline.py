@@ -11,6 +11,11 @@ checkpoint and the global topic after it are read (start position, origin
 watermarks, positions present beyond a gap), the hard state is loaded, and
 the node, writer, reader and checkpoint writer are made.  The member then
 registers the pipeline (source partitions, early peer messages).
+
+What these functions may use of the member that runs them is written down
+in `PipelineHost` (and `ReadHost` for the reads the node asks for): values
+and callbacks, nothing else.  `kdsync.member.Member` provides them; a test
+provides them with a plain object (tests/test_member_parts.py).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kdsync.core import HardState, LocalProtocolError, LogChunk, NodeConfig, OrderingNode, batches_from_events, make_node
 from kdsync.fatal import FatalError
@@ -34,11 +39,13 @@ from kdsync.observability.stage_latency import ALL_TOPICS, StageClock
 from kdsync.state import StateLog
 
 if TYPE_CHECKING:
-    from kdsync.config import Config
-    from kdsync.member import Member
+    from kdsync.config import Config, ProtocolSection
+    from kdsync.kafka.checkpoint import CheckpointRounds
+    from kdsync.observability.stage_latency import LatencyTrace
 
-__all__ = ["Prepared", "TopicPipeline", "at_most", "close_pipelines", "discover_topics", "node_config", "open_pipeline",
-           "prepare_topics", "prime_metadata", "serve_read", "start_each", "start_topics"]
+__all__ = ["PipelineHost", "Prepared", "ReadHost", "TopicPipeline", "at_most", "close_pipelines", "discover_topics",
+           "node_config", "open_pipeline", "prepare_topics", "prime_metadata", "serve_read", "start_each",
+           "start_topics"]
 
 log = logging.getLogger("kdsync.member")
 
@@ -112,16 +119,61 @@ def node_config(cfg: Config) -> NodeConfig:
                       clock_lead_us=int(p.clock_lead_ms * 1000), commit_quorum=p.commit_quorum)
 
 
+class ReadHost(Protocol):
+    """What `serve_read` uses of the member: its protocol settings, its
+    retry with backoff, and the two steps around an input to a node."""
+
+    pcfg: ProtocolSection
+
+    async def retry(self, what: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def before_input(self, p: TopicPipeline) -> None: ...  # wake the node if it sleeps
+
+    def process(self, p: TopicPipeline) -> None: ...  # drain the node (kdsync.handshake)
+
+
+class PipelineHost(ReadHost, Protocol):
+    """Everything the start-up of a topic (`start_topics`, `open_pipeline`)
+    may use of the member: its settings and identity, its Kafka clients, the
+    hard-state log, the sets of topics it orders, and callbacks for what a
+    pipeline reports.  Nothing else of the member is reachable from here."""
+
+    cfg: Config
+    me: str
+    shard: int | None  # None: every partition of the global topic; s: partition s alone (docs/shards.md)
+    witness: bool  # no Kafka: no global topic, writer, reader or checkpoints
+    kafka_conf: dict
+    rng: random.Random
+    metrics: Any  # kdsync.observability.metrics.MemberMetrics (checkpoint_written; StageClock's histograms)
+    trace: LatencyTrace | None
+    producer: Any  # the member's producer (replaced in place by kdsync.producer_recovery)
+    loop: asyncio.AbstractEventLoop
+    offsets_consumer: OffsetsConsumer | None  # the end-offset client every checkpoint writer shares
+    checkpoint_rounds: CheckpointRounds
+    state_log: StateLog  # the member's hard-state log (kdsync.state)
+    pipelines: dict[str, TopicPipeline]
+    starting: set[str]
+    planned: set[str]  # topics start_topics will start (a peer's message for one waits for it)
+
+    def fatal(self, msg: str) -> None: ...
+
+    def on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None: ...
+
+    def producer_failed(self, why: str) -> None: ...  # kdsync.producer_recovery
+
+    async def start_pipeline(self, topic: str, prepared: Prepared | None = None) -> None: ...
+
+
 CHECKPOINTS_PER_S = 20  # a member's checkpoint writes at most, over all its topics (one broker append each)
 
 
-def ordered_topics(m: Member) -> int:
+def ordered_topics(m: PipelineHost) -> int:
     """The distinct topics a member orders: open, starting or planned (the
     sets overlap while topics start)."""
     return len(m.pipelines.keys() | m.starting | m.planned)
 
 
-def checkpoint_interval(m: Member) -> float:
+def checkpoint_interval(m: PipelineHost) -> float:
     """Seconds between a topic's checkpoints: `[checkpoint] interval_ms`, or
     longer past CHECKPOINTS_PER_S x interval topics (1 000 topics: every
     50 s; `positions` still bounds what a restart reads).  At 1 000 topics
@@ -132,14 +184,14 @@ def checkpoint_interval(m: Member) -> float:
     return max(m.cfg.checkpoint.interval_ms / 1000.0, ordered_topics(m) / CHECKPOINTS_PER_S)
 
 
-def histogram_label(m: Member, topic: str) -> str:
+def histogram_label(m: PipelineHost, topic: str) -> str:
     """The topic label of `topic`'s histograms: itself while the member orders
     at most `[metrics] topic_histograms` topics (those open, starting or
     planned: at start-up, all it found), else ALL_TOPICS."""
     return topic if ordered_topics(m) <= m.cfg.metrics.topic_histograms else ALL_TOPICS
 
 
-async def start_topics(m: Member, topics: list[str]) -> None:
+async def start_topics(m: PipelineHost, topics: list[str]) -> None:
     """Start the pipelines of `topics` (source topics of a member with
     Kafka): their global and checkpoint topics made and measured in one
     batch (`prepare_topics`), then `start_each`.  Until each has started, a
@@ -244,7 +296,7 @@ def empty_start(global_topic: str, partitions: int, shard: int | None) -> Global
     return decide_start(global_topic, [PartitionRead(p, 0, 0, how=FROM_START) for p in ids], None, [])
 
 
-async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
+async def open_pipeline(m: PipelineHost, topic: str, prepared: Prepared | None = None,
                         ) -> tuple[TopicPipeline, GlobalStart | None, HardState | None]:
     """The pipeline of `topic` for member `m`, started from its global topic
     (none read on a witness), with the start state read and the hard state
@@ -275,7 +327,7 @@ async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
                         "partitions seen only there", **kv(topic=topic, global_topic=gt,
                                                            lost=f"{start.lost[0]}..{start.lost[1] - 1}",
                                                            start_seq=start_seq))
-    state = m.handshake.state_log
+    state = m.state_log
     hs = state.get(topic)
     try:
         node = make_node(node_config(m.cfg), rng=random.Random(m.rng.getrandbits(64)), start_seq=start_seq,
@@ -291,7 +343,7 @@ async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
             m.producer, gt, parts, start_seq, origin=m.me, present=present,
             on_durable=lambda end, commits: m.on_durable(p, end, commits),
             on_done=p.stages.written, on_fatal=m.fatal, schedule=m.loop.call_soon, shard=m.shard,
-            start_offsets=dict(zip(ids, start.ends)), on_failed=m.recovery.failed)
+            start_offsets=dict(zip(ids, start.ends)), on_failed=m.producer_failed)
         p.reader = GlobalReader(m.kafka_conf, f"kdsync-{m.me}-reader", gt, parts, start.seq_base, shard=m.shard)
         _start_checkpoints(m, p, start, parts)
     if present:
@@ -300,7 +352,7 @@ async def open_pipeline(m: Member, topic: str, prepared: Prepared | None = None,
     return p, start, hs
 
 
-def _start_checkpoints(m: Member, p: TopicPipeline, start: GlobalStart, parts: int) -> None:
+def _start_checkpoints(m: PipelineHost, p: TopicPipeline, start: GlobalStart, parts: int) -> None:
     """The checkpoint writer of `p` (kdsync.kafka.checkpoint), and a first
     checkpoint of the start state unless the topic already holds positions
     beyond a gap."""
@@ -323,7 +375,7 @@ def _start_checkpoints(m: Member, p: TopicPipeline, start: GlobalStart, parts: i
     m.checkpoint_rounds.add(p.checkpoint)
 
 
-async def serve_read(m: Member, p: TopicPipeline, start: int, stop: int) -> None:
+async def serve_read(m: ReadHost, p: TopicPipeline, start: int, stop: int) -> None:
     """Answer the node's read of positions [start, stop) it no longer holds
     from the global topic (a worker thread), in chunks of `catchup_chunk`."""
     if p.reader is None:

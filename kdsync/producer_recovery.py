@@ -8,6 +8,8 @@ the writer's durable floor, and only the positions missing there are written
 again, in order (`kdsync_producer_recoveries_total`).  More than
 `MAX_RECOVERIES` within `RECOVERY_WINDOW_S` is fatal with one line: the
 restart resumes from the global topic.
+
+What the recovery uses of the member is `RecoveryHost`: nothing else.
 """
 
 from __future__ import annotations
@@ -16,17 +18,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from confluent_kafka import KafkaException
 
 from kdsync.kafka.sink import make_producer, read_present
 from kdsync.observability.logs import kv
 
-if TYPE_CHECKING:
-    from kdsync.member import Member
+from kdsync.pipeline import TopicPipeline
 
-__all__ = ["ProducerRecovery"]
+__all__ = ["ProducerRecovery", "RecoveryHost"]
 
 log = logging.getLogger("kdsync.member")
 
@@ -34,10 +36,32 @@ MAX_RECOVERIES, RECOVERY_WINDOW_S = 5, 60.0  # more producer recoveries than thi
 DRAIN_S = 30.0  # a failed producer's in-flight requests are waited for this long before its tail is read
 
 
+class RecoveryHost(Protocol):
+    """What the producer recovery uses of the member: its producer (read, and
+    replaced), the pipelines whose writers it suspends and resumes, the Kafka
+    settings to make a producer and read a tail, and the member's callbacks."""
+
+    stopping: bool
+    producer: Any
+    pipelines: dict[str, TopicPipeline]
+    kafka_conf: dict
+    metrics: Any  # kdsync.observability.metrics.MemberMetrics: producer_recoveries
+
+    def producer_conf(self) -> dict: ...
+
+    async def retry(self, what: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def fatal(self, msg: str) -> None: ...
+
+    def stop_requested(self) -> bool: ...
+
+    def poll_reports_soon(self) -> None: ...
+
+
 class ProducerRecovery:
     """The producer recovery of member `m` (module doc)."""
 
-    def __init__(self, m: Member):
+    def __init__(self, m: RecoveryHost):
         self.m = m
         self.active = False  # the producer is being re-created
         self._again: str | None = None  # it failed again while being recovered: recover once more after

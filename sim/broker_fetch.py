@@ -5,27 +5,45 @@ outstanding per broker, as librdkafka does; a fetch that finds nothing new is
 held by the broker until data arrives or the wait is over (`fetch`).  With
 `kafka.poll_ms > 0` the consume loop hands over a batch every poll_ms
 instead (`poller`).  The Simulation owns the clock, the clusters and the
-members; this model only decides when a fetch is answered.
+members; this model only decides when a fetch is answered.  What it uses of
+the simulation is `FetchHost`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from simpy.events import Timeout
 
 if TYPE_CHECKING:
-    from sim.members import SimMember
-    from sim.runner import Simulation
+    import simpy
 
-__all__ = ["FetchModel"]
+    from sim.members import SimMember
+
+__all__ = ["FetchHost", "FetchModel"]
+
+
+class FetchHost(Protocol):
+    """What the fetch model uses of the simulation: its clock, its fetch
+    settings (seconds), how far each member's workload is written, and a timer."""
+
+    env: simpy.Environment
+    shards: int
+    fetch_wait_s: float
+    fetch_check_s: float
+    fetch_overhead_s: float
+    poll_s: float
+    written_until: dict[str, float]
+
+    def after(self, delay: float, fn: Callable[[Any], None], arg: Any) -> None: ...
 
 
 class FetchModel:
     """The fetch loops of one simulation's members (module doc)."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: FetchHost) -> None:
         self.sim = sim
 
     def fetch(self, m: SimMember, issued: float | None = None) -> None:

@@ -2,24 +2,46 @@
 their times (crash, clean stop, restart, partition, heal, link faults, clock
 pauses), in
 file order on ties, each followed by the majority bookkeeping of the host
-(`Simulation.topology_changed`).  Format: docs/scenario.md."""
+(`Simulation.topology_changed`).  Format: docs/scenario.md.
+
+What the player uses of the simulation is `FaultHost` (sim.runner's
+Simulation provides it): the clock, the network, the scenario, the nodes of
+each site and two callbacks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from sim.runner import Simulation
+    import simpy
 
-__all__ = ["FaultPlayer", "STOP_BOUND_S"]
+    from sim.members import SimMember
+    from sim.network import SimNetwork
+    from sim.scenario import Scenario
+
+__all__ = ["FaultHost", "FaultPlayer", "STOP_BOUND_S"]
 
 STOP_BOUND_S = 5.0  # a clean stop ends its process once the group took note, or this long after it began
 
 
-class FaultPlayer:
-    """Plays one scenario's faults on one Simulation (a SimPy process: `play`)."""
+class FaultHost(Protocol):
+    """What the fault player uses of the simulation."""
 
-    def __init__(self, sim: Simulation) -> None:
+    env: simpy.Environment
+    network: SimNetwork
+    scenario: Scenario
+    site_nodes: dict[str, list[SimMember]]  # the nodes of each site (its member, its shards' members)
+
+    def after(self, delay: float, fn: Callable[[Any], None], arg: Any) -> None: ...
+
+    def topology_changed(self) -> None: ...  # the majority bookkeeping after every fault
+
+
+class FaultPlayer:
+    """Plays one scenario's faults on one simulation (a SimPy process: `play`)."""
+
+    def __init__(self, sim: FaultHost) -> None:
         self.sim = sim
 
     def play(self):

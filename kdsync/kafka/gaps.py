@@ -283,6 +283,11 @@ class ReadGaps:
     wrong place, so a read never goes past it.  One per reader; not
     thread-safe (one read at a time, like its consumer)."""
 
+    @staticmethod
+    def enabled() -> bool:
+        """The accounting of global-topic reads is on (`read_accounting_on`)."""
+        return read_accounting_on()
+
     def __init__(self, conf: dict | str):
         self.conf = {"bootstrap.servers": conf} if isinstance(conf, str) else dict(conf)
         self.look = GapLook(self.conf)

@@ -117,10 +117,8 @@ def read_to_eof(c: Consumer, topic: str, partition: int = 0, start: int = 0, sto
     """
     global _learned_wait_ms
     c.assign([TopicPartition(topic, partition, max(start, 0))])  # out of range -> earliest
-    if gaps is not None:
-        from kdsync.kafka.gaps import read_accounting_on
-
-        gaps = gaps if read_accounting_on() else None
+    if gaps is not None and not gaps.enabled():  # KDSYNC_GLOBAL_GAP_ACCOUNTING=off (kdsync.kafka.gaps)
+        gaps = None
     try:
         deadline = time.monotonic() + timeout
         progress = time.monotonic()

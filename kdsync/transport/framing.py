@@ -40,7 +40,7 @@ import struct
 import zlib
 from typing import NamedTuple
 
-from kdsync.transport import TransportError
+from kdsync.transport.errors import TransportError
 
 __all__ = [
     "AUTH",

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection
 
 from kdsync.contract import describe, differences, show_wire, wire_overlap, wire_range
-from kdsync.transport import TransportError
+from kdsync.transport.errors import TransportError
 from kdsync.transport.framing import AUTH, HELLO, Frame, encode_frame
 
 __all__ = ["HANDSHAKE_VERSION", "PROBES", "ContractError", "DialerHandshake", "HandshakeError", "ListenerHandshake",

@@ -116,7 +116,7 @@ import struct
 import sys
 from typing import Any
 
-from kdsync.transport import PeerQueue, Transport, TransportError
+from kdsync.transport.base import PeerQueue, Transport, TransportError
 from kdsync.transport.framing import (
     BATCH,
     HEADER_SIZE,

@@ -84,7 +84,7 @@ import socket
 import ssl
 from typing import NamedTuple, cast
 
-from kdsync.transport import PeerQueue, TLSSettings, Transport, TransportError
+from kdsync.transport.base import PeerQueue, TLSSettings, Transport, TransportError
 from kdsync.transport.framing import (
     BATCH,
     HEADER_SIZE,

@@ -1,0 +1,203 @@
+"""The member's parts are given what they need, not the member (issue 43).
+
+- The import graph of kdsync/ and sim/ has no circle (imports under
+  TYPE_CHECKING and inside functions included), and only the entry points
+  import kdsync.member.
+- A topic pipeline is opened and driven through the Ready handshake by a
+  plain host object (kdsync.pipeline.PipelineHost, kdsync.handshake.HandshakeHost),
+  with a fake producer and no broker: the hard state is on disk before the
+  first delivery, the deliveries become records of the global topic, their
+  reports make them durable.  (The producer recovery is driven the same way
+  in tests/test_member_parts.py.)
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import graphlib
+import random
+from pathlib import Path
+
+from kdsync.config import config_from_dict
+from kdsync.core import Event, batches_from_events
+from kdsync.handshake import ReadyHandshake
+from kdsync.kafka.checkpoint import CheckpointRounds
+from kdsync.kafka.records import H_SEQ, pack_payload
+from kdsync.pipeline import Prepared, open_pipeline
+from kdsync.state import StateLog
+
+from test_member_parts import FakeProducer
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY_POINTS = {"kdsync.cli", "kdsync.workers"}  # the modules that run a Member
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in ("kdsync", "sim"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = f
+    return mods
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its file."""
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for m, f in mods.items():
+        deps = graph.setdefault(m, set())
+        package = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            deps.update(r for r in map(resolve, names) if r and r != m)
+    return graph
+
+
+def test_no_import_circle_and_only_the_entry_points_import_the_member():
+    graph = _import_graph()
+    assert len(graph) > 80 and "kdsync.pipeline" in graph["kdsync.member"]  # the graph is the real one
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"import circle: {' -> '.join(e.args[1])}") from None
+    importers = {m for m, deps in graph.items() if "kdsync.member" in deps}
+    assert importers <= ENTRY_POINTS, importers - ENTRY_POINTS
+
+
+class _Host:
+    """What kdsync.pipeline and kdsync.handshake may use of a member, and nothing else."""
+
+    def __init__(self, d: Path):
+        self.cfg = config_from_dict({"member": {"id": "dc1", "listen": "127.0.0.1:1"},
+                                     "peers": {"dc1": "127.0.0.1:1"},
+                                     "kafka": {"bootstrap.servers": "127.0.0.1:1"},  # never reached
+                                     "topics": {"source": "t"}}, base_dir=str(d))
+        self.pcfg = self.cfg.protocol
+        self.me, self.shard, self.witness = "dc1", None, False
+        self.kafka_conf = {"bootstrap.servers": "127.0.0.1:1"}
+        self.rng = random.Random(7)
+        self.metrics = None  # set by the test (MemberMetrics)
+        self.trace = None
+        self.producer = FakeProducer()
+        self.loop = asyncio.get_running_loop()
+        self.offsets_consumer = None
+        self.checkpoint_rounds = CheckpointRounds()
+        self.state_log = StateLog(d / "state")
+        self.state_log.load()
+        self.pipelines, self.starting, self.planned = {}, set(), set()
+        self.fatals, self.frames, self.durables, self.on_disk_at_first_delivery = [], [], [], None
+        self.handshake = ReadyHandshake(self, self.state_log)
+        host = self
+
+        class Transport:
+            def send(self, peer, frame):
+                host.frames.append((peer, frame))
+
+        class Clock:
+            def wake_if_busy(self, node):
+                pass
+
+        class Views:
+            def set(self, topic, view_id):
+                pass
+
+        class Sleepers:
+            views = Views()
+
+        self.transport, self.clock, self.sleepers = Transport(), Clock(), Sleepers()
+
+    async def retry(self, what, fn, *args):
+        raise AssertionError(f"{what}: a prepared empty topic reads nothing of the broker")
+
+    def before_input(self, p):
+        pass
+
+    def process(self, p):
+        self.handshake.process(p)
+
+    def fatal(self, msg):
+        self.fatals.append(msg)
+
+    def producer_failed(self, why):
+        self.fatals.append(why)
+
+    async def start_pipeline(self, topic, prepared=None):
+        raise AssertionError("not asked here")
+
+    def deliver(self, p, d):
+        if self.on_disk_at_first_delivery is None:  # what a crash right now would find on disk
+            self.on_disk_at_first_delivery = StateLog(self.state_log.path.parent).load()
+        p.delivered_end = d.end_seq
+        p.writer.write(d)
+        p.checkpoint.delivered(d)
+
+    def on_durable(self, p, end, commits):
+        self.durables.append((end, commits))
+        p.durable_end = end
+        p.node.durable(end)
+        p.checkpoint.durable(end)
+        self.process(p)
+
+
+def test_a_topic_pipeline_opened_and_driven_without_a_member(tmp_path):
+    from kdsync.observability.metrics import MemberMetrics
+
+    class Offset:
+        def __init__(self, off):
+            self.off = off
+
+        def partition(self):
+            return 0
+
+        def offset(self):
+            return self.off
+
+    async def scenario():
+        h = _Host(tmp_path)
+        h.metrics = MemberMetrics(dict, dict, lambda: ({}, None))
+        p, start, hs = await open_pipeline(h, "t", Prepared(1, empty=True))
+        assert (p.global_topic, start.end, hs, p.writer is not None) == ("t-global", 0, None, True)
+        for _ in range(100):  # a group of one forms alone
+            p.node.tick()
+            h.process(p)
+            await asyncio.sleep(0)  # the iteration ends: held hard states are saved
+            if p.node.status == "active":
+                break
+        assert p.node.status == "active", p.node.status
+        events = [Event("dc1", 0, o, pack_payload(f"k{o}".encode(), b"v", []), 1000 + o) for o in range(3)]
+        p.node.submit(list(batches_from_events(events)))
+        for _ in range(20):
+            p.node.tick()
+            h.process(p)
+            await asyncio.sleep(0)
+        recs = h.producer.records
+        assert [(t, k) for t, k, *_ in recs] == [("t-global", b"k0"), ("t-global", b"k1"), ("t-global", b"k2")]
+        assert [dict(r[3])[H_SEQ] for r in recs] == [b"0", b"1", b"2"]
+        assert "t" in h.on_disk_at_first_delivery  # the view's hard state was on disk before any delivery
+        for i, r in enumerate(recs):
+            r[5](None, Offset(i))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert h.durables == [(3, {0: 3})] and p.durable_end == 3 and h.fatals == []
+        await p.close()
+        h.state_log.close()
+
+    asyncio.run(scenario())
