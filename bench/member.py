@@ -23,6 +23,7 @@ from bench.common import Headline, NotMeasured, Section, Table, ratio
 
 PROTOCOLS = ("derecho", "clock", "mirror")
 BROKERS = ("tansu", "noida")
+STATS_MS = 250  # [metrics] kafka_stats_ms of the per-broker runs: their Kafka requests counted over a 4 s load
 DRAIN_GOAL_EPS = 22_000  # issue 9: >= 2x the ~11 K events/s of 3 clusters measured before
 
 
@@ -127,7 +128,8 @@ def _by_broker(p: MemberParams, errors: list[str], progress=None) -> list[dict]:
         for broker in p.brokers:
             with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-broker-{broker}-{proto}-") as d:
                 try:
-                    r = run_load(proto, 1000.0, p.duration_s, workdir=Path(d), broker=broker)
+                    r = run_load(proto, 1000.0, p.duration_s, workdir=Path(d), broker=broker,
+                                 extra={"metrics": {"kafka_stats_ms": STATS_MS}})
                 except Exception as e:  # one point failing must not hide the others
                     errors.append(f"{proto} on {broker}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                     continue
@@ -135,6 +137,8 @@ def _by_broker(p: MemberParams, errors: list[str], progress=None) -> list[dict]:
                          "p99_ms": r.get("p99_ms"), "floor_p50_ms": r.get("floor_p50_ms"),
                          "floor_p99_ms": r.get("floor_p99_ms"), "cpu_us_per_event": r.get("cpu_us_per_event"),
                          "broker_cpu_us_per_event": r.get("broker_cpu_us_per_event"),
+                         "requests_per_event": r.get("requests_per_event"),
+                         **{k: v for k, v in r.items() if k.startswith("req_")},
                          "agreement": r.get("agreement"), "loadavg_1m": r.get("loadavg_1m")})
         if progress:
             progress()
@@ -198,7 +202,10 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"Per broker (table member_brokers): the 1 000 events/s point of each protocol on embedded Tansu and on "
         f"noida-db, the two brokers alternating per protocol, {p.duration_s:g} s each; broker CPU = the three "
         f"broker processes' CPU time over the load / events ordered, per cluster: what the members' requests (and "
-        f"the writers') cost the broker. Compare within a broker: the floor is that broker's own.")
+        f"the writers') cost the broker; requests_per_event = every Kafka request the members' clients sent "
+        f"over the load (librdkafka statistics every {STATS_MS} ms, kdsync_kafka_requests_total) / the events "
+        f"they ordered, with req_<type>_per_event by request type. Compare within a broker: the floor is that "
+        f"broker's own.")
     sec.tables.append(Table("member_load", "Member under paced load (derecho, clock and mirror, 3 clusters)", rows))
     if pairs:
         sec.tables.append(Table("member_cpu", "CPU per event at 1 000 events/s next to the copy floor, paired runs",
@@ -260,6 +267,10 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
                                       "member_brokers.csv"))
         sec.headlines.append(Headline(f"broker CPU per ordered event, derecho at 1 000 events/s on {broker} (µs)",
                                       pb.get((broker, "derecho"), {}).get("broker_cpu_us_per_event"), "(report)",
+                                      "member_brokers.csv"))
+        sec.headlines.append(Headline(f"Kafka requests per ordered event, derecho at 1 000 events/s on {broker} "
+                                      f"(every member's clients)",
+                                      pb.get((broker, "derecho"), {}).get("requests_per_event"), "(report)",
                                       "member_brokers.csv"))
     if errors:
         sec.notes.append("not measured: " + "; ".join(errors))

@@ -330,6 +330,8 @@ class MetricsSection(_Model):
     # this many source topics; the topics it opens beyond share topic="_all"
     # (docs/metrics.md: a thousand topics' histograms made a scrape cost seconds)
     topic_histograms: Annotated[int, Field(ge=0)] = 100
+    # librdkafka statistics of every Kafka client, for kdsync_kafka_requests_total (0: off)
+    kafka_stats_ms: Annotated[int, Field(ge=0)] = 10_000
 
     @field_validator("listen")
     @classmethod

@@ -63,6 +63,7 @@ from kdsync.observability.logs import KafkaClientLog, client_callback, kv
 from kdsync.pipeline import Prepared, TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.gcpauses import GcPauses, freeze_started
+from kdsync.observability.kafka_requests import KafkaRequests
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
@@ -98,7 +99,9 @@ class Member:
         self.pcfg = cfg.protocol
         # librdkafka's own lines in the member's log format, rate-limited (every client of the member)
         self.kafka_log = KafkaClientLog(cfg.log.kafka_interval_ms / 1000.0)
-        self.kafka_conf = consumer_conf(self.me, {**cfg.kafka.consumer_conf(), "logger": self.kafka_log})
+        self.kafka_requests = KafkaRequests(cfg.metrics.kafka_stats_ms)  # every client's requests, by type
+        self.kafka_conf = consumer_conf(self.me, {**cfg.kafka.consumer_conf(), "logger": self.kafka_log,
+                                                  **self.kafka_requests.conf()})
         self.pipelines: dict[str, TopicPipeline] = {}
         self.starting: set[str] = set()
         self.planned: set[str] = set()  # topics start_topics will start (a peer's message for one waits)
@@ -183,6 +186,7 @@ class Member:
 
         self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics,
                                                      self._links_for_metrics), GcPauses()
+        self.metrics.registry.register(self.kafka_requests)
         if self.trace_path:
             path = shard_trace_path(self.trace_path, self.shard)
             try:
@@ -282,7 +286,7 @@ class Member:
     def producer_conf(self) -> dict:
         return {**producer_conf(self.cfg.kafka.producer_conf()),
                 "error_cb": client_callback(self._on_producer_error, "producer error_cb"),
-                "logger": self.kafka_log}
+                "logger": self.kafka_log, **self.kafka_requests.conf()}
 
     def _on_producer_error(self, err) -> None:
         # called from producer.poll(), on the loop's thread

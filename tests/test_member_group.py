@@ -35,7 +35,8 @@ def broker():
 def group(tmp_path, request, broker):
     protocol = getattr(request, "param", "derecho")  # a test may ask for another protocol (indirect)
     g = LocalGroup(3, tmp_path, topic="events", protocol=protocol, metrics=True, tick_ms=5,
-                   heartbeat_ms=20, suspect_ms=300, retransmit_ms=30, broker=broker)
+                   heartbeat_ms=20, suspect_ms=300, retransmit_ms=30, broker=broker,
+                   extra={"metrics": {"kafka_stats_ms": 300}})
     try:
         g.start_brokers()
         yield g
@@ -81,6 +82,11 @@ def test_concurrent_writes_identical_global_topics(group):
     assert {(k[1], v) for k, v in m.items() if k[0] == "kdsync_peer_path" and v == 1} == {
         ((("path", "tcp"), ("peer", p)), 1.0) for p in ("dc2", "dc3")}
     assert not any(k[0].startswith("kdsync_rdma_") for k in m)
+    # the Kafka requests of its clients, by type (librdkafka statistics every 300 ms)
+    req = "kdsync_kafka_requests_total"
+    wait_until(lambda: g.metrics(0).get((req, (("client", "producer"), ("request", "Produce"))), 0) > 0
+               and g.metrics(0).get((req, (("client", "consumer"), ("request", "Fetch"))), 0) > 0, 10,
+               "dc1's Produce and Fetch requests to be counted")
 
 
 @pytest.mark.parametrize("group,broker", ON_BOTH_BROKERS, indirect=["group"])

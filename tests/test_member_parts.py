@@ -432,3 +432,36 @@ def test_producer_recovery_goes_on_when_the_failed_producer_raises_its_fatal_err
 
     asyncio.run(scenario())
     assert fatal == [] and old.polls == 1 and m.producer is new and soon == [1]
+
+
+def test_kafka_requests_sum_every_client_handle_by_type_and_survive_bad_statistics():
+    """kdsync_kafka_requests_total (kdsync.observability.kafka_requests): each
+    handle's latest cumulative counts, summed by client and request type; a
+    handle's newer statistics replace its older ones; librdkafka's internal
+    broker is not a broker; unreadable statistics are ignored."""
+    import json
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdsync.observability.kafka_requests import KafkaRequests
+
+    assert KafkaRequests(0).conf() == {}
+    r = KafkaRequests(500)
+    assert r.conf()["statistics.interval.ms"] == 500 and r.conf()["stats_cb"] == r.on_stats
+
+    def stats(name, kind, **brokers):
+        return json.dumps({"name": name, "type": kind, "brokers": {b: {"req": req} for b, req in brokers.items()}})
+
+    r.on_stats(stats("rdkafka#consumer-1", "consumer", **{"127.0.0.1:9092/1": {"Fetch": 10, "Metadata": 1},
+                                                          ":0/internal": {"Fetch": 99}}))
+    r.on_stats(stats("rdkafka#consumer-2", "consumer", **{"127.0.0.1:9092/1": {"Fetch": 5, "ListOffsets": 2}}))
+    r.on_stats(stats("rdkafka#producer-3", "producer", **{"127.0.0.1:9092/1": {"Produce": 7, "Fetch": 0}}))
+    r.on_stats(stats("rdkafka#consumer-1", "consumer", **{"127.0.0.1:9092/1": {"Fetch": 12, "Metadata": 1}}))
+    r.on_stats("not json")
+    r.on_stats(json.dumps({"type": "consumer"}))  # no handle name
+    assert r.totals() == {("consumer", "Fetch"): 17, ("consumer", "Metadata"): 1, ("consumer", "ListOffsets"): 2,
+                          ("producer", "Produce"): 7}
+    reg = CollectorRegistry()
+    reg.register(r)
+    text = generate_latest(reg).decode()
+    assert 'kdsync_kafka_requests_total{client="consumer",request="Fetch"} 17.0' in text

@@ -211,6 +211,20 @@ def frames_out(g, i: int) -> float:
                if name == "kdsync_peer_frames_total" and ("direction", "out") in labels)
 
 
+def kafka_requests(g, i: int) -> dict[str, float]:
+    """Requests member i's Kafka clients sent so far, by request type
+    (kdsync_kafka_requests_total, as fresh as `[metrics] kafka_stats_ms`)."""
+    out: dict[str, float] = {}
+    for (name, labels), v in g.metrics(i).items():
+        if name == "kdsync_kafka_requests_total":
+            req = dict(labels).get("request", "?")
+            out[req] = out.get(req, 0.0) + v
+    return out
+
+
+REQUEST_KINDS = ("Fetch", "Produce", "ListOffsets", "OffsetCommit", "Metadata")  # reported one by one; the rest: other
+
+
 def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int = 3, partitions: int = 2,
              peer_address: Callable[[int, int], str] | None = None, workdir: str | os.PathLike | None = None,
              backlog: int = 0, idle_s: float = 0.0, timing: dict | None = None, secret: str | None = None,
@@ -231,7 +245,11 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
     out)` after the figures, before anything is stopped; `broker` = the
     embedded implementation ("tansu" / "noida"; None: LocalGroup's default).
     broker_cpu_us_per_event: the brokers' CPU time over the load phase / events
-    ordered, mean over clusters (the requests a member makes are served there)."""
+    ordered, mean over clusters (the requests a member makes are served there).
+    With `[metrics] kafka_stats_ms` > 0 in `extra` (250 gives a 4 s load
+    a fair count): requests_per_event = the Kafka requests of a member over
+    the load phase / events ordered, mean over members, and req_<Kind>_per_event
+    for REQUEST_KINDS and the rest (req_other_per_event)."""
     import psutil
 
     from kdsync.testing import local
@@ -287,6 +305,8 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             load0 = os.getloadavg()
             frames0 = [frames_out(g, i) for i in range(clusters)]
             stages0 = [stage_sums(g, i) for i in range(clusters)]
+            stats_ms = ((extra or {}).get("metrics") or {}).get("kafka_stats_ms", 0)
+            req0 = [kafka_requests(g, i) for i in range(clusters)] if stats_ms else None
             cpu0 = [cpu_s(p) for p in procs]
             bcpu0 = [cpu_s(p) for p in brokers]
             split0 = [thread_cpu(p) for p in procs]
@@ -325,6 +345,18 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
                 "loadavg_1m": round(load0[0], 2),
             })
             out["cpu_us_per_event"] = round(sum(out["cpu_us_per_event_by_member"]) / clusters, 1)
+            if req0 is not None:
+                time.sleep(2 * stats_ms / 1000.0)  # the statistics after the phase reach the metrics
+                req1 = [kafka_requests(g, i) for i in range(clusters)]
+                kinds: dict[str, float] = {}
+                for a, b in zip(req0, req1):
+                    for k, v in b.items():
+                        key = k if k in REQUEST_KINDS else "other"
+                        kinds[key] = kinds.get(key, 0.0) + v - a.get(k, 0.0)
+                per = max(1, sum(ordered))  # every member's requests / every member's ordered events
+                out["requests_per_event"] = round(sum(kinds.values()) / per, 3)
+                for k in (*REQUEST_KINDS, "other"):
+                    out[f"req_{k}_per_event"] = round(kinds.get(k, 0.0) / per, 3)
             if brokers:
                 out["broker_cpu_us_per_event"] = round(sum(b1 - b0 for b0, b1 in zip(bcpu0, bcpu1)) / len(brokers)
                                                        / max(1, sum(ordered) / clusters) * 1e6, 1)
