@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 from bench.common import NotMeasured, Section, Table, fmt, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("core", "scale", "sim", "wan", "audit", "real", "member", "simreal", "geo", "shards", "topics", "reliability",
+SECTIONS = ("core", "scale", "sim", "wan", "region", "audit", "real", "member", "simreal", "geo", "shards", "topics", "reliability",
             "rdma")
 QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of seconds here)",
                "real": "skipped by --quick (three brokers and members per protocol take minutes)",
@@ -53,6 +53,7 @@ QUICK_SKIPS = {"audit": "skipped by --quick (Spark start-up alone takes tens of 
                "reliability": "skipped by --quick (minutes of faults per seed on durable clusters)"}
 TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Kafka scale", "sim": "Simulator: the same workload under derecho / sequencer / mirror",
           "wan": "WAN regions: ordering across regions (clock vs derecho vs the baselines)",
+          "region": "Region failure: what one region's crash, stop, isolation or return costs the others",
           "audit": "PySpark audit of the simulator traces", "real": "Real brokers: three local clusters",
           "member": "The member under paced load: CPU per event, latency vs the Kafka floor, drain, idle",
           "simreal": "Simulator vs real: the four calibration points",
@@ -60,7 +61,7 @@ TITLES = {"core": "Ordering core throughput", "scale": "Core and simulator at Ka
           "shards": "Shards in processes: K = 2 shards, 1 worker vs 2 workers (real brokers)", "rdma": "RDMA (soft-RoCE in a VM) vs TCP",
           "topics": "Many topics per member: start-up, idle cost, CPU per event spread over topics",
           "reliability": "Reliability: the nemesis suite on durable clusters"}
-GENERATED_PREFIXES = ("core_", "scale_", "sim_", "wan_", "geo_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
+GENERATED_PREFIXES = ("core_", "scale_", "sim_", "wan_", "region_", "geo_", "audit_", "real_", "member_", "rdma_", "simreal_", "shards_", "nemesis_",
                       "topics_",
                       "summary")
 
@@ -349,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_guard("wan", TITLES["wan"],
                                        lambda: wan_section(work, plot, out, args.jobs), prog))
                 prog.step("wan")
+            if "region" in wanted:
+                from bench.region import region_section
+
+                sections.append(_guard("region", TITLES["region"],
+                                       lambda: region_section(work, out, args.jobs), prog))
+                prog.step("region")
             if "audit" in wanted:
                 if args.quick and args.sections is None:
                     skipped["audit"] = QUICK_SKIPS["audit"]

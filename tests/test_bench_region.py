@@ -1,0 +1,37 @@
+"""bench/region.py (make bench's "Region failure" section): its scenarios are
+valid and inject what they say; its windows keep only the live regions."""
+
+from __future__ import annotations
+
+import yaml
+
+from bench.region import FAULT_S, FAULTS, FIVE, PROTOCOLS, RETURN_S, TIMING, _curve, _live_latencies, _scenario, _window
+from bench.wan import SCENARIOS
+from sim.scenario import Scenario
+
+
+def test_every_run_is_a_valid_scenario_with_its_fault_and_return():
+    base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
+    for proto in PROTOCOLS:
+        for fault, (down, _) in FAULTS.items():
+            s = Scenario.model_validate(_scenario(base, proto, fault))
+            assert s.protocol == proto and s.timing.suspect_ms == TIMING["suspect_ms"]
+            kinds = [f.model_dump(by_alias=True, exclude_none=True) for f in s.faults]
+            hit = {v for f in kinds for k, v in f.items() if k in ("crash", "stop")}
+            if fault == "isolate":
+                assert kinds == [{"at_s": FAULT_S, "partition": [["tyo"], ["fra", "ie", "va", "or"]],
+                                  "until_s": RETURN_S}]
+            else:
+                assert hit == set(down) and {f["restart"] for f in kinds if "restart" in f} == set(down)
+            if proto == "derecho":  # no clock lead, no clock quorum
+                assert all(m.clock_lead_ms in (None, 0) for m in s.members)
+
+
+def test_windows_keep_the_live_regions_events_by_creation_time():
+    t = {"member": ["fra", "tyo", "fra", "ie", "ie"], "origin": ["ie", "fra", "tyo", "fra", "fra"],
+         "submit_ts": [5.0, 5.0, 5.0, 10.5, 21.0], "deliver_ts": [5.1, 5.2, 5.3, 13.5, 21.2]}
+    lat = _live_latencies(t, ("tyo",))
+    assert [(a, round(x)) for a, x in lat] == [(5.0, 100), (10.5, 3000), (21.0, 200)]
+    assert [round(x) for x in _window(lat, FAULT_S, FAULT_S + 3)] == [3000]
+    assert [(round(a, 1), round(m), round(w)) for a, m, w in _curve(lat)] == [(5.0, 100, 100), (10.5, 3000, 3000),
+                                                                             (21.0, 200, 200)]
