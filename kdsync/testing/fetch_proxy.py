@@ -29,6 +29,7 @@ import struct
 import threading
 
 from kdsync.kafka.embedded import EmbeddedCluster, free_port
+from kdsync.testing.fault_proxy import TcpRelay, _close
 from kdsync.kafka.wire import API_VERSIONS, FETCH, _Reader, batch_spans
 
 __all__ = ["FetchDropProxy", "ProxiedCluster"]
@@ -36,29 +37,14 @@ __all__ = ["FetchDropProxy", "ProxiedCluster"]
 MAX_FETCH_VERSION = 4
 
 
-class FetchDropProxy:
+class FetchDropProxy(TcpRelay):
+    name = "fetch-proxy"
+
     def __init__(self, target: tuple[str, int], host: str = "127.0.0.1", port: int = 0):
-        self.target = target
-        self.host = host
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.port = self._sock.getsockname()[1]
-        self._lock = threading.Lock()
+        super().__init__(target, host, port)
         self._armed: list[tuple[str, int, int]] = []  # (topic, min_batches, index)
         self.dropped: list[tuple[str, int, int, int]] = []
         self.fetches = 0  # Fetch answers seen
-        self._closed = False
-        self._conns: list[socket.socket] = []
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def start(self) -> FetchDropProxy:
-        self._sock.listen(64)
-        threading.Thread(target=self._accept, name=f"fetch-proxy-{self.port}", daemon=True).start()
-        return self
 
     def arm(self, topic: str, min_batches: int = 3, index: int = 1) -> None:
         """Drop batch `index` of the next Fetch answer holding >= `min_batches` whole batches of `topic`."""
@@ -66,35 +52,14 @@ class FetchDropProxy:
         with self._lock:
             self._armed.append((topic, min_batches, index))
 
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
-            _close(s)
-
     # ------------------------------------------------------------ forwarding
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                c, _ = self._sock.accept()
-            except OSError:
-                return
-            try:
-                u = socket.create_connection(self.target, timeout=5)
-                u.settimeout(None)
-            except OSError:
-                _close(c)
-                continue
-            with self._lock:
-                self._conns += [c, u]
-            asked: dict[int, tuple[int, int, str | None]] = {}  # correlation -> (api key, version, client id)
-            threading.Thread(target=self._requests, args=(c, u, asked), daemon=True).start()
-            threading.Thread(target=self._responses, args=(u, c, asked), daemon=True).start()
+    def _serve(self, c: socket.socket) -> None:
+        u = self._dial(c, timeout=5)
+        if u is None:
+            return
+        asked: dict[int, tuple[int, int, str | None]] = {}  # correlation -> (api key, version, client id)
+        threading.Thread(target=self._requests, args=(c, u, asked), daemon=True).start()
+        self._responses(u, c, asked)
 
     def _requests(self, c: socket.socket, u: socket.socket, asked: dict) -> None:
         try:
@@ -225,10 +190,3 @@ def _exact(s: socket.socket, n: int) -> bytes:
         buf += chunk
     return bytes(buf)
 
-
-def _close(s: socket.socket) -> None:
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    s.close()
