@@ -47,6 +47,19 @@ def _logs(g: LocalGroup) -> str:
     return "\n".join(out)
 
 
+def _assert_everything_ordered(g, total: int) -> None:
+    """Every source record acknowledged is in the sources, and every global
+    topic holds each of them once, identically (check_global_topics)."""
+    src = g.read_sources(timeout=60)
+    present = sum(len(v) for v in src.values())
+    assert present == total, f"{present} source records for {total} acknowledged\n" + _logs(g)
+    got = g.wait_for(total, 300, poll=1)
+    ok, detail = check_global_topics(got, expected=total)
+    assert ok, detail + "\n" + _logs(g)
+    keys = {k for v in src.values() for (_, _, k) in v}
+    assert {r.key for r in got["dc1"]} == keys
+
+
 def test_plain_configs_on_durable_tansu_order_everything_through_a_broker_kill(tmp_path):
     g = LocalGroup(3, tmp_path, durable=True, durable_tuning=False, metrics=True, expect_stalls=True,
                    tick_ms=20, heartbeat_ms=60, suspect_ms=1000, retransmit_ms=100)
@@ -66,21 +79,13 @@ def test_plain_configs_on_durable_tansu_order_everything_through_a_broker_kill(t
         time.sleep(2)  # the outage: dc2's writes wait in their producer, dc1 and dc3 go on
         g.clusters[1].start()
         total = pre + during.join(400, strict=True)
-        src = g.read_sources(timeout=60)
-        present = sum(len(v) for v in src.values())
-        assert present == total, f"{present} source records for {total} acknowledged\n" + _logs(g)
-        got = g.wait_for(total, 300, poll=1)
-        ok, detail = check_global_topics(got, expected=total)
-        assert ok, detail + "\n" + _logs(g)
-        keys = {k for v in src.values() for (_, _, k) in v}
-        assert {r.key for r in got["dc1"]} == keys
+        _assert_everything_ordered(g, total)
         for i in range(3):  # the escalation is what got them going
             assert g.metrics(i).get(("kdsync_source_restarts_total", ()), 0) >= 1, _logs(g)
         stalls = [s for s in g.stalls() if "stage=fetch" not in s and not s.startswith("dc2:")]
         assert not stalls, stalls
     finally:
         g.close()
-
 
 
 def test_plain_configs_on_durable_tansu_order_everything_through_an_outage_and_a_crash_restart(tmp_path):
@@ -128,15 +133,7 @@ def test_plain_configs_on_durable_tansu_order_everything_through_an_outage_and_a
         g.start_member(0)
         g.wait_ready(90, members=[0])
         total += w.join(400, strict=True)
-
-        src = g.read_sources(timeout=60)
-        present = sum(len(v) for v in src.values())
-        assert present == total, f"{present} source records for {total} acknowledged\n" + _logs(g)
-        got = g.wait_for(total, 300, poll=1)
-        ok, detail = check_global_topics(got, expected=total)
-        assert ok, detail + "\n" + _logs(g)
-        keys = {k for v in src.values() for (_, _, k) in v}
-        assert {r.key for r in got["dc1"]} == keys
+        _assert_everything_ordered(g, total)
         for i in range(3):
             assert g.procs[i] is not None and g.procs[i].poll() is None, f"{g.names[i]} exited\n" + _logs(g)
             failed = g.metrics(i).get(("kdsync_global_read_gaps_total", (("kind", "failed"),)), 0)
