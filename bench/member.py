@@ -202,8 +202,9 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"Per broker (table member_brokers): the 1 000 events/s point of each protocol on embedded Tansu and on "
         f"noida-db, the two brokers alternating per protocol, {p.duration_s:g} s each; broker CPU = the three "
         f"broker processes' CPU time over the load / events ordered, per cluster: what the members' requests (and "
-        f"the writers') cost the broker; requests_per_event = every Kafka request the members' clients sent "
-        f"over the load (librdkafka statistics every {STATS_MS} ms, kdsync_kafka_requests_total) / the events "
+        f"the writers') cost the broker; requests_per_event = every Kafka request the members' source consumers "
+        f"and producers sent over the load (librdkafka statistics every {STATS_MS} ms, kdsync_kafka_requests_total) "
+        f"/ the events "
         f"they ordered, with req_<type>_per_event by request type. Compare within a broker: the floor is that "
         f"broker's own.")
     sec.tables.append(Table("member_load", "Member under paced load (derecho, clock and mirror, 3 clusters)", rows))
@@ -269,7 +270,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
                                       pb.get((broker, "derecho"), {}).get("broker_cpu_us_per_event"), "(report)",
                                       "member_brokers.csv"))
         sec.headlines.append(Headline(f"Kafka requests per ordered event, derecho at 1 000 events/s on {broker} "
-                                      f"(every member's clients)",
+                                      f"(source consumer and producer)",
                                       pb.get((broker, "derecho"), {}).get("requests_per_event"), "(report)",
                                       "member_brokers.csv"))
     if errors:

@@ -99,9 +99,9 @@ class Member:
         self.pcfg = cfg.protocol
         # librdkafka's own lines in the member's log format, rate-limited (every client of the member)
         self.kafka_log = KafkaClientLog(cfg.log.kafka_interval_ms / 1000.0)
-        self.kafka_requests = KafkaRequests(cfg.metrics.kafka_stats_ms)  # every client's requests, by type
-        self.kafka_conf = consumer_conf(self.me, {**cfg.kafka.consumer_conf(), "logger": self.kafka_log,
-                                                  **self.kafka_requests.conf()})
+        # the requests of the source consumer and the producer, by type (kdsync.observability.kafka_requests)
+        self.kafka_requests = KafkaRequests(cfg.metrics.kafka_stats_ms)
+        self.kafka_conf = consumer_conf(self.me, {**cfg.kafka.consumer_conf(), "logger": self.kafka_log})
         self.pipelines: dict[str, TopicPipeline] = {}
         self.starting: set[str] = set()
         self.planned: set[str] = set()  # topics start_topics will start (a peer's message for one waits)
@@ -306,7 +306,7 @@ class Member:
             on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(), on_gap=self.metrics.source_gap,
             txn_probe=not self.cfg.kafka.trust_read_committed,  # kdsync.kafka.transactions
             shard=None if self.shard is None else (self.shard, self.shards),
-            on_topics=self._on_listed if self._discovers() else None)
+            on_topics=self._on_listed if self._discovers() else None, client_extra=self.kafka_requests.conf())
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))
         topics = await self.retry("listing source topics", discover_topics, self.cfg, self.kafka_conf)
         if not topics:

@@ -121,9 +121,13 @@ class SourceConsumer:
                  shard: tuple[int, int] | None = None, stall_s: float = STALL_S,
                  on_restart: Callable[[int], None] | None = None, idle: tuple = IDLE_DEFAULTS,
                  on_topics: Callable[[list[str]], None] | None = None,
-                 on_gap: Callable[[str], None] | None = None, txn_probe: bool = False):
+                 on_gap: Callable[[str], None] | None = None, txn_probe: bool = False,
+                 client_extra: dict | None = None):
         # the source follows its topics for ever: a partition EOF means nothing here
         self.conf = {**conf, "enable.partition.eof": False}
+        # properties of the source's own client alone (its librdkafka statistics): the idle watch's
+        # and the looks' clients are made from self.conf and never polled, so nothing would serve theirs
+        self._own = dict(client_extra or {})
         self.origin = origin
         self.loop = loop
         self.on_runs, self.on_fatal, self.on_lag = on_runs, on_fatal, on_lag
@@ -213,7 +217,7 @@ class SourceConsumer:
 
         if self.txn is not None:
             self.txn.start()  # before the first fetch: what the broker's read_committed can be trusted with
-        c = Consumer(self.conf)
+        c = Consumer({**self.conf, **self._own})
         assigned: dict[tuple[str, int], bool] = {}
         consumed: dict[tuple[str, int], int] = {}  # next offset to consume, per source partition
         last_meta = 0.0
@@ -531,7 +535,7 @@ class SourceConsumer:
             positions.append(TopicPartition(t, p, nxt))
         self._drain_commits(c, final=True)
         c.close()
-        c = Consumer(self.conf)
+        c = Consumer({**self.conf, **self._own})
         c.incremental_assign(positions)
         held = [tp for tp in positions if self.txn is not None and self.txn.stopped((tp.topic, tp.partition))]
         if held:  # held partitions stay held in the new client

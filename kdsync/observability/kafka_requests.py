@@ -1,10 +1,13 @@
-"""The requests a member's Kafka clients send their brokers, by request type.
+"""The requests a member's event path sends its broker, by request type.
 
-A member keeps several clients against its cluster (the source consumer,
-the producer, the global topics' readers, the end-offset client of the
-checkpoints, the idle watch, admin clients), and each request is work for
-the broker too: on a 2-core box the brokers' CPU per ordered event was
-measured as large as the member's own (make bench, table member_brokers).
+Each request is work for the broker too: on a 2-core box the brokers' CPU
+per ordered event was measured as large as the member's own (make bench,
+table member_brokers).  Counted are the clients on the event path, which
+are served all the time: the source consumer (the client of each of its
+restarts too) and the producer.  The member's other clients (the global
+topics' readers, the idle watch, exact checkpoint ends, admin calls) are
+polled only when used: librdkafka queues a client's statistics until it is
+polled, so those would pile up; they do not report.
 librdkafka counts the requests of every client handle (its statistics,
 `statistics.interval.ms`: per broker, `req` = requests sent by type,
 cumulative over the handle's life); `KafkaRequests` keeps each handle's
@@ -24,6 +27,8 @@ from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily
+
+from kdsync.observability.logs import kv
 
 __all__ = ["KafkaRequests"]
 
@@ -59,7 +64,7 @@ class KafkaRequests:
                         counts[api] += n
             kind, handle = d.get("type", "?"), d["name"]
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # never let statistics stop a client
-            log.debug("unreadable librdkafka statistics", extra={"error": str(e)})
+            log.debug("unreadable librdkafka statistics", **kv(error=str(e)))
             return
         with self._lock:
             self._handles[handle] = (kind, counts)
@@ -74,9 +79,9 @@ class KafkaRequests:
         return dict(out)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        fam = CounterMetricFamily("kdsync_kafka_requests", "requests the member's Kafka clients sent their brokers, "
-                                  "by client type and request type (librdkafka statistics, every [metrics] "
-                                  "kafka_stats_ms)", labels=["client", "request"])
+        fam = CounterMetricFamily("kdsync_kafka_requests", "requests the member's source consumer and producer sent "
+                                  "their broker, by client type and request type (librdkafka statistics, every "
+                                  "[metrics] kafka_stats_ms)", labels=["client", "request"])
         for (kind, api), n in sorted(self.totals().items()):
             fam.add_metric([kind, api], n)
         yield fam
