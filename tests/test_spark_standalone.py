@@ -66,7 +66,7 @@ def cluster(tmp_path_factory):
                     raise AssertionError(f"{path.name} exited {p.returncode}: {path.read_text()[-2000:]}")
             try:
                 alive = [w for w in _status(ui).get("workers", []) if w.get("state") == "ALIVE"]
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or its web UI answers before the page is JSON
                 alive = []
             if len(alive) == WORKERS:
                 break
