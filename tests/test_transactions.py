@@ -39,3 +39,32 @@ def test_a_probe_that_cannot_be_made_is_one_warning_and_the_batches_are_checked(
     assert "transaction probe failed" in lines[0].getMessage()
     assert "trust_read_committed = true" in lines[0].getMessage()
     assert PROBE_TOPIC.startswith("__")  # never taken for a source topic (TopicsSection.matches)
+
+
+def test_a_failed_look_is_a_stall_only_while_it_keeps_failing(caplog, monkeypatch):
+    """A look that failed once is tried again with the partition's next fetch;
+    a fetch that lasts (durable Tansu: seconds) is no stall of the look, a look
+    that keeps failing for STALL_S is one line, once."""
+    from kdsync.kafka import transactions
+
+    clock = [100.0]
+    monkeypatch.setattr(transactions.time, "monotonic", lambda: clock[0])
+    conf = {"bootstrap.servers": f"127.0.0.1:{free_port()}"}
+    g = TxnGuard(conf, GapLook(conf), "probe-test")
+    tp = ("src", 0)
+    stalls = lambda: [x for x in caplog.records if "cannot be read" in x.getMessage()]  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="kdsync.source"):
+        g._failed(tp, 7, "timed out")
+        assert g.stopped(tp) and g.due(clock[0]) == []
+        clock[0] += 1.0
+        assert g.due(clock[0]) == [(tp, 7)] and not g.stopped(tp)  # handed back to the consumer's fetch
+        clock[0] += transactions.STALL_S * 3  # the fetch carrying the retry takes long
+        assert g.due(clock[0]) == [] and stalls() == []
+        g._failed(tp, 7, "timed out")  # the look fails again, long after the first failure
+        assert g.due(clock[0]) == [] and len(stalls()) == 1
+        assert (stalls()[0].kv["offset"], stalls()[0].kv["tries"]) == (7, 2)
+        clock[0] += 5.0
+        g.due(clock[0])
+        g._failed(tp, 7, "timed out")
+        g.due(clock[0])
+        assert len(stalls()) == 1  # once per held offset

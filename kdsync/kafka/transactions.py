@@ -221,7 +221,10 @@ class TxnGuard:
             if r.at and r.at <= now:
                 r.at = 0.0
                 out.append((tp, r.offset))
-            if not r.stalled and now - r.since >= STALL_S:
+            # a look failing for STALL_S: while the partition waits for the fetch that
+            # carries the retry (r.at == 0) nothing has failed again, and a fetch that
+            # lasts is the fetch stage's stall (a durable broker's empty fetch: seconds)
+            if r.at and not r.stalled and now - r.since >= STALL_S:
                 r.stalled = True
                 log.warning("stalled: a source partition holds: the batch headers of its records cannot be read "
                             "(transactions cannot be told apart)", **kv(topic=tp[0], partition=tp[1],
