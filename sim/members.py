@@ -141,6 +141,7 @@ class SimMember:
         self.cluster = cluster
         self.node: OrderingNode | None = None
         self.up = False
+        self.stopping = False  # a clean stop was asked of this process (its leave may wait out a clock pause)
         self.epoch = 0  # bumps on crash: stale callbacks compare against it
         self.starts = 0
         self.paused_until = -1.0
@@ -163,8 +164,8 @@ class SimMember:
 
     # ------------------------------------------------------------ life cycle
     def start(self) -> None:
-        if self.up and self.node is not None and getattr(self.node, "leaving", False):
-            self.crash()  # a clean stop still waiting for its group: that process ends, a new one starts
+        if self.up and self.stopping:
+            self.crash()  # a clean stop still under way (waiting for its group, or its pause): that process ends
         if self.up:
             return
         c = self.cluster
@@ -203,6 +204,7 @@ class SimMember:
         self._sink_batch = None  # a lingering batch dies with the process
         self.busy = False
         self.paused_until = -1.0
+        self.stopping = False
         self.status = "down"
 
     def stop(self, bound_s: float) -> None:
@@ -210,8 +212,9 @@ class SimMember:
         process ends once the group took note of it, or `bound_s` later at
         the latest, and is then down as after a crash (memory gone, disk and
         cluster kept)."""
-        if not self.up or (self.node is not None and getattr(self.node, "leaving", False)):
+        if not self.up or self.stopping:
             return
+        self.stopping = True
         self._input(lambda: self.node.leave())
         self.host.after(self.host.tick_s, self._stop_check, (self.epoch, self.host.now + bound_s))
 
