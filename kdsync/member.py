@@ -48,12 +48,11 @@ import random
 import signal
 import sys
 import time
-from collections import deque
 
 from confluent_kafka import KafkaException
 
 from kdsync.config import Config, parse_address
-from kdsync.core import Delivery, RemoteProtocolError
+from kdsync.core import Delivery
 from kdsync.fatal import FatalError, retry
 from kdsync.observability.stalls import StallDetector, loop_delay, sample_pipelines
 from kdsync.kafka.checkpoint import CheckpointRounds, OffsetsConsumer
@@ -67,14 +66,13 @@ from kdsync.observability.kafka_requests import KafkaRequests
 from kdsync.observability.profiler import profiler
 from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
 from kdsync.handshake import ReadyHandshake
+from kdsync.inbox import PeerInbox
 from kdsync.state import StateDirLock, StateLog
 from kdsync.stopping import StopClock, leave_groups
 from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
-from kdsync.transport.channels import split_channel
 
 log = logging.getLogger("kdsync.member")
 
-EARLY_MESSAGES = 10_000  # peer messages kept per topic while its pipeline starts
 FORMING_SLOTS = 64  # groups in a view change ticked at once (kdsync.ticks.FormingSlots)
 REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
 
@@ -115,11 +113,14 @@ class Member:
         self.consume_batch = consume_batch
         self._stop = asyncio.Event()
         self._fatal: str | None = None
-        self._bad_logged = 0.0
         self.stopping = False
         self._kafka_err_logged: dict = {}
-        self._early: dict[str, deque] = {}  # topic -> (peer, message) received before its pipeline was ready
         self.rng = random.Random()
+        # peer frames to the nodes (the loop's parts it uses are made in _run: looked up when a frame comes)
+        self.inbox = PeerInbox(self.pipelines, heard=lambda *a: self.sleepers.heard(*a), orders=self._orders,
+                               known=self._known, start=self.start_pipeline, due=lambda: self.clock.due(),
+                               wake=self.before_input, process=lambda p: self.to_process.add(p),
+                               bad=lambda peer: self.metrics.bad_messages.labels(peer).inc())
         self._report_poll: asyncio.TimerHandle | None = None
         self.recovery = ProducerRecovery(self)
         self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
@@ -203,7 +204,7 @@ class Member:
         try:
             self.transport = make_transport(
                 self.cfg.transport.kind, self.me, parse_address(self.cfg.member.listen), self.cfg.peer_addresses(),
-                self._on_peer_message, secret=self.cfg.secret_bytes(),
+                self.inbox.on_message, secret=self.cfg.secret_bytes(),
                 tls=TLSSettings(tls.certfile, tls.keyfile, tls.cafile) if tls else None,
                 max_frame_bytes=self.cfg.transport.max_frame_bytes, logger=logging.getLogger("kdsync.transport"),
                 local=Local(group_contract(self.cfg, self.shard), listen=self.cfg.member.listen))
@@ -330,11 +331,7 @@ class Member:
                                               if origin == self.me})
             self.metrics.delivered.labels(topic).set(p.durable_end)
             self.handshake.note_status(p, p.node.status)
-            for peer, body in self._early.pop(topic, ()):
-                try:
-                    p.node.receive(peer, body)
-                except RemoteProtocolError:
-                    self.metrics.bad_messages.labels(peer).inc()
+            self.inbox.replay(topic, p.node)
             log.info("topic ready", **kv(topic=topic, global_topic=p.global_topic, start_seq=p.durable_end,
                                          origins=len(watermarks), hard_state=hs is not None,
                                          **({} if start is None else {
@@ -403,36 +400,8 @@ class Member:
         """`topic` has a pipeline, or one starting or about to start."""
         return topic in self.pipelines or topic in self.starting or topic in self.planned
 
-    def _on_peer_message(self, peer: str, data: bytes) -> None:
-        try:
-            topic, body = split_channel(data)
-            if self.sleepers.heard(peer, topic, body):
-                return
-            p = self.pipelines.get(topic)
-            if p is None:
-                if not self._topic_allowed(topic):
-                    return
-                # kept until the pipeline is ready (bounded; beyond that the peer retransmits)
-                self._early.setdefault(topic, deque(maxlen=EARLY_MESSAGES)).append((peer, body))
-                if not self._known(topic):
-                    asyncio.ensure_future(self.start_pipeline(topic))
-                return
-            self.clock.due()
-            self.before_input(p)
-            p.node.clock(wall_us())
-            p.node.receive(peer, body)
-            # every message of this loop iteration first, then one ready(): peer
-            # messages arrive in batches, so this cuts one slot and one ack for many
-            self.to_process.add(p)
-            return
-        except RemoteProtocolError as e:
-            self.metrics.bad_messages.labels(peer).inc()
-            now = time.monotonic()
-            if now - self._bad_logged > 1.0:
-                self._bad_logged = now
-                log.warning("malformed message from peer dropped", **kv(peer=peer, error=str(e)))
-
-    def _topic_allowed(self, topic: str) -> bool:
+    def _orders(self, topic: str) -> bool:
+        """This member orders `topic` (a witness orders whatever its peers name)."""
         if self.cfg.topics is None:
             return self.witness
         return self.cfg.topics.matches(topic)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import graphlib
+import logging
 import random
 from pathlib import Path
 
 from kdsync.config import config_from_dict
-from kdsync.core import Event, batches_from_events
+from kdsync.core import Event, RemoteProtocolError, batches_from_events
 from kdsync.handshake import ReadyHandshake
 from kdsync.kafka.checkpoint import CheckpointRounds
 from kdsync.kafka.records import H_SEQ, pack_payload
@@ -199,5 +200,65 @@ def test_a_topic_pipeline_opened_and_driven_without_a_member(tmp_path):
         assert h.durables == [(3, {0: 3})] and p.durable_end == 3 and h.fatals == []
         await p.close()
         h.state_log.close()
+
+    asyncio.run(scenario())
+
+
+class _Node:
+    def __init__(self, bad: bytes = b"bad"):
+        self.got: list[tuple[str, bytes]] = []
+        self.clocks = 0
+        self.bad = bad
+
+    def clock(self, now_us: int) -> None:
+        self.clocks += 1
+
+    def receive(self, peer: str, data: bytes) -> None:
+        if data == self.bad:
+            raise RemoteProtocolError("malformed")
+        self.got.append((peer, data))
+
+
+class _Pipe:
+    def __init__(self):
+        self.node = _Node()
+
+
+def test_the_peer_inbox_routes_keeps_early_frames_and_drops_bad_ones_without_a_member(caplog):
+    from kdsync.inbox import EARLY_MESSAGES, PeerInbox
+    from kdsync.transport.channels import frame_channel
+
+    pipes: dict[str, _Pipe] = {"t1": _Pipe()}
+    calls: list[tuple] = []
+    started: list[str] = []
+
+    async def start(topic: str) -> None:
+        started.append(topic)
+
+    async def scenario() -> None:
+        inbox = PeerInbox(pipes, heard=lambda peer, topic, body: body == b"ping", orders=lambda t: t != "other",
+                          known=lambda t: t in pipes or t in started, start=start,
+                          due=lambda: calls.append(("due",)), wake=lambda p: calls.append(("wake", p)),
+                          process=lambda p: calls.append(("process", p)), bad=lambda peer: calls.append(("bad", peer)))
+        inbox.on_message("b", frame_channel("t1", b"m1"))
+        assert pipes["t1"].node.got == [("b", b"m1")] and pipes["t1"].node.clocks == 1
+        assert calls == [("due",), ("wake", pipes["t1"]), ("process", pipes["t1"])]  # ticks due first, then drained
+        calls.clear()
+        inbox.on_message("b", frame_channel("t1", b"ping"))  # the liveness layer's: not the node's
+        inbox.on_message("c", frame_channel("other", b"x"))  # a topic this member does not order: dropped
+        assert pipes["t1"].node.got == [("b", b"m1")] and not inbox.early and not calls
+        for i in range(EARLY_MESSAGES + 2):  # a peer formed t2 first: kept (bounded) and t2 started once
+            inbox.on_message("c", frame_channel("t2", b"e%d" % i))
+        await asyncio.sleep(0)
+        assert started == ["t2"] and len(inbox.early["t2"]) == EARLY_MESSAGES
+        pipes["t2"] = _Pipe()
+        inbox.replay("t2", pipes["t2"].node)
+        got = pipes["t2"].node.got
+        assert got[0] == ("c", b"e2") and got[-1] == ("c", b"e%d" % (EARLY_MESSAGES + 1)) and "t2" not in inbox.early
+        with caplog.at_level(logging.WARNING, logger="kdsync.member"):
+            inbox.on_message("d", b"")  # no channel header
+            inbox.on_message("d", frame_channel("t1", b"bad"))  # the node's codec refuses it
+        assert calls == [("bad", "d"), ("due",), ("wake", pipes["t1"]), ("bad", "d")]
+        assert len([r for r in caplog.records if "malformed message from peer" in r.getMessage()]) == 1  # 1 a second
 
     asyncio.run(scenario())
