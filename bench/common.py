@@ -14,6 +14,14 @@ class NotMeasured(Exception):
     message is the reason printed in the report."""
 
 
+def require_rows(rows: list[dict], errors: list[str], what: str) -> None:
+    """NotMeasured when a section measured no row at all: the reason is
+    `what` and every point's failure (each point fails on its own, into
+    `errors`, so that one failing does not hide the others)."""
+    if not rows:
+        raise NotMeasured(f"{what}: " + "; ".join(errors))
+
+
 @dataclass
 class Table:
     """Rows behind one table of the report; written to `<name>.csv`."""
@@ -61,6 +69,18 @@ class Section:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def add_table_if_rows(self, name: str, title: str, rows: list[dict]) -> None:
+        """Table `name` of `rows` when there are any: a part of the section
+        that measured nothing shows no empty table (its failures are in the
+        notes)."""
+        if rows:
+            self.tables.append(Table(name, title, rows))
+
+    def note_unmeasured(self, errors: list[str]) -> None:
+        """One note naming the points that could not be measured, if any."""
+        if errors:
+            self.notes.append("not measured: " + "; ".join(errors))
 
 
 def write_csv(table: Table, out: Path) -> Path:

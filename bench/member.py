@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import Headline, NotMeasured, Section, Table, ratio
+from bench.common import Headline, NotMeasured, Section, Table, ratio, require_rows
 
 PROTOCOLS = ("derecho", "clock", "mirror")
 BROKERS = ("tansu", "noida")
@@ -166,8 +166,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
                     errors.append(f"{proto} at {rate:g}/s: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             if progress:
                 progress()
-    if not rows:
-        raise NotMeasured("no point could be measured: " + "; ".join(errors))
+    require_rows(rows, errors, "no point could be measured")
     _more_drains(p, rows, errors, progress)
     try:  # the CPU floor of the client layer: copy only (bench/copyfloor.py), right after the members
         from bench.copyfloor import run_copy_floor
@@ -208,12 +207,8 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"they ordered, with req_<type>_per_event by request type. Compare within a broker: the floor is that "
         f"broker's own.")
     sec.tables.append(Table("member_load", "Member under paced load (derecho, clock and mirror, 3 clusters)", rows))
-    if pairs:
-        sec.tables.append(Table("member_cpu", "CPU per event at 1 000 events/s next to the copy floor, paired runs",
-                                pairs))
-    if per_broker:
-        sec.tables.append(Table("member_brokers", "The 1 000 events/s point on each broker implementation",
-                                per_broker))
+    sec.add_table_if_rows("member_cpu", "CPU per event at 1 000 events/s next to the copy floor, paired runs", pairs)
+    sec.add_table_if_rows("member_brokers", "The 1 000 events/s point on each broker implementation", per_broker)
     by_run = {r["run"]: r for r in pairs}
     by = {(r["protocol"], r["rate_eps"]): r for r in rows}
 
@@ -273,8 +268,7 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
                                       f"(source consumer and producer)",
                                       pb.get((broker, "derecho"), {}).get("requests_per_event"), "(report)",
                                       "member_brokers.csv"))
-    if errors:
-        sec.notes.append("not measured: " + "; ".join(errors))
+    sec.note_unmeasured(errors)
     sec.notes.append(f"load average while measuring: {', '.join(str(r['loadavg_1m']) for r in rows)} "
                      f"(2 cores; brokers, members and writers share them)")
     return sec

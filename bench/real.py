@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import Headline, NotMeasured, Section, Table, ratio
+from bench.common import Headline, NotMeasured, Section, Table, ratio, require_rows
 
 PROTOCOLS = ("derecho", "sequencer", "mirror")
 BROKERS = ("tansu", "noida")
@@ -64,8 +64,7 @@ def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
                          "backlog_per_cluster": p.backlog_per_cluster, "paced_events": p.paced_total,
                          "paced_rate_eps": p.rate_eps, "wall_s": round(time.perf_counter() - t0, 1),
                          "detail": r.get("detail", "")})
-    if not rows:
-        raise NotMeasured("no protocol could be measured on real brokers: " + "; ".join(errors))
+    require_rows(rows, errors, "no protocol could be measured on real brokers")
     sec.intro.append(
         f"Throughput: {p.backlog_per_cluster} events written into each cluster's source topic while the members are "
         f"down, then the members start; events/s = all events / (first record in any global topic -> last record in "
@@ -93,11 +92,8 @@ def real_section(p: RealParams, plot, out: Path, progress=None) -> Section:
                                               round(tr, 3) if tr else None, ">= 0.70 (issue 4)", "real_ratios.csv"))
                 sec.headlines.append(Headline(f"real {proto} p50 - mirror p50 (ms){tag}", round(dp50, 2),
                                               "<= 2 ms (issue 4)", "real_ratios.csv"))
-    if ratios:
-        sec.tables.append(Table("real_ratios", "Relative to mirror (goal: >= 70 % throughput, p50 within 2 ms)",
-                                ratios))
-    if errors:
-        sec.notes.append("not measured: " + "; ".join(errors))
+    sec.add_table_if_rows("real_ratios", "Relative to mirror (goal: >= 70 % throughput, p50 within 2 ms)", ratios)
+    sec.note_unmeasured(errors)
     if any(isinstance(r["p50_ms"], float) and math.isnan(r["p50_ms"]) for r in rows):
         sec.notes.append("a latency of '–' means no paced event reached the global topics in time")
     sec.plots += plot.bars(rows, [("throughput_eps", "events/s end to end"), ("p50_ms", "p50 latency (ms)"),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import Headline, NotMeasured, Section, Table, ratio
+from bench.common import Headline, NotMeasured, Section, Table, ratio, require_rows
 from bench.wan import SCENARIOS, _run, _violations
 from kdsync.testing.stats import percentile
 
@@ -154,8 +154,7 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
                 f"events created in the {AFTER_FAULT_S if when == 'fault' else AFTER_RETURN_S:g} s after the "
                 f"{'fault' if when == 'fault' else 'return'}",
                 row[f"{when}_worst_over_steady_p99"], f"<= {GOAL:g} (issue 42)", "region_failure.csv"))
-    if not rows:
-        raise NotMeasured("no run could be measured: " + "; ".join(errors))
+    require_rows(rows, errors, "no run could be measured")
     sec.intro.append(
         f"Simulator, the five AWS regions of sim/scenarios/{FIVE}.yaml (200 events/s at every site) with the timing "
         f"docs/wan.md gives for a WAN ({', '.join(f'{k} {v}' for k, v in TIMING.items())}); clock with the file's "
@@ -168,6 +167,5 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
     sec.tables.append(Table("region_failure", "Live regions' latency around a region's failure and return", rows))
     if curves:
         sec.plots += _plot(curves, out)
-    if errors:
-        sec.notes.append("not measured: " + "; ".join(errors))
+    sec.note_unmeasured(errors)
     return sec

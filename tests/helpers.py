@@ -2,11 +2,12 @@
 unit tests of the member's parts), and for the tests that run real `kdsync
 run` members on real brokers (tests/test_member_*.py,
 tests/test_topic_settings.py): waiting for a condition, writing to clusters at
-once, checking agreement with the members' logs at hand, one-member configs
-and the command that runs a member."""
+once, a member killed -9 mid-stream, checking agreement with the members'
+logs at hand, one-member configs and the command that runs a member."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from kdsync.kafka.embedded import free_port
-from kdsync.testing.local import LocalGroup, check_global_topics, write_events
+from kdsync.testing.local import LocalGroup, check_global_topics, read_global, write_events
 
 
 class FakeMessage:
@@ -68,6 +69,26 @@ def write_all(g: LocalGroup, n: int, tag: str, rate: float | None = None, idx=No
     idx = list(range(g.n)) if idx is None else list(idx)
     write_in_parallel([(g.bootstrap(i), g.topic, n, f"{tag}-{g.names[i]}", rate) for i in idx])
     return n * len(idx)
+
+
+def kill_9(g: LocalGroup, i: int) -> None:
+    """kill -9 member i and check that this is what ended it (a crash, not a clean stop)."""
+    g.signal_member(i, signal.SIGKILL)
+    assert g.wait_member(i) == -signal.SIGKILL
+
+
+def kill_9_mid_stream(g: LocalGroup, i: int, n: int, tag: str, rate: float, seen: int,
+                      timeout: float) -> threading.Thread:
+    """Start writing n events into every cluster at `rate` events/s each
+    (write_all, `tag`) in a thread; once member i's cluster's global topic
+    holds more than `seen` records, kill -9 member i.  Returns the writer
+    thread, still writing: the caller restarts the member, then joins it."""
+    writers = threading.Thread(target=write_all, args=(g, n, tag, rate))
+    writers.start()
+    wait_until(lambda: len(read_global(g.bootstrap(i), g.global_topic)) > seen, timeout,
+               f"{g.names[i]} to write some events")
+    kill_9(g, i)
+    return writers
 
 
 def member_logs(g: LocalGroup) -> str:

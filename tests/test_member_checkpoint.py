@@ -24,7 +24,8 @@ from kdsync.kafka.embedded import EmbeddedCluster
 from kdsync.kafka.records import read_global_headers
 from kdsync.kafka.topic import ensure_topic, iter_partition, partition_count, read_partition
 
-from helpers import assert_agree, member_logs, refused_start, solo_config, wait_until, write_all
+from helpers import (assert_agree, kill_9, kill_9_mid_stream, member_logs, refused_start, solo_config, wait_until,
+                     write_all)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -90,11 +91,7 @@ def test_restart_reads_only_what_follows_the_checkpoint(tmp_path):
         # a restarted member reports the checkpoint it started from at once
         assert g.metrics(0)[("kdsync_checkpoint_position", (("topic", "events"),))] == 600
         # kill -9 mid-stream: the restart reads from the last checkpoint, not from position 0
-        writers = threading.Thread(target=write_all, args=(g, 300, "k", 100.0))
-        writers.start()
-        wait_until(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 900, 30, "dc2 to write some events")
-        g.signal_member(1, signal.SIGKILL)
-        assert g.wait_member(1) == -signal.SIGKILL
+        writers = kill_9_mid_stream(g, 1, 300, "k", 100.0, seen=900, timeout=30)
         g.start_member(1)
         g.wait_ready(members=[1], timeout=60)
         writers.join()
@@ -162,8 +159,7 @@ def test_restart_after_retention_with_a_checkpoint_older_than_the_first_record(t
         g.start_member(0)
         g.wait_ready(members=[0])
         got = assert_agree(g, 300 + write_all(g, 100, "r2", rate=150.0))  # paced: the origins interleave
-        g.signal_member(0, signal.SIGKILL)  # no checkpoint at 600: the last one stays at 300
-        assert g.wait_member(0) == -signal.SIGKILL
+        kill_9(g, 0)  # no checkpoint at 600: the last one stays at 300
         assert checkpoints(g.bootstrap(0))[-1].seq == 300
         # rebuild dc1's global topic from position F on, as a restore from a later archive would
         first = min(max(r.seq for r in got["dc2"] if r.origin == o) for o in g.names)
@@ -259,8 +255,7 @@ def test_three_global_partitions_kill_9_and_restart_from_checkpoint(tmp_path):
         writers = threading.Thread(target=write_all, args=(g, 300, "p2", 200.0))
         writers.start()
         wait_until(lambda: counts()[0] > total + 150, 30, "dc1 to write more", poll=0.2)
-        g.signal_member(0, signal.SIGKILL)
-        assert g.wait_member(0) == -signal.SIGKILL
+        kill_9(g, 0)
         g.start_member(0)
         g.wait_ready(members=[0], timeout=60)
         writers.join()

@@ -19,7 +19,7 @@ import pytest
 from kdsync.testing.fault_proxy import FaultProxy
 from kdsync.testing.local import LocalGroup, check_global_topics, read_global
 
-from helpers import assert_agree, member_logs, wait_until, write_all
+from helpers import assert_agree, kill_9_mid_stream, member_logs, wait_until, write_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -94,11 +94,7 @@ def test_kill_9_mid_stream_then_restart(group):
     g = group
     g.start_members()
     g.wait_ready()
-    writers = threading.Thread(target=write_all, args=(g, 600, "k", 300.0))
-    writers.start()
-    wait_until(lambda: len(read_global(g.bootstrap(1), g.global_topic)) > 150, 20, "dc2 to write some events")
-    g.signal_member(1, signal.SIGKILL)
-    assert g.wait_member(1) == -signal.SIGKILL
+    writers = kill_9_mid_stream(g, 1, 600, "k", 300.0, seen=150, timeout=20)
     time.sleep(0.5)  # let the survivors notice the crash (suspect_ms=300) while writes go on
     g.start_member(1)
     writers.join()
@@ -115,11 +111,7 @@ def test_coalesced_wakes_keep_one_order_through_a_kill_9(group):
     g.start_members()
     g.wait_ready()
     assert all("loop wake-ups coalesced" in g.log_text(i) for i in range(3)), member_logs(g)
-    writers = threading.Thread(target=write_all, args=(g, 400, "c", 300.0))
-    writers.start()
-    wait_until(lambda: len(read_global(g.bootstrap(2), g.global_topic)) > 100, 20, "dc3 to write some events")
-    g.signal_member(2, signal.SIGKILL)
-    assert g.wait_member(2) == -signal.SIGKILL
+    writers = kill_9_mid_stream(g, 2, 400, "c", 300.0, seen=100, timeout=20)
     g.start_member(2)
     writers.join()
     _assert_agree(g, 1200, timeout=60)

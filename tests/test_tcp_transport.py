@@ -7,6 +7,7 @@ pytest-asyncio needed).  Waits poll for a condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -68,8 +70,16 @@ class Inbox:
         return sum(len(v) for v in self.got.values())
 
 
-def group(ids, ports, inboxes=None, **kw) -> dict[str, TcpTransport]:
-    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+def loopback(ids, ports=None) -> dict[str, tuple[str, int]]:
+    """Each member's address: 127.0.0.1 and its port (free ones unless given)."""
+    return {m: ("127.0.0.1", p) for m, p in zip(ids, ports if ports is not None else free_ports(len(ids)))}
+
+
+def group(ids, ports=None, inboxes=None, **kw) -> dict[str, TcpTransport]:
+    """A TcpTransport per member of `ids` on loopback (free ports unless
+    given), delivering to its entry of `inboxes` (a fresh Inbox each unless
+    given), with the FAST timings and `kw` on top."""
+    peers = loopback(ids, ports)
     inboxes = inboxes if inboxes is not None else {m: Inbox() for m in ids}
     return {m: TcpTransport(m, peers[m], peers, inboxes[m], **{**FAST, **kw}) for m in ids}
 
@@ -88,6 +98,21 @@ async def all_connected(ts, timeout=10.0) -> None:
     await until(lambda: all(st.connected for t in ts.values() for st in t.stats.values()), timeout, "all links up")
 
 
+@contextlib.asynccontextmanager
+async def running(ts: dict[str, TcpTransport], connected: bool = True) -> AsyncIterator[dict[str, TcpTransport]]:
+    """Start every transport of `ts` and wait until all their links are up,
+    unless `connected` is False (a test with links that must not come up);
+    when the block ends, however it ends, close every transport then in `ts`
+    (one the test replaced included)."""
+    await start_all(ts)
+    try:
+        if connected:
+            await all_connected(ts)
+        yield ts
+    finally:
+        await close_all(ts)
+
+
 # ------------------------------------------------------------------ round trip
 
 
@@ -95,10 +120,7 @@ async def all_connected(ts, timeout=10.0) -> None:
 async def test_three_members_round_trip_order_and_batching():
     ids = ["dc1", "dc2", "dc3"]
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, free_ports(3), inboxes)
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    async with running(group(ids, inboxes=inboxes)) as ts:
         n = 3000
         for i in range(n):
             for src in ids:
@@ -119,18 +141,13 @@ async def test_three_members_round_trip_order_and_batching():
                 assert ts[dst].stats[src].frames_in >= 1
                 assert ts[dst].stats[src].bytes_in >= sum(len(g) for g in got)
                 assert st.bytes_out >= sum(len(g) for g in got)
-    finally:
-        await close_all(ts)
 
 
 @async_test
 async def test_one_loop_iteration_of_sends_leaves_as_one_frame_without_the_writer_task():
     ids = ["dc1", "dc2"]
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, free_ports(2), inboxes, ping_interval=60)  # no PING in the way
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    async with running(group(ids, inboxes=inboxes, ping_interval=60)) as ts:  # no PING in the way
         st = ts["dc1"].stats["dc2"]
         link = ts["dc1"]._links["dc2"]
         for round_ in range(3):
@@ -142,8 +159,6 @@ async def test_one_loop_iteration_of_sends_leaves_as_one_frame_without_the_write
             assert st.frames_out == before + 1 and link.queued == 0 and not link.queue
             await until(lambda: len(inboxes["dc2"].got["dc1"]) == 50 * (round_ + 1), 10, "round delivered")
         assert inboxes["dc2"].got["dc1"] == [b"r%d-%d" % (r, i) for r in range(3) for i in range(50)]
-    finally:
-        await close_all(ts)
 
 
 @async_test
@@ -153,19 +168,15 @@ async def test_on_heard_says_the_peer_is_alive_before_its_messages_are_delivered
     ids = ["a", "b"]
     got: list[bytes] = []
     heard: list[int] = []  # how many messages were delivered when bytes arrived
-    ts = group(ids, free_ports(2), {"a": Inbox(), "b": lambda peer, data: got.append(data)}, ping_interval=60)
+    ts = group(ids, inboxes={"a": Inbox(), "b": lambda peer, data: got.append(data)}, ping_interval=60)
     ts["b"].on_heard = lambda peer: heard.append(len(got))
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    async with running(ts):
         n = 3000
         for i in range(n):
             assert ts["a"].send("b", b"m%d" % i)
         await until(lambda: len(got) == n, 20, "all messages")
         assert got == [b"m%d" % i for i in range(n)]
         assert heard and heard[0] == 0  # heard before the first message was delivered
-    finally:
-        await close_all(ts)
 
 
 # ------------------------------------------------------------------ reconnect
@@ -176,17 +187,14 @@ async def test_reconnect_after_peer_restart():
     ids = ["a", "b"]
     ports = free_ports(2)
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, ports, inboxes)
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    async with running(group(ids, ports, inboxes)) as ts:
         assert ts["a"].send("b", b"before")
         await until(lambda: inboxes["b"].got["a"] == [b"before"], what="first message")
         await ts["b"].close()
         await until(lambda: not ts["a"].stats["b"].connected, what="a notices b is gone")
         # b comes back on the same port, as a fresh process would.
         inbox2 = Inbox()
-        peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+        peers = loopback(ids, ports)
         ts["b"] = TcpTransport("b", peers["b"], peers, inbox2, **FAST)
         await ts["b"].start()
         await all_connected(ts)
@@ -197,16 +205,13 @@ async def test_reconnect_after_peer_restart():
         await until(lambda: inboxes["a"].got["b"][-1:] == [b"back99"], what="b->a after restart")
         assert inbox2.got["a"][-100:] == [b"after%d" % i for i in range(100)]
         assert inboxes["a"].got["b"] == [b"back%d" % i for i in range(100)]
-    finally:
-        await close_all(ts)
 
 
 @async_test
 async def test_messages_queued_while_peer_down_are_sent_when_it_comes_up():
     ids = ["a", "b"]
-    ports = free_ports(2)
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, ports, inboxes)
+    ts = group(ids, inboxes=inboxes)
     await ts["a"].start()
     try:
         for i in range(10):
@@ -262,44 +267,41 @@ async def stuck_listener(member_id: str, port: int, dialer_id: str):
 @async_test
 async def test_back_pressure_slow_peer_bounded_and_others_unaffected():
     ids = ["a", "slow", "c"]
-    ports = free_ports(3)
     inboxes = {m: Inbox() for m in ids}
-    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    peers = loopback(ids)
     qmax = 1 << 20
     a = TcpTransport("a", peers["a"], peers, inboxes["a"], max_queue_bytes=qmax, max_frame_bytes=1 << 20, **FAST)
     c = TcpTransport("c", peers["c"], peers, inboxes["c"], **FAST)
-    server, accepted, writers = await stuck_listener("slow", ports[1], "a")
-    await a.start()
-    await c.start()
+    server, accepted, writers = await stuck_listener("slow", peers["slow"][1], "a")
     try:
-        await asyncio.wait_for(accepted.wait(), 10)
-        await until(lambda: a.stats["slow"].connected, what="link to slow peer")
-        chunk = b"z" * 32768
-        sent = 0
-        refused_at = None
-        for i in range(2000):  # 64 MiB offered, far more than socket buffers + queue
-            if not a.send("slow", chunk):
-                refused_at = i
-                break
-            sent += 1
-            if i % 16 == 0:
-                await asyncio.sleep(0)  # let the writer push into the socket
-        assert refused_at is not None, "send() never reported back-pressure"
-        assert a.queued_bytes("slow") <= qmax
-        assert a.stats["slow"].dropped == 1
-        # Memory stays bounded: queue + what asyncio holds for the socket.
-        lw = a._links["slow"].writer
-        assert lw is not None and lw.transport.get_write_buffer_size() <= (1 << 20) + 65536
-        # The slow peer does not hold up the others, in either direction.
-        for i in range(500):
-            assert a.send("c", b"c%d" % i)
-            assert c.send("a", b"a%d" % i)
-        await until(lambda: len(inboxes["c"].got["a"]) == 500 and len(inboxes["a"].got["c"]) == 500, what="c traffic")
-        assert inboxes["c"].got["a"] == [b"c%d" % i for i in range(500)]
-        assert a.queued_bytes("slow") <= qmax
+        async with running({"a": a, "c": c}, connected=False):
+            await asyncio.wait_for(accepted.wait(), 10)
+            await until(lambda: a.stats["slow"].connected, what="link to slow peer")
+            chunk = b"z" * 32768
+            sent = 0
+            refused_at = None
+            for i in range(2000):  # 64 MiB offered, far more than socket buffers + queue
+                if not a.send("slow", chunk):
+                    refused_at = i
+                    break
+                sent += 1
+                if i % 16 == 0:
+                    await asyncio.sleep(0)  # let the writer push into the socket
+            assert refused_at is not None, "send() never reported back-pressure"
+            assert a.queued_bytes("slow") <= qmax
+            assert a.stats["slow"].dropped == 1
+            # Memory stays bounded: queue + what asyncio holds for the socket.
+            lw = a._links["slow"].writer
+            assert lw is not None and lw.transport.get_write_buffer_size() <= (1 << 20) + 65536
+            # The slow peer does not hold up the others, in either direction.
+            for i in range(500):
+                assert a.send("c", b"c%d" % i)
+                assert c.send("a", b"a%d" % i)
+            await until(lambda: len(inboxes["c"].got["a"]) == 500 and len(inboxes["a"].got["c"]) == 500,
+                        what="c traffic")
+            assert inboxes["c"].got["a"] == [b"c%d" % i for i in range(500)]
+            assert a.queued_bytes("slow") <= qmax
     finally:
-        await a.close()
-        await c.close()
         for w in writers:
             w.close()
         server.close()
@@ -312,15 +314,13 @@ async def test_back_pressure_slow_peer_bounded_and_others_unaffected():
 async def test_wrong_secret_refused_and_logged_others_keep_going(caplog):
     caplog.set_level(logging.INFO, logger="kdsync")
     ids = ["a", "b", "c"]
-    ports = free_ports(3)
     inboxes = {m: Inbox() for m in ids}
-    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    peers = loopback(ids)
     ts = {
         m: TcpTransport(m, peers[m], peers, inboxes[m], secret=(b"s3cret" if m != "c" else b"guess"), **FAST)
         for m in ids
     }
-    await start_all(ts)
-    try:
+    async with running(ts, connected=False):
         await until(lambda: ts["a"].stats["b"].connected and ts["b"].stats["a"].connected, what="a<->b")
         await until(lambda: ts["a"].stats["c"].refused >= 1 and ts["c"].stats["a"].refused >= 1, what="c refused")
         for i in range(50):
@@ -335,27 +335,18 @@ async def test_wrong_secret_refused_and_logged_others_keep_going(caplog):
         assert any("refused connection from 127.0.0.1:" in w and "'c' could not prove it knows the group secret" in w for w in warnings), warnings
         assert any("handshake with c at" in w and "refused our proof (wrong group secret?)" in w for w in warnings), warnings
         assert not any("s3cret" in r.getMessage() or "guess" in r.getMessage() for r in caplog.records)
-    finally:
-        await close_all(ts)
 
 
 @async_test
 async def test_secret_on_one_side_only_is_refused():
-    ids = ["a", "b"]
-    ports = free_ports(2)
-    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    peers = loopback(["a", "b"])
     a = TcpTransport("a", peers["a"], peers, Inbox(), secret=b"k", **FAST)
     b = TcpTransport("b", peers["b"], peers, Inbox(), **FAST)
-    await a.start()
-    await b.start()
-    try:
+    async with running({"a": a, "b": b}, connected=False):
         # Each side refuses the other's dialer proof (empty vs. HMAC), and each dialer sees
         # its connection closed: two refusals per side.
         await until(lambda: a.stats["b"].refused >= 2 and b.stats["a"].refused >= 2, what="refusals")
         assert not a.stats["b"].connected and not b.stats["a"].connected
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def raw_exchange(port: int, payload: bytes, timeout: float = 5.0) -> bytes:
@@ -380,12 +371,8 @@ async def raw_exchange(port: int, payload: bytes, timeout: float = 5.0) -> bytes
 async def test_unknown_member_garbage_and_silence_close_only_that_connection(caplog):
     caplog.set_level(logging.INFO, logger="kdsync")
     ids = ["a", "b"]
-    ports = free_ports(2)
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, ports, inboxes, handshake_timeout=0.5)
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    async with running(group(ids, inboxes=inboxes, handshake_timeout=0.5)) as ts:
         hello = json.dumps({"v": 1, "id": "mallory", "to": "a", "nonce": "11" * 16}).encode()
         bad = [
             encode_frame(HELLO, hello),  # unknown member id
@@ -396,7 +383,7 @@ async def test_unknown_member_garbage_and_silence_close_only_that_connection(cap
             encode_frame(HELLO, json.dumps({"v": 1, "id": "b", "to": "zz", "nonce": "1"}).encode()),  # wrong target
             b"",  # silence: handshake timeout
         ]
-        results = await asyncio.gather(*(raw_exchange(ports[0], p) for p in bad))
+        results = await asyncio.gather(*(raw_exchange(ts["a"].listen[1], p) for p in bad))
         # Every bad connection was closed by a (no reply to the bad ones at all).
         assert results == [b""] * len(bad)
         # ...while a and b kept exchanging.
@@ -416,8 +403,6 @@ async def test_unknown_member_garbage_and_silence_close_only_that_connection(cap
         ):
             assert any(needle in w and "refused connection from 127.0.0.1:" in w for w in warnings), (needle, warnings)
         assert ts["a"].refused_unknown == 1
-    finally:
-        await close_all(ts)
 
 
 @async_test
@@ -426,10 +411,7 @@ async def test_malformed_frame_after_handshake_closes_that_connection(caplog):
     caplog.set_level(logging.INFO, logger="kdsync")
     ids = ["a", "b"]
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, free_ports(2), inboxes)
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    async with running(group(ids, inboxes=inboxes)) as ts:
         assert ts["b"].send("a", b"one")
         await until(lambda: inboxes["a"].got["b"] == [b"one"], what="first")
         # Corrupt b's outgoing stream directly.
@@ -438,8 +420,6 @@ async def test_malformed_frame_after_handshake_closes_that_connection(caplog):
         await until(lambda: ts["b"].stats["a"].connected, what="b reconnects")
         assert ts["b"].send("a", b"two")
         await until(lambda: inboxes["a"].got["b"][-1:] == [b"two"], what="after reconnect")
-    finally:
-        await close_all(ts)
 
 
 # ------------------------------------------------------------------ API edges
@@ -511,14 +491,12 @@ def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path, caplog):
     @async_test
     async def body():
         ids = ["a", "b", "c"]
-        ports = free_ports(3)
         inboxes = {m: Inbox() for m in ids}
-        peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+        peers = loopback(ids)
         ts = {m: TcpTransport(m, peers[m], peers, inboxes[m], tls=certs[m], secret=b"k", **FAST) for m in ("a", "b")}
         # c has the secret but no TLS: it must not get in.
         ts["c"] = TcpTransport("c", peers["c"], peers, inboxes["c"], secret=b"k", **FAST)
-        await start_all(ts)
-        try:
+        async with running(ts, connected=False):
             await until(lambda: ts["a"].stats["b"].connected and ts["b"].stats["a"].connected, what="TLS links")
             for i in range(300):
                 assert ts["a"].send("b", b"tls%d" % i)
@@ -527,7 +505,7 @@ def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path, caplog):
             await until(lambda: len(inboxes["b"].got["a"]) == 300 and len(inboxes["a"].got["b"]) == 300, what="TLS msgs")
             assert inboxes["b"].got["a"] == [b"tls%d" % i for i in range(300)]
             assert ts["a"]._links["b"].writer.get_extra_info("ssl_object") is not None
-            await raw_exchange(ports[0], b"\x16\x03\x01garbage" * 50)  # whatever TLS alert comes back
+            await raw_exchange(peers["a"][1], b"\x16\x03\x01garbage" * 50)  # whatever TLS alert comes back
             # A member whose certificate comes from another CA is refused, even with the secret.
             r = TcpTransport("b", ("127.0.0.1", 0), peers, Inbox(), tls=rogue, secret=b"k", **FAST)
             await r.start()
@@ -543,8 +521,6 @@ def test_tls_mutual_round_trip_and_plaintext_refused(tmp_path, caplog):
             # The good pair still talks.
             assert ts["a"].send("b", b"still")
             await until(lambda: inboxes["b"].got["a"][-1:] == [b"still"], what="a->b after attacks")
-        finally:
-            await close_all(ts)
 
     body()
 
@@ -563,16 +539,12 @@ def test_tls_bad_certificate_paths_give_one_line_error(tmp_path):
 @async_test
 async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
     caplog.set_level(logging.INFO, logger="kdsync")
-    ids = ["a", "b"]
-    ports = free_ports(2)
-    peers = {m: ("127.0.0.1", p) for m, p in zip(ids, ports)}
+    peers = loopback(["a", "b"])
     opts = {**FAST, "idle_timeout": 1.0}
     # a pings every 0.1 s (as writer and as listener); b never does (interval 30 s).
     a = TcpTransport("a", peers["a"], peers, Inbox(), **{**opts, "ping_interval": 0.1})
     b = TcpTransport("b", peers["b"], peers, Inbox(), **{**opts, "ping_interval": 30})
-    await a.start()
-    await b.start()
-    try:
+    async with running({"a": a, "b": b}, connected=False):
         await until(lambda: a.stats["b"].connected and b.stats["a"].connected, what="links up")
         await until(lambda: any("closing silent connection from b" in r.getMessage() for r in caplog.records), 5, "a closes b's silent link")
         # b's listener pings as rarely as its writer, so a's dialer sees a silent listener and redials.
@@ -580,9 +552,6 @@ async def test_pings_keep_idle_link_open_and_silent_link_is_closed(caplog):
         assert not any("closing silent connection from a" in r.getMessage() for r in caplog.records)
         assert b.stats["a"].frames_in >= 3  # pings from a
         await until(lambda: b.stats["a"].connected, what="b redials")  # and the link comes back
-    finally:
-        await a.close()
-        await b.close()
 
 
 # ------------------------------------------------------------------ more edges
@@ -625,10 +594,8 @@ async def test_new_connection_from_a_peer_replaces_its_stale_one():
 async def test_messages_bigger_than_a_batch_go_alone_and_arrive_whole():
     ids = ["a", "b"]
     inboxes = {m: Inbox() for m in ids}
-    ts = group(ids, free_ports(2), inboxes, max_batch_bytes=1 << 20, max_frame_bytes=8 << 20, max_queue_bytes=16 << 20)
-    await start_all(ts)
-    try:
-        await all_connected(ts)
+    ts = group(ids, inboxes=inboxes, max_batch_bytes=1 << 20, max_frame_bytes=8 << 20, max_queue_bytes=16 << 20)
+    async with running(ts):
         big = [bytes([i]) * (3 << 20) for i in range(3)]  # 3 MiB each, batch cap 1 MiB
         frames0 = ts["a"].stats["b"].frames_out
         for m in big:
@@ -636,8 +603,6 @@ async def test_messages_bigger_than_a_batch_go_alone_and_arrive_whole():
         await until(lambda: len(inboxes["b"].got["a"]) == 3, what="big messages")
         assert inboxes["b"].got["a"] == big
         assert ts["a"].stats["b"].frames_out - frames0 >= 3  # one frame each (plus any PINGs)
-    finally:
-        await close_all(ts)
 
 
 @async_test

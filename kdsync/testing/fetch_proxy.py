@@ -150,7 +150,7 @@ def _lower_fetch(frame: bytes, version: int | None) -> bytes:
     err = r.take(">h")
     flexible = (version or 0) >= 3 and err == 0
     if flexible:
-        n = _uvarint(r) - 1
+        n = r.uvarint() - 1
     else:
         n = r.take(">i")
     for _ in range(max(n, 0)):
@@ -159,21 +159,10 @@ def _lower_fetch(frame: bytes, version: int | None) -> bytes:
             struct.pack_into(">h", b, r.i + 4, MAX_FETCH_VERSION)
         r.i += 6
         if flexible:
-            for _ in range(_uvarint(r)):  # tagged fields
-                _uvarint(r)
-                r.i += _uvarint(r)
+            for _ in range(r.uvarint()):  # tagged fields
+                r.uvarint()
+                r.i += r.uvarint()
     return bytes(b)
-
-
-def _uvarint(r: _Reader) -> int:
-    shift = v = 0
-    while True:
-        byte = r.b[r.i]
-        r.i += 1
-        v |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return v
-        shift += 7
 
 
 def _frame(s: socket.socket) -> bytes:

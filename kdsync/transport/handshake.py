@@ -151,7 +151,40 @@ def _contract_error(local: Local, peer: str, theirs: object, reply: bytes | None
                          f"docs/config.md)", "contract:" + diffs[0].setting, reply)
 
 
-class DialerHandshake:
+class _Half:
+    """What both halves of the handshake share: this member's id, the group
+    secret, what it shows (`local`), the two nonces, and the order of the
+    frames: the peer's HELLO first, then its AUTH, then nothing (`done`).
+    After `done`, `legacy`: the peer showed no contract (an older release)."""
+
+    def __init__(self, member_id: str, secret: bytes | None, nonce: str | None, local: Local | None) -> None:
+        self.member_id = member_id
+        self.secret = secret
+        self.local = local
+        self.nonce = nonce or os.urandom(16).hex()
+        self.peer_nonce: str | None = None
+        self.legacy = False
+        self.done = False
+
+    def receive(self, frame: Frame) -> bytes | None:
+        """Take the peer's next frame; return the frame to answer it with, if any.
+        Raises HandshakeError (ContractError) when the peer is refused."""
+        if self.done:
+            raise HandshakeError("handshake already complete")
+        if self.peer_nonce is None:
+            return self._on_hello(parse_handshake(frame, HELLO, "HELLO"))
+        return self._on_auth(parse_handshake(frame, AUTH, "AUTH"))
+
+    def _on_hello(self, hello: dict[str, Any]) -> bytes | None:
+        """Check the peer's HELLO (its JSON object) and set `peer_nonce`; the frame to answer with."""
+        raise NotImplementedError
+
+    def _on_auth(self, auth: dict[str, Any]) -> bytes | None:
+        """Check the peer's AUTH (its JSON object) and set `done`; the frame to answer with, if any."""
+        raise NotImplementedError
+
+
+class DialerHandshake(_Half):
     """The dialer's half.  Send `hello()`, then for each frame received call
     `receive(frame)`, send what it returns (if anything) until `done`.
 
@@ -163,40 +196,33 @@ class DialerHandshake:
 
     def __init__(self, member_id: str, peer: str, secret: bytes | None, nonce: str | None = None, *,
                  local: Local | None = None, probe: str | None = None) -> None:
-        self.member_id = member_id
+        super().__init__(member_id, secret, nonce, local)
         self.peer = peer
-        self.secret = secret
-        self.local = local
         self.probe = probe
-        self.nonce = nonce or os.urandom(16).hex()
-        self.peer_nonce: str | None = None
         self.peer_contract: dict[str, str] | None = None
         self.awaiting_accept = False
-        self.legacy = False
-        self.done = False
 
     def hello(self) -> bytes:
         return _hello_frame(self.member_id, self.nonce, self.local, to=self.peer,
                             **({"probe": self.probe} if self.probe is not None else {}))
 
-    def receive(self, frame: Frame) -> bytes | None:
-        if self.done:
-            raise HandshakeError("handshake already complete")
-        if self.peer_nonce is None:
-            hello = parse_handshake(frame, HELLO, "HELLO")
-            answered = handshake_field(hello, "id", "HELLO")
-            if answered != self.peer:
-                raise HandshakeError(f"answered as member {answered!r}, expected {self.peer!r}", "identity")
-            if self.local is not None and "wire" in hello and not wire_overlap(self.local.wire, hello["wire"]):
-                raise _wire_error(self.local, self.peer, hello["wire"])
-            self.peer_nonce = handshake_field(hello, "nonce", "HELLO")
-            self.awaiting_accept = True
-            proof = handshake_proof(self.secret, "dialer", self.nonce, self.peer_nonce, self.member_id, self.peer)
-            auth: dict[str, Any] = {"proof": proof}
-            if self.local is not None:
-                auth.update(contract=self.local.contract, inc=self.local.incarnation, listen=self.local.listen)
-            return _json_frame(AUTH, auth)
-        ok = parse_handshake(frame, AUTH, "AUTH")
+    def _on_hello(self, hello: dict[str, Any]) -> bytes:
+        """The listener's HELLO: check who answered, then prove the secret first."""
+        answered = handshake_field(hello, "id", "HELLO")
+        if answered != self.peer:
+            raise HandshakeError(f"answered as member {answered!r}, expected {self.peer!r}", "identity")
+        if self.local is not None and "wire" in hello and not wire_overlap(self.local.wire, hello["wire"]):
+            raise _wire_error(self.local, self.peer, hello["wire"])
+        self.peer_nonce = handshake_field(hello, "nonce", "HELLO")
+        self.awaiting_accept = True
+        proof = handshake_proof(self.secret, "dialer", self.nonce, self.peer_nonce, self.member_id, self.peer)
+        auth: dict[str, Any] = {"proof": proof}
+        if self.local is not None:
+            auth.update(contract=self.local.contract, inc=self.local.incarnation, listen=self.local.listen)
+        return _json_frame(AUTH, auth)
+
+    def _on_auth(self, ok: dict[str, Any]) -> None:
+        """The listener's AUTH: its proof, its contract, and whether it let us in."""
         want = handshake_proof(self.secret, "listener", self.nonce, self.peer_nonce, self.member_id, self.peer)
         if not _check_proof(ok.get("proof"), want):
             raise HandshakeError("peer could not prove it knows the group secret", "secret")
@@ -214,7 +240,7 @@ class DialerHandshake:
         return None
 
 
-class ListenerHandshake:
+class ListenerHandshake(_Half):
     """The listener's half: call `receive(frame)` for each frame received and
     send what it returns, until `done`; then `peer` is the authenticated
     member.  A `ContractError` carries the frame to send before closing.
@@ -228,49 +254,42 @@ class ListenerHandshake:
 
     def __init__(self, member_id: str, members: Collection[str], secret: bytes | None, nonce: str | None = None, *,
                  local: Local | None = None) -> None:
-        self.member_id = member_id
+        super().__init__(member_id, secret, nonce, local)
         self.members = members
-        self.secret = secret
-        self.local = local
-        self.nonce = nonce or os.urandom(16).hex()
         self.peer: str | None = None
-        self.peer_nonce: str | None = None
         self.probe: str | None = None
         self.unknown_member = False
-        self.legacy = False
         self.peer_incarnation = ""
         self.peer_listen = ""
-        self.done = False
 
     def _hello(self) -> bytes:
         return _hello_frame(self.member_id, self.nonce, self.local)
 
-    def receive(self, frame: Frame) -> bytes | None:
-        if self.done:
-            raise HandshakeError("handshake already complete")
-        if self.peer_nonce is None:
-            hello = parse_handshake(frame, HELLO, "HELLO")
-            claimed = handshake_field(hello, "id", "HELLO")
-            if hello.get("v") != HANDSHAKE_VERSION:
-                raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}", "malformed")
-            probe = hello.get("probe")
-            if probe is not None and probe not in PROBES:
-                raise HandshakeError(f"unknown probe {str(probe)[:40]!r}", "malformed")
-            if (claimed == self.member_id and probe is None) or (claimed not in self.members
-                                                                  and claimed != self.member_id):
-                self.unknown_member = True
-                raise HandshakeError(f"unknown member id {claimed!r}", "unknown_member")
-            self.peer = claimed
-            self.probe = probe
-            target = handshake_field(hello, "to", "HELLO")
-            if target != self.member_id:
-                raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}",
-                                     "identity")
-            self.peer_nonce = handshake_field(hello, "nonce", "HELLO")
-            if self.local is not None and "wire" in hello and not wire_overlap(self.local.wire, hello["wire"]):
-                raise _wire_error(self.local, claimed, hello["wire"], reply=self._hello())
-            return self._hello()
-        auth = parse_handshake(frame, AUTH, "AUTH")
+    def _on_hello(self, hello: dict[str, Any]) -> bytes:
+        """The dialer's HELLO: who it claims to be and whom it meant to reach; answer with ours."""
+        claimed = handshake_field(hello, "id", "HELLO")
+        if hello.get("v") != HANDSHAKE_VERSION:
+            raise HandshakeError(f"unsupported handshake version {hello.get('v')!r}", "malformed")
+        probe = hello.get("probe")
+        if probe is not None and probe not in PROBES:
+            raise HandshakeError(f"unknown probe {str(probe)[:40]!r}", "malformed")
+        if (claimed == self.member_id and probe is None) or (claimed not in self.members
+                                                              and claimed != self.member_id):
+            self.unknown_member = True
+            raise HandshakeError(f"unknown member id {claimed!r}", "unknown_member")
+        self.peer = claimed
+        self.probe = probe
+        target = handshake_field(hello, "to", "HELLO")
+        if target != self.member_id:
+            raise HandshakeError(f"member {claimed!r} meant to reach {target!r}, this is {self.member_id!r}",
+                                 "identity")
+        self.peer_nonce = handshake_field(hello, "nonce", "HELLO")
+        if self.local is not None and "wire" in hello and not wire_overlap(self.local.wire, hello["wire"]):
+            raise _wire_error(self.local, claimed, hello["wire"], reply=self._hello())
+        return self._hello()
+
+    def _on_auth(self, auth: dict[str, Any]) -> bytes:
+        """The dialer's AUTH: its proof and contract; answer with ours, or refuse."""
         assert self.peer is not None
         want = handshake_proof(self.secret, "dialer", self.peer_nonce, self.nonce, self.peer, self.member_id)
         if not _check_proof(auth.get("proof"), want):

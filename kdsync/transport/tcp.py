@@ -118,6 +118,29 @@ class _ClosedDuringHandshake(HandshakeError):
     pass
 
 
+class _Frames:
+    """The read side of a connection, frame by frame: the stream, its decoder
+    (small frames only until the peer is authenticated: a stranger must not
+    make us allocate a max_frame_bytes buffer) and the frames a read decoded
+    beyond the one asked for, kept for the next ask."""
+
+    __slots__ = ("reader", "dec", "pending")
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.dec = FrameDecoder(_HANDSHAKE_FRAME_BYTES)
+        self.pending: list[Frame] = []
+
+    async def next(self) -> Frame:
+        """The next frame; _ClosedDuringHandshake if the peer closes first."""
+        while not self.pending:
+            data = await self.reader.read(_READ_CHUNK)
+            if not data:
+                raise _ClosedDuringHandshake("connection closed during handshake")
+            self.pending.extend(self.dec.feed(data))
+        return self.pending.pop(0)
+
+
 # Older names, kept for modules that imported them from here.
 _proof = handshake_proof
 _parse_json = parse_handshake
@@ -401,15 +424,6 @@ class TcpTransport(Transport):
 
     # ------------------------------------------------------------ helpers
 
-    @staticmethod
-    async def _next_frame(reader: asyncio.StreamReader, dec: FrameDecoder, pending: list[Frame]) -> Frame:
-        while not pending:
-            data = await reader.read(_READ_CHUNK)
-            if not data:
-                raise _ClosedDuringHandshake("connection closed during handshake")
-            pending.extend(dec.feed(data))
-        return pending.pop(0)
-
     def _set_sockopts(self, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         if sock is None:
@@ -521,14 +535,9 @@ class TcpTransport(Transport):
         peer: str | None = None
         try:
             self._set_sockopts(writer)
-            # Until the peer is authenticated it may only send small handshake frames:
-            # a stranger must not make us allocate a max_frame_bytes buffer.
-            dec = FrameDecoder(_HANDSHAKE_FRAME_BYTES)
-            pending: list[Frame] = []
             try:
-                inbound = await asyncio.wait_for(
-                    self._listener_handshake(reader, writer, dec, pending), self.handshake_timeout
-                )
+                inbound = await asyncio.wait_for(self._listener_handshake(_Frames(reader), writer),
+                                                 self.handshake_timeout)
             except asyncio.TimeoutError:
                 self.log.warning("refused connection from %s: no valid handshake within %.1fs", addr_s, self.handshake_timeout)
                 return
@@ -563,15 +572,13 @@ class TcpTransport(Transport):
             if task is not None:
                 self._conn_tasks.discard(task)
 
-    async def _listener_handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dec: FrameDecoder, pending: list[Frame]
-    ) -> "_Inbound | _Probe":
+    async def _listener_handshake(self, frames: _Frames, writer: asyncio.StreamWriter) -> "_Inbound | _Probe":
         """Run the listener half of the handshake; return the protocol now receiving from the peer."""
         hs = ListenerHandshake(self.member_id, self.peers, self.secret, local=self.local)
         sent = 0
         try:
             while True:
-                reply = hs.receive(await self._next_frame(reader, dec, pending))
+                reply = hs.receive(await frames.next())
                 if reply is not None:
                     writer.write(reply)
                     sent += len(reply)
@@ -590,11 +597,11 @@ class TcpTransport(Transport):
             # holds no unread bytes now: hand the socket to a plain protocol, with no
             # await in between (no StreamReader copies on the hot receive path).
             assert hs.peer is not None
-            dec.max_frame_bytes = self.max_frame_bytes  # authenticated: full-size frames from now on
-            inbound = _Inbound(self, hs.peer, writer.transport, dec)
+            frames.dec.max_frame_bytes = self.max_frame_bytes  # authenticated: full-size frames from now on
+            inbound = _Inbound(self, hs.peer, writer.transport, frames.dec)
             writer.transport.set_protocol(inbound)
-            inbound.handle(list(pending))  # frames that came with AUTH (a well-behaved dialer sends none)
-            pending.clear()
+            inbound.handle(list(frames.pending))  # frames that came with AUTH (a well-behaved dialer sends none)
+            frames.pending.clear()
         except (FrameError, HandshakeError) as exc:
             if isinstance(exc, ContractError) and exc.reply is not None:
                 writer.write(exc.reply)  # tell the dialer why, so that both ends say it
@@ -645,10 +652,9 @@ class TcpTransport(Transport):
                     self.connect_timeout,
                 )
                 self._set_sockopts(writer)
-                dec = FrameDecoder(_HANDSHAKE_FRAME_BYTES)  # a listener only ever sends small frames
-                pending: list[Frame] = []
+                frames = _Frames(reader)  # a listener only ever sends small frames
                 try:
-                    await asyncio.wait_for(self._dialer_handshake(link, reader, writer, dec, pending), self.handshake_timeout)
+                    await asyncio.wait_for(self._dialer_handshake(link, frames, writer), self.handshake_timeout)
                 except HandshakeError as exc:
                     link.last_error = None
                     self.note_refusal(link.peer, f"handshake with {link.peer} at {host}:{port} failed", exc)
@@ -659,7 +665,7 @@ class TcpTransport(Transport):
                 link.last_error = None
                 st.connected = True
                 self.log.info("connected to %s at %s:%s", link.peer, host, port)
-                reason = await self._pump(link, reader, writer, dec, pending)
+                reason = await self._pump(link, frames, writer)
                 # Back off afresh only after a link that held for a while, so a peer
                 # that accepts and then drops us at once is not hammered.
                 if asyncio.get_running_loop().time() - connected_at >= _STABLE_LINK_S:
@@ -695,14 +701,7 @@ class TcpTransport(Transport):
             link.last_error = msg
             self.log.log(level, "%s", msg)
 
-    async def _dialer_handshake(
-        self,
-        link: _Link,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        dec: FrameDecoder,
-        pending: list[Frame],
-    ) -> None:
+    async def _dialer_handshake(self, link: _Link, frames: _Frames, writer: asyncio.StreamWriter) -> None:
         st = self.stats[link.peer]
         hs = DialerHandshake(self.member_id, link.peer, self.secret, local=self.local)
         hello = hs.hello()
@@ -711,7 +710,7 @@ class TcpTransport(Transport):
         try:
             while not hs.done:
                 try:
-                    frame = await self._next_frame(reader, dec, pending)
+                    frame = await frames.next()
                 except _ClosedDuringHandshake:
                     if hs.awaiting_accept:
                         raise HandshakeError("peer closed the connection: it refused our proof (wrong group secret?)",
@@ -731,17 +730,10 @@ class TcpTransport(Transport):
         st.bytes_out += sent
         st.frames_in += 2
 
-    async def _pump(
-        self,
-        link: _Link,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        dec: FrameDecoder,
-        pending: list[Frame],
-    ) -> str:
+    async def _pump(self, link: _Link, frames: _Frames, writer: asyncio.StreamWriter) -> str:
         """Run the writer and a watcher of the read side until the connection ends; return why."""
         wtask = asyncio.create_task(self._write_loop(link, writer))
-        rtask = asyncio.create_task(self._watch_loop(link, reader, dec, pending))
+        rtask = asyncio.create_task(self._watch_loop(link, frames))
         try:
             done, _ = await asyncio.wait((wtask, rtask), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -781,9 +773,10 @@ class TcpTransport(Transport):
             await writer.drain()
         return "closing"
 
-    async def _watch_loop(self, link: _Link, reader: asyncio.StreamReader, dec: FrameDecoder, pending: list[Frame]) -> str:
+    async def _watch_loop(self, link: _Link, frames: _Frames) -> str:
         """The listener only sends PINGs after accepting: read them to notice EOF,
         errors, and a listener that went silent (dead host, half-open socket)."""
+        reader, dec = frames.reader, frames.dec
         st = self.stats[link.peer]
         loop = asyncio.get_running_loop()
         try:
@@ -822,11 +815,11 @@ async def probe(addr: tuple[str, int], member_id: str, peer: str, secret: bytes 
         reader, writer = await asyncio.open_connection(addr[0], addr[1], ssl=client_ssl, limit=_READ_CHUNK)
         try:
             hs = DialerHandshake(member_id, peer, secret, local=local, probe=kind)
-            dec, pending = FrameDecoder(_HANDSHAKE_FRAME_BYTES), []
+            frames = _Frames(reader)
             writer.write(hs.hello())
             while not hs.done:
                 try:
-                    reply = hs.receive(await TcpTransport._next_frame(reader, dec, pending))
+                    reply = hs.receive(await frames.next())
                 except _ClosedDuringHandshake:
                     if hs.awaiting_accept:
                         raise HandshakeError(f"{peer} closed the connection: it refused our proof (wrong group "
@@ -836,8 +829,8 @@ async def probe(addr: tuple[str, int], member_id: str, peer: str, secret: bytes 
                     writer.write(reply)
             status = None
             if kind == "status":
-                dec.max_frame_bytes = max_bytes
-                frame = await TcpTransport._next_frame(reader, dec, pending)
+                frames.dec.max_frame_bytes = max_bytes
+                frame = await frames.next()
                 (body,) = decode_batch(frame.body)
                 status = json.loads(body)
             return ProbeResult(hs.peer_contract, status)
