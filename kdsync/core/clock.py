@@ -25,10 +25,8 @@ a few ms and the delay tens, so waiting for it costs nothing measurable.
 
 *Repair.*  A receiver that learns of slots it lacks — a later message's
 slots arrived first, or the sender's report counts more than it holds — asks
-the sender for them (SlotReq) if they are still missing two ticks later,
-then every retransmit period: one round trip repairs a lost message, where
-the sender's own retransmission waits retransmit_ms + heartbeat_ms for the
-acknowledgements.  Three sites 50 ms apart at 2 % loss (seven seeds): p50
+the sender for them (kdsync.core.holes; the sender answers SLOT_DATA, taken
+like an arrival).  Three sites 50 ms apart at 2 % loss (seven seeds): p50
 57-90 -> 53 ms (51.7 without loss), p99 220-345 -> 106-128 ms.
 
 *Clocks.*  The adapter hands the node its host's wall clock (`clock()`)
@@ -72,8 +70,6 @@ forgotten.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from kdsync.core.clock_stream import ClockStream
 from kdsync.core.derecho import DerechoNode
@@ -186,16 +182,6 @@ class ClockViewChange(ViewChange):
         super().install(prop)
 
 
-@dataclass(slots=True)
-class _Hole:
-    """Slots have..top-1 of a sender, announced but not arrived (ClockNode._ask_holes)."""
-
-    have: int  # received count when seen
-    top: int  # the sender's announced count
-    seen: int  # tick seen (or when it last filled in part)
-    asked: int = -(10**9)  # tick last asked
-
-
 class ClockNode(DerechoNode):
     protocol = "clock"
     MESSAGES = CLOCK_MESSAGES
@@ -206,7 +192,6 @@ class ClockNode(DerechoNode):
         self._ack_at_tick = False  # ...from a far sender: acknowledge with the next tick's reports (module doc)
         self._tick_us = 0  # the tick period as measured on the node's clock (0: not known yet)
         self._last_tick_us: int | None = None
-        self._holes: dict[int, _Hole] = {}  # sender index -> slots it announced that have not arrived here
         super().__init__(config, **kw)
         h = self._handlers
         del h[Append], h[Ack]  # not in this protocol's codec
@@ -221,7 +206,6 @@ class ClockNode(DerechoNode):
         return self.now_us + self.cfg.clock_lead_us
 
     def _new_stream(self, view: View) -> ClockStream:
-        self._holes = {}  # sender indexes are the view's
         old = getattr(self, "stream", None)
         clock = old.clock if isinstance(old, ClockStream) else 0
         return ClockStream(view, self.me, clock, self._quorum(view))  # the hybrid clock never goes back
@@ -267,43 +251,9 @@ class ClockNode(DerechoNode):
         self._try_deliver()
 
     # ------------------------------------------------------------- repair
-    def _note_hole(self, k: int, top: int) -> None:
-        """Sender k has cut `top` slots (its report, or a later message's
-        slots arrived first): those not here are a hole, asked for at a tick
-        (`_ask_holes`) unless they arrive meanwhile."""
-        have = self.stream.received[k]
-        if top <= have:
-            return
-        h = self._holes.get(k)
-        if h is None:
-            self._holes[k] = _Hole(have, top, self.now)
-        elif top > h.top:
-            h.top = top
-
-    def _ask_holes(self) -> None:
-        """A hole still open two ticks after it was seen (a reordered message
-        has arrived by then) is asked of its sender, again every retransmit
-        period: one round trip repairs a lost message, where the sender's own
-        retransmission waits retransmit_ms + heartbeat_ms for acknowledgements."""
-        st = self.stream
-        senders = self.view.senders
-        now = self.now
-        for k, h in list(self._holes.items()):
-            have = st.received[k]
-            if have >= h.top or senders[k] in self.suspected:
-                del self._holes[k]
-                continue
-            if have > h.have:  # it is filling: wait for the rest as for a new hole
-                h.have, h.seen = have, now
-                continue
-            if now - h.seen >= 2 and now - h.asked >= self.cfg.retransmit_ticks:
-                h.asked = now
-                self._send(senders[k], SlotReq(self.me, self.incarnation, self.view.view_id, k, have,
-                                               min(h.top, have + FETCH_CHUNK)).encode())
-
     def _on_slot_data(self, msg: SlotData) -> None:
         """Slots fetched: by a view change's leader (ClockViewChange), or to
-        fill a hole in the current view (`_ask_holes`)."""
+        fill a hole in the current view (kdsync.core.holes)."""
         if self.vc.collecting(msg) is not None:
             self.vc.on_slot_data(msg)
             return
@@ -343,8 +293,6 @@ class ClockNode(DerechoNode):
             self._tick_us = gap if not self._tick_us else (3 * self._tick_us + gap) // 4
         self._last_tick_us = now_us
         super().tick()
-        if self._holes and not self.wedged and self._is_member():
-            self._ask_holes()
         if self._ack_at_tick:  # the acknowledgements of far slots that arrived since the last tick
             self._ack_at_tick = False
             if self._ack_due:
@@ -362,7 +310,7 @@ class ClockNode(DerechoNode):
                     self._send_ack(p)
 
     def quiet(self) -> bool:
-        return not self._ack_due and not self._holes and not self.stream.waiting() and super().quiet()
+        return not self._ack_due and not self.stream.waiting() and super().quiet()
 
     # -------------------------------------------------------------- output
     def _may_cut(self) -> bool:

@@ -55,6 +55,7 @@ from kdsync.core.base import NodeBase
 from kdsync.core.batch import Batch
 from kdsync.core.catchup import Catchup
 from kdsync.core.departure import Departures
+from kdsync.core.holes import HoleRepair, Holes
 from kdsync.core.messages import (
     DERECHO_MESSAGES,
     Accept,
@@ -74,6 +75,7 @@ from kdsync.core.messages import (
     Message,
     Nudge,
     Report,
+    SlotReq,
     Snapshot,
 )
 from kdsync.core.stream import Stream
@@ -120,7 +122,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-class DerechoNode(Departures, NodeBase):
+class DerechoNode(Departures, HoleRepair, NodeBase):
     protocol = "derecho"
     State = State
     MESSAGES = DERECHO_MESSAGES
@@ -170,6 +172,7 @@ class DerechoNode(Departures, NodeBase):
             LogData: self.catchup.on_log_data,
             Leave: self._on_leave,
             Nudge: self._on_nudge,
+            SlotReq: self._on_slot_req,
         }
 
     # ------------------------------------------------------------ state
@@ -295,6 +298,7 @@ class DerechoNode(Departures, NodeBase):
         self._lagging: dict[str, tuple[tuple, int]] = {}  # peer -> (our received vector it lags, since when)
         self._mine_acked: dict[str, int] = {}  # peer -> how many of our slots it acknowledged
         self._ack_round = -1  # round of the earliest data slot received and not yet acknowledged
+        self.holes = Holes()  # slots senders announced that have not arrived (kdsync.core.holes)
         self.vc.reset_view()
 
     # ------------------------------------------------------------- inputs
@@ -344,7 +348,9 @@ class DerechoNode(Departures, NodeBase):
         self._on_ack_vector(s, msg.recv)
         if self.wedged or s not in self.view.senders:
             return
-        grew, data_round = self.stream.add(self.view.senders.index(s), msg.first, msg.slots)
+        k = self.view.senders.index(s)
+        grew, data_round = self.stream.add(k, msg.first, msg.slots)
+        self._note_hole(k, msg.first + len(msg.slots))
         if msg.slots and not grew:
             self.acked_sent[s] = None  # a retransmission: our acknowledgement was lost, the next heartbeat repeats it
         if grew:
@@ -367,6 +373,10 @@ class DerechoNode(Departures, NodeBase):
 
     def _on_ack(self, msg: Ack) -> None:
         if self._in_current_view(msg):
+            senders = self.view.senders
+            if not self.wedged and msg.sender in senders and len(msg.recv) == len(senders):
+                k = senders.index(msg.sender)
+                self._note_hole(k, msg.recv[k])  # the sender's own count: what it has cut
             self._take_ack(msg)
 
     def _take_ack(self, msg) -> None:
@@ -443,6 +453,8 @@ class DerechoNode(Departures, NodeBase):
                     self._send_ack(p)
         if member and not self.wedged:
             self._nudge_lagging()
+            if self.holes.open:
+                self._ask_holes()
         # retransmit own slots to lagging peers
         st = self.stream
         if not self.wedged and st.my_k >= 0:
@@ -473,7 +485,7 @@ class DerechoNode(Departures, NodeBase):
         change or joiner in sight.  A driver may then run its ticks late, in
         pairs (see NodeBase.quiet)."""
         if (self.state is not State.ACTIVE or self.pending or self.suspected or self.target is not None
-                or self._ack_round >= 0 or self.vc.round is not None or self.has_ready()):
+                or self._ack_round >= 0 or self.vc.round is not None or self.holes.open or self.has_ready()):
             return False
         st = self.stream
         k = st.my_k

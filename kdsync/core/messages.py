@@ -332,8 +332,22 @@ class Nudge(Message):
     view: int
 
 
+class SlotReq(Message):
+    """Slots first..stop-1 of sender index `k` of `view` are asked for: by a
+    view change's leader (clock), or by a receiver that lacks them, of their
+    sender (kdsync.core.holes)."""
+
+    __slots__ = ("view", "k", "first", "stop")
+    TYPE = 18
+    FIELDS = (("view", INT), ("k", INT), ("first", INT), ("stop", INT))
+    view: int
+    k: int
+    first: int
+    stop: int
+
+
 DERECHO_MESSAGES = (Append, Ack, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                    Snapshot, Hint, LogReq, LogData, Leave, Nudge)
+                    Snapshot, Hint, LogReq, LogData, Leave, Nudge, SlotReq)
 SEQUENCER_MESSAGES = DERECHO_MESSAGES + (Forward,)
 
 # -------------------------------------------------------------------- clock
@@ -371,18 +385,6 @@ class ClockAck(Message):
     wedged: bool
     cut: int
     clock: int
-
-
-class SlotReq(Message):
-    """A view change leader asks for slots first..stop-1 of sender index `k` of `view`."""
-
-    __slots__ = ("view", "k", "first", "stop")
-    TYPE = 18
-    FIELDS = (("view", INT), ("k", INT), ("first", INT), ("stop", INT))
-    view: int
-    k: int
-    first: int
-    stop: int
 
 
 class SlotData(Message):

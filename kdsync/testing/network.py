@@ -74,6 +74,7 @@ class InMemoryNetwork:
         self.queue: list[tuple[str, str, bytes]] = []  # (from, to, data)
         self.cut_links: set[tuple[str, str]] = set()
         self.drop_prob: dict[tuple[str, str], float] = {}
+        self.lose_once: dict[tuple[str, str, int], list[int]] = {}  # lose_next: (from, to, type) -> [lost]
         self.dup_prob = 0.0
         self.reorder = False
         self.offsets: dict[tuple[str, int], int] = {}
@@ -194,6 +195,12 @@ class InMemoryNetwork:
     def drop(self, a: str, b: str, prob: float) -> None:
         self.drop_prob[(a, b)] = prob
 
+    def lose_next(self, a: str, b: str, type_code: int) -> list[int]:
+        """Lose the next message of type `type_code` (a Message's TYPE) from a
+        to b, once; returns a list whose one item counts what was lost (0 or 1)."""
+        self.lose_once[(a, b, type_code)] = lost = [0]
+        return lost
+
     def recover(self) -> None:
         self.cut_links.clear()
         self.drop_prob.clear()
@@ -258,6 +265,11 @@ class InMemoryNetwork:
             self.sent_by_type[t] = self.sent_by_type.get(t, 0) + 1
         if (a, b) in self.cut_links or not self.members[b].up:
             return
+        if self.lose_once and not isinstance(data, Ping):
+            lost = self.lose_once.get((a, b, data[1]))
+            if lost is not None and not lost[0]:
+                lost[0] = 1
+                return
         p = self.drop_prob.get((a, b), 0.0)
         if p and self.rng.random() < p:
             return

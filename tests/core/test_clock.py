@@ -5,8 +5,6 @@ count and hands the slots some members lack to them (fetching what the
 leader lacks), and a restarted member's report never counts for that
 maximum."""
 
-from kdsync.core.liveness import Ping
-from kdsync.core.messages import ClockAppend, SlotReq
 from kdsync.testing.clocks import ClockFault
 from kdsync.testing.network import InMemoryNetwork, check_invariants
 
@@ -139,44 +137,3 @@ def test_a_lead_is_a_clock_offset_and_costs_no_safety():
     net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 200)
     assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
 
-
-def _drop_first(net, a: str, b: str, type_code: int) -> list[int]:
-    """Lose the first message of `type_code` from a to b; returns [how many were lost]."""
-    lost = [0]
-    enqueue = net._enqueue
-
-    def filtered(x, y, data):
-        if (x, y) == (a, b) and not lost[0] and not isinstance(data, Ping) and data[1] == type_code:
-            lost[0] += 1
-            return
-        enqueue(x, y, data)
-
-    net._enqueue = filtered
-    return lost
-
-
-def test_a_lost_slot_message_is_asked_for_by_its_receiver_within_a_few_ticks():
-    # the sender's own retransmission waits retransmit + heartbeat ticks (22 here) for
-    # acknowledgements; the receiver sees the hole when the next message's slots (or a
-    # report) arrive and asks the sender at once: b delivers a's events ticks later,
-    # every member the same sequence, nothing lost or doubled
-    net = formed(retransmit_ticks=20, suspect_ticks=80)
-    lost = _drop_first(net, "a", "b", ClockAppend.TYPE)
-    asks = net.sent_by_type.get(SlotReq.TYPE, 0)
-    sub = net.submit("a", 2)
-    net.tick()
-    assert lost[0] == 1 and len(net.topic("b")) == 0
-    sub += net.submit("a", 2)  # slots 1.. reach b: slot 0 is a hole
-    net.run_until(lambda: all(len(net.topic(i)) == 4 for i in net.ids), 8)
-    assert net.sent_by_type.get(SlotReq.TYPE, 0) > asks  # repaired by b's request, not a's retransmission
-    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
-
-
-def test_the_last_slot_message_lost_is_asked_for_after_the_senders_report():
-    # no later slots reveal the hole: a's next report (its cut) does
-    net = formed(retransmit_ticks=20, suspect_ticks=80)
-    lost = _drop_first(net, "a", "b", ClockAppend.TYPE)
-    sub = net.submit("a", 3)
-    net.run_until(lambda: all(len(net.topic(i)) == 3 for i in net.ids), 10)
-    assert lost[0] == 1
-    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
