@@ -49,16 +49,14 @@ import signal
 import sys
 import time
 
-from confluent_kafka import KafkaException
-
 from kdsync.config import Config, parse_address
 from kdsync.core import Delivery
 from kdsync.fatal import FatalError, retry
 from kdsync.observability.stalls import StallDetector, loop_delay, sample_pipelines
 from kdsync.kafka.checkpoint import CheckpointRounds, OffsetsConsumer
-from kdsync.kafka.sink import make_producer, producer_conf
+from kdsync.kafka.sink import ReportPoller, make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
-from kdsync.observability.logs import KafkaClientLog, client_callback, kv
+from kdsync.observability.logs import KafkaClientLog, KafkaErrors, client_callback, kv
 from kdsync.pipeline import Prepared, TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.gcpauses import GcPauses, freeze_started
@@ -74,7 +72,6 @@ from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
 log = logging.getLogger("kdsync.member")
 
 FORMING_SLOTS = 64  # groups in a view change ticked at once (kdsync.ticks.FormingSlots)
-REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
 
 
 SAMPLED_PER_S = 200  # health sampling: every second, or this many pipelines a second (1 000: every 5 s)
@@ -114,21 +111,22 @@ class Member:
         self._stop = asyncio.Event()
         self._fatal: str | None = None
         self.stopping = False
-        self._kafka_err_logged: dict = {}
         self.rng = random.Random()
         # peer frames to the nodes (the loop's parts it uses are made in _run: looked up when a frame comes)
         self.inbox = PeerInbox(self.pipelines, heard=lambda *a: self.sleepers.heard(*a), orders=self._orders,
                                known=self._known, start=self.start_pipeline, due=lambda: self.clock.due(),
                                wake=self.before_input, process=lambda p: self.to_process.add(p),
                                bad=lambda peer: self.metrics.bad_messages.labels(peer).inc())
-        self._report_poll: asyncio.TimerHandle | None = None
+        self.reports = ReportPoller(lambda: self.producer, lambda why: self.recovery.failed(why),
+                                    self._reports_outstanding, lambda: self.stopping)
         self.recovery = ProducerRecovery(self)
         self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
         self._last_health = 0.0
         self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
         self.stop_clock = StopClock(cfg.member.stop_timeout_ms / 1000.0)  # the stop's steps and deadline
         self.dir_lock = StateDirLock(cfg.state_path())  # one process per state directory
-        self.kafka_error: tuple[str, float] | None = None  # the last Kafka client error and when (kdsync status)
+        # every client's error_cb: the last error (kdsync status), a fatal one stops the member
+        self.kafka_errors = KafkaErrors(self._fatal_soon, log)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ helpers
@@ -148,7 +146,7 @@ class Member:
 
         return member_status(self.me, self.pcfg.name, self.shard, self.started, self.transport.local.wire,
                              list(self.pipelines.values()), self.transport, self.source, self.health.stalled(),
-                             self.kafka_error)
+                             self.kafka_errors.last)
 
     def stop_requested(self) -> bool:
         return self._stop.is_set()
@@ -180,10 +178,8 @@ class Member:
         if self.signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.loop.add_signal_handler(sig, self._on_signal, sig)
-        from kdsync.contract import group_contract
         from kdsync.observability.metrics import MemberMetrics
-        from kdsync.transport import TLSSettings, TransportError, make_transport
-        from kdsync.transport.handshake import Local
+        from kdsync.transport import TransportError, member_transport
 
         self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics,
                                                      self._links_for_metrics), GcPauses()
@@ -200,14 +196,8 @@ class Member:
                 self.metrics.serve(host, port)
             except OSError as e:
                 raise FatalError(f"metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e.strerror}") from None
-        tls = self.cfg.resolved_tls()
         try:
-            self.transport = make_transport(
-                self.cfg.transport.kind, self.me, parse_address(self.cfg.member.listen), self.cfg.peer_addresses(),
-                self.inbox.on_message, secret=self.cfg.secret_bytes(),
-                tls=TLSSettings(tls.certfile, tls.keyfile, tls.cafile) if tls else None,
-                max_frame_bytes=self.cfg.transport.max_frame_bytes, logger=logging.getLogger("kdsync.transport"),
-                local=Local(group_contract(self.cfg, self.shard), listen=self.cfg.member.listen))
+            self.transport = member_transport(self.cfg, self.shard, self.inbox.on_message)
             self.transport.status = self.status  # what a `kdsync status` probe is answered
             await self.transport.start()
         except TransportError as e:
@@ -271,18 +261,10 @@ class Member:
         """Run blocking `fn` in a thread until it succeeds, with backoff (kdsync.fatal.retry)."""
         return await retry(self._stop, what, fn, *args, on_failure=self.poll_producer)
 
-    def _on_kafka_error(self, err) -> None:
-        # called from producer.poll() (loop thread) or the consumer thread
-        self.kafka_error = (err.str(), time.monotonic())
-        if err.fatal():
-            msg = f"kafka: {err.str()}"
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self.fatal, msg)
-            return
-        now = time.monotonic()
-        if now - self._kafka_err_logged.get(err.code(), -1e9) > 5.0:  # broker down: one line per 5 s
-            self._kafka_err_logged[err.code()] = now
-            log.warning("kafka client error (retrying)", **kv(error=err.str()))
+    def _fatal_soon(self, msg: str) -> None:
+        """`fatal(msg)` on the loop, from any thread (a Kafka client's callback)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.fatal, msg)
 
     def producer_conf(self) -> dict:
         return {**producer_conf(self.cfg.kafka.producer_conf()),
@@ -294,13 +276,13 @@ class Member:
         if err.fatal():
             self.recovery.failed(f"kafka producer: {err.str()}")
         else:
-            self._on_kafka_error(err)
+            self.kafka_errors(err)
 
     async def _start_kafka(self) -> None:
         self.producer = make_producer(self.producer_conf())
         self.offsets_consumer = OffsetsConsumer(self.kafka_conf)
         self.source = SourceConsumer(
-            {**self.kafka_conf, "error_cb": client_callback(self._on_kafka_error, "source error_cb")}, self.me, self.loop,
+            {**self.kafka_conf, "error_cb": client_callback(self.kafka_errors, "source error_cb")}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
             on_commit=self._committed_delay,
@@ -445,32 +427,14 @@ class Member:
             self.poll_reports_soon()
 
     def poll_reports_soon(self) -> None:
-        if self._report_poll is None:
-            self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
+        self.reports.soon()
 
     def poll_producer(self) -> None:
-        """Serve the producer's callbacks.  A fatal error may also be raised
-        by poll() itself instead of reaching error_cb (seen in CI: the
-        broker forgot the idempotent producer's sequence): either way the
-        producer is re-created in place (kdsync.producer_recovery)."""
-        if self.producer is None:
-            return
-        try:
-            self.producer.poll(0)
-        except KafkaException as e:
-            err = e.args[0] if e.args else None
-            self.recovery.failed(f"kafka producer: {err.str() if err is not None else e}")
+        """Serve the producer's callbacks now (kdsync.kafka.sink.ReportPoller)."""
+        self.reports.poll()
 
-    def _poll_reports(self) -> None:
-        """Serve delivery reports while some are outstanding (the tick serves
-        them too, but a tick is long: durable ends and commits follow the
-        reports within a few ms, not a tick)."""
-        self._report_poll = None
-        if self.stopping:
-            return  # _shutdown serves the last reports itself
-        self.poll_producer()
-        if any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None):
-            self._report_poll = self.loop.call_later(REPORT_POLL_S, self._poll_reports)
+    def _reports_outstanding(self) -> bool:
+        return any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None)
 
     # ------------------------------------------------------------ the global topic's reports
     def on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:

@@ -262,3 +262,67 @@ def test_the_peer_inbox_routes_keeps_early_frames_and_drops_bad_ones_without_a_m
         assert len([r for r in caplog.records if "malformed message from peer" in r.getMessage()]) == 1  # 1 a second
 
     asyncio.run(scenario())
+
+
+class _Err:
+    def __init__(self, code: int, text: str, fatal: bool = False):
+        self._code, self._text, self._fatal = code, text, fatal
+
+    def code(self) -> int:
+        return self._code
+
+    def str(self) -> str:
+        return self._text
+
+    def fatal(self) -> bool:
+        return self._fatal
+
+
+def test_kafka_errors_and_the_report_poller_without_a_member(caplog):
+    from confluent_kafka import KafkaException
+
+    from kdsync.kafka.sink import REPORT_POLL_S, ReportPoller
+    from kdsync.observability.logs import KafkaErrors
+
+    fatal: list[str] = []
+    errors = KafkaErrors(fatal.append, logging.getLogger("kdsync.member"))
+    with caplog.at_level(logging.WARNING, logger="kdsync.member"):
+        for _ in range(3):  # a broker down: one line per error code per 5 s
+            errors(_Err(-195, "broker transport failure"))
+        errors(_Err(-187, "all brokers down"))
+    assert [r.kv["error"] for r in caplog.records] == ["broker transport failure", "all brokers down"]
+    assert errors.last[0] == "all brokers down" and not fatal
+    errors(_Err(-150, "fenced", fatal=True))
+    assert fatal == ["kafka: fenced"]
+
+    class Producer:
+        polls = 0
+        raise_next = False
+
+        def poll(self, timeout: float) -> None:
+            Producer.polls += 1
+            if Producer.raise_next:
+                Producer.raise_next = False
+                raise KafkaException(_Err(-150, "out of order sequence", fatal=True))
+
+    failed: list[str] = []
+    outstanding = [3]
+
+    def take_one() -> bool:  # three polls' worth of reports outstanding
+        outstanding[0] -= 1
+        return outstanding[0] > 0
+
+    producer = Producer()
+    poller = ReportPoller(lambda: producer, failed.append, take_one, lambda: False)
+    Producer.raise_next = True
+    poller.poll()
+    assert failed == ["kafka producer: out of order sequence"]  # raised by poll(), not error_cb
+
+    async def scenario() -> None:
+        before = Producer.polls
+        poller.soon()
+        poller.soon()  # one timer, not two
+        await asyncio.sleep(REPORT_POLL_S * 10)
+        assert Producer.polls - before == 3  # on while reports are outstanding, then stops
+
+    asyncio.run(scenario())

@@ -29,6 +29,7 @@ its event loop; every callback of this module runs there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -42,9 +43,11 @@ from kdsync.fatal import FatalError
 from kdsync.kafka.records import H_OOFF, H_OPART, H_ORIGIN, H_OTS, H_SEQ, global_partition, unpack_payload
 from kdsync.observability.logs import kv, where
 
-__all__ = ["GlobalWriter", "WrittenDelivery", "check_global_partitions", "ensure_global", "make_producer", "producer_conf", "read_present"]
+__all__ = ["GlobalWriter", "ReportPoller", "WrittenDelivery", "check_global_partitions", "ensure_global", "make_producer", "producer_conf", "read_present"]
 
 log = logging.getLogger("kdsync.sink")
+
+REPORT_POLL_S = 0.004  # while records await their delivery reports, the producer is polled this often
 
 
 def producer_conf(overrides: dict) -> dict:
@@ -94,6 +97,45 @@ def check_global_partitions(global_topic: str, have: int, partitions: int, shard
     if have != partitions:
         raise FatalError(f"topics.global_partitions = {partitions} but {global_topic} already has {have} partitions")
     return have
+
+
+class ReportPoller:
+    """Serves a producer's callbacks (delivery reports, errors) on the loop.
+    `poll()` now; `soon()` every REPORT_POLL_S while `outstanding()` (the
+    member's tick serves them too, but a tick is long: durable ends and
+    commits follow the reports within a few ms).  `producer()` is the
+    current producer (re-created in place after a failure) or None;
+    `failed(why)`: poll() itself raised a fatal error (seen in CI: the broker
+    forgot the idempotent producer's sequence) — error_cb is not always
+    called.  `stopping()`: the member serves the last reports itself."""
+
+    def __init__(self, producer: Callable[[], object], failed: Callable[[str], None],
+                 outstanding: Callable[[], bool], stopping: Callable[[], bool]):
+        self._producer, self._failed, self._outstanding, self._stopping = producer, failed, outstanding, stopping
+        self._timer = None
+
+    def poll(self) -> None:
+        producer = self._producer()
+        if producer is None:
+            return
+        try:
+            producer.poll(0)
+        except KafkaException as e:
+            err = e.args[0] if e.args else None
+            self._failed(f"kafka producer: {err.str() if err is not None else e}")
+
+    def soon(self) -> None:
+        """Call on the loop: poll within REPORT_POLL_S, and on while reports are outstanding."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(REPORT_POLL_S, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self._stopping():
+            return
+        self.poll()
+        if self._outstanding():
+            self.soon()
 
 
 class GlobalWriter:

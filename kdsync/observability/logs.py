@@ -93,6 +93,28 @@ def client_callback(fn: Callable, what: str) -> Callable:
     return guarded
 
 
+class KafkaErrors:
+    """The `error_cb` of a member's Kafka clients (call it with the client's
+    KafkaError, from any thread): `last` is the latest error and when
+    (time.monotonic(), for `kdsync status`); a fatal error goes to `fatal`
+    with one line; any other is logged as a WARNING at most once per error
+    code every `interval_s` (a broker that is down: the client retries)."""
+
+    def __init__(self, fatal: Callable[[str], None], logger: logging.Logger, interval_s: float = 5.0):
+        self.last: tuple[str, float] | None = None
+        self._fatal, self._log, self._interval_s = fatal, logger, interval_s
+        self._logged: dict = {}  # error code -> time of its last line
+
+    def __call__(self, err) -> None:
+        now = time.monotonic()
+        self.last = (err.str(), now)
+        if err.fatal():
+            self._fatal(f"kafka: {err.str()}")
+        elif now - self._logged.get(err.code(), -1e9) > self._interval_s:
+            self._logged[err.code()] = now
+            self._log.warning("kafka client error (retrying)", **kv(error=err.str()))
+
+
 class KafkaClientLog:
     """The `logger` of a confluent-kafka client: librdkafka's log lines as
     lines of logger `kdsync.kafka.client`, at most one per kind (librdkafka

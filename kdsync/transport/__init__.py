@@ -21,9 +21,13 @@ be used on this machine (no device, no pyverbs...) or None when it can.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from kdsync.transport.base import OnMessage, PeerQueue, PeerStats, TLSSettings, Transport
 from kdsync.transport.errors import TransportError
+
+if TYPE_CHECKING:
+    from kdsync.config import Config
 
 __all__ = [
     "OnMessage",
@@ -33,6 +37,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "make_transport",
+    "member_transport",
 ]
 
 log = logging.getLogger("kdsync.transport")
@@ -76,3 +81,20 @@ def make_transport(kind: str, *args, **kwargs) -> Transport:
     logger = kwargs.get("logger") or log
     logger.info("transport auto: using TCP because %s", reason)
     return _make_tcp(*args, **kwargs)
+
+
+def member_transport(cfg: Config, shard: int | None, on_message: OnMessage) -> Transport:
+    """The transport of member `cfg.member.id` (of shard `shard`, None when
+    unsharded) as its config says: kind, listen address, peers, group secret,
+    TLS, frame limit, and the group contract its handshake shows.  Raises
+    TransportError (e.g. transport = "rdma" where RDMA cannot be used)."""
+    from kdsync.config import parse_address
+    from kdsync.contract import group_contract
+    from kdsync.transport.handshake import Local
+
+    tls = cfg.resolved_tls()
+    return make_transport(cfg.transport.kind, cfg.member.id, parse_address(cfg.member.listen), cfg.peer_addresses(),
+                          on_message, secret=cfg.secret_bytes(),
+                          tls=TLSSettings(tls.certfile, tls.keyfile, tls.cafile) if tls else None,
+                          max_frame_bytes=cfg.transport.max_frame_bytes, logger=log,
+                          local=Local(group_contract(cfg, shard), listen=cfg.member.listen))
