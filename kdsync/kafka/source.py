@@ -37,8 +37,10 @@ broker accounts for every offset in it (transaction markers, aborted records,
 compaction, retention), else the records after it are not handed over and
 the partition is fetched again from the expected offset — never skipped.
 
-Transactions (kdsync.kafka.transactions): with `txn_probe`, the thread first
-asks its broker whether read_committed readers see aborted records; on one
+Transactions (kdsync.kafka.transactions): with `txn_probe`, a probe started
+with the consumer (it runs while the member opens its topics; the thread
+takes its answer before the first fetch) asks the broker whether
+read_committed readers see aborted records; on one
 that shows them (or cannot be asked), every run is checked against its
 batches' headers and a partition holds at its first transactional record.
 """
@@ -175,6 +177,8 @@ class SourceConsumer:
         # transactional records on a broker that may hand over aborted ones (kdsync.kafka.transactions)
         txn_id = f"kdsync-txn-probe-{origin}" + (f"-s{shard[0]}" if shard else "")
         self.txn = TxnGuard(self.conf, self._look, txn_id) if txn_probe else None
+        if self.txn is not None:
+            self.txn.prefetch()  # while the member opens its topics, not before the first fetch
 
     # ------------------------------------------------------------ the loop's side
     def add_topic(self, topic: str, start: dict[int, int]) -> None:

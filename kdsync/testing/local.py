@@ -643,7 +643,12 @@ class LocalGroup:
             return all(m.get(("kdsync_status", (("shard", str(s)), ("status", "active"), ("topic", self.topic))))
                        == 1.0 for s in range(self.shards))
         m = self.metrics(i)
-        return m.get(("kdsync_status", (("status", "active"), ("topic", self.topic)))) == 1.0
+        if m.get(("kdsync_status", (("status", "active"), ("topic", self.topic)))) != 1.0:
+            return False
+        # a data member's source consumer runs (it reports its lag once assigned): records
+        # written from now on are fetched at once, not after the member's start-up
+        return i not in self.data or any(name == "kdsync_input_lag" and ("topic", self.topic) in labels
+                                         for name, labels in m)
 
     def worker_pids(self, i: int) -> list[int]:
         """Pids of member i's worker processes (children of its `kdsync run --workers`)."""
@@ -653,7 +658,8 @@ class LocalGroup:
         return [pid for pid in child_pids(p.pid) if b"kdsync.workers" in _cmdline(pid)]
 
     def wait_ready(self, timeout: float = 30.0, members: list[int] | None = None) -> None:
-        """Wait until every (listed) member reports status "active" for the topic.
+        """Wait until every (listed) member reports status "active" for the topic
+        (and, for a data member, that its source consumer runs).
         Raises TimeoutError naming the ones that did not (and RuntimeError if one exited)."""
         idx = list(range(self.n)) if members is None else members
         deadline = time.monotonic() + timeout
