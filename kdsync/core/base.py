@@ -92,7 +92,7 @@ class NodeBase:
         self._hard_dirty = hard_state is not None  # a new incarnation must be persisted
         self._outstanding: Ready | None = None
         self.stats = {"delivered": 0, "deduplicated": 0, "resubmitted": 0, "bad_messages": 0, "submitted": 0,
-                      "delivered_batches": 0}
+                      "delivered_batches": 0, "holes_asked": 0}
         self.status = "active"
 
     # ------------------------------------------------------------------ inputs

@@ -89,6 +89,7 @@ class HoleRepair:
         senders = self.view.senders
         for k, first, stop in self.holes.due(self.stream.received, self.now, self.cfg.retransmit_ticks):
             if senders[k] not in self.suspected:
+                self.stats["holes_asked"] += 1
                 self._send(senders[k], SlotReq(self.me, self.incarnation, self.view.view_id, k, first, stop).encode())
 
     def _on_slot_req(self, msg: SlotReq) -> None:

@@ -37,6 +37,7 @@ def test_a_lost_slot_message_is_asked_for_when_the_next_one_arrives(protocol):
     sub += net.submit("a", 2)  # a's next slots reach b first: the earlier ones are a hole
     net.run_until(lambda: all(len(net.topic(i)) == 4 for i in net.ids), 8)
     assert net.sent_by_type.get(SlotReq.TYPE, 0) > asked  # b asked; a's retransmission was 14+ ticks away
+    assert net.node("b").stats["holes_asked"] >= 1 and net.node("c").stats["holes_asked"] == 0  # kdsync_core_events_total
     settled(net, sub)
 
 
