@@ -46,6 +46,9 @@ REGRESSION_SCENARIOS = {
     "swarm-clock-1940.yaml": "four heartbeats lost in a row right after the group settled: a false suspicion and a "
                              "view change, during which the swarm's settle shortcut stopped and judged the run "
                              "stuck (the full liveness phase ends active; the shortcut now watches it through)",
+    "swarm-clock-1001180.yaml": "the view change's leader filled a hole of its trim with a fetched slot and counted the "
+                                "slots it held past it (2.5 % loss, reordering); its heartbeat took that count to a "
+                                "member paused in the old view, which delivered them: agreement violation",
     "swarm-clock-910121.yaml": "a restart asked while a clean stop waited out the member's clock pause was ignored "
                                "(the simulator's member was not yet leaving): down for good, its events never ordered",
     # the fail-over sequencer (protocol: sequencer in the YAML)

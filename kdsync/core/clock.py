@@ -93,6 +93,7 @@ class ClockViewChange(ViewChange):
     def reset_view(self) -> None:
         super().reset_view()
         self.fetch_sent: dict[tuple[int, int], int] = {}  # (sender index, first) -> tick asked
+        self.fetch_stop: dict[tuple[int, int], int] = {}  # (sender index, first) -> the trim it was asked below
 
     def sure(self, live: list[str], reps: dict[str, Report]) -> list[str]:
         """The reporters that remember this view: the incarnation it names
@@ -143,6 +144,7 @@ class ClockViewChange(ViewChange):
         if n.now - self.fetch_sent.get(key, -10**9) < n.cfg.retransmit_ticks:
             return
         self.fetch_sent[key] = n.now
+        self.fetch_stop[key] = stop
         have = [m for m in sure if m != n.me and reps[m].recv[k] >= stop] or \
                [m for m in sure if m != n.me and reps[m].recv[k] > first]
         if not have:
@@ -163,12 +165,23 @@ class ClockViewChange(ViewChange):
             n._send(msg.sender, SlotData(n.me, n.incarnation, v.view_id, msg.k, msg.first, tuple(run)).encode())
 
     def on_slot_data(self, msg: SlotData) -> None:
+        """Slots this round asked for (`fetch`), counted up to the trim they
+        were asked below and no further — also when they fill a hole below
+        slots the leader already held past it: the leader's heartbeats carry its
+        received vector, and a member still in the old view (a paused one) that
+        took a count past the trim for an acknowledgement would deliver slots
+        the next view trims away (swarm clock seed 1001180).  Slot data the
+        round did not ask for (an answer to a hole asked before this member
+        wedged) is dropped."""
         if self.collecting(msg) is None:
             return
         st = self.n.stream
         if msg.k >= st.n:
             raise RemoteProtocolError("slot data names no sender")
-        st.add(msg.k, msg.first, msg.slots)
+        stop = self.fetch_stop.pop((msg.k, msg.first), None)
+        if stop is None:
+            return
+        st.add(msg.k, msg.first, msg.slots[:max(0, stop - msg.first)], limit=stop)
         self.fetch_sent.pop((msg.k, msg.first), None)
         self.leader_progress()
 

@@ -101,8 +101,10 @@ class ClockStream:
             self.clock = clock
 
     # ------------------------------------------------------------- receiving
-    def add(self, k: int, first: int, slots: Sequence[Stamped]) -> bool:
-        """Sender k's slots first.. arrived.  Returns True when received[k] grew."""
+    def add(self, k: int, first: int, slots: Sequence[Stamped], limit: int | None = None) -> bool:
+        """Sender k's slots first.. arrived.  Returns True when received[k] grew.
+        `limit`: received[k] grows to it at most (a view change's leader filling
+        the trim must not count slots it held beyond it: ClockViewChange.on_slot_data)."""
         own = self.acks.get(self.senders[k])  # the sender holds what it sent
         if own is not None and first + len(slots) > own[k]:
             own[k] = first + len(slots)
@@ -112,7 +114,7 @@ class ClockStream:
         if slots and slots[-1][0] > self.clock:  # one sender's timestamps increase
             self.clock = slots[-1][0]  # the next report promises past it
         start = have
-        while have in store:
+        while have in store and (limit is None or have < limit):
             have += 1
         if have == start:
             return False

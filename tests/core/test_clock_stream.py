@@ -141,3 +141,17 @@ def test_timestamps_of_one_sender_increase_when_its_clock_jumps_back():
     a.report(5_000)
     _, s2 = a.cut([Batch.of("a", 0, 1, [b"x"])], now=10, window=4, max_batch=8)  # the clock went back
     assert s1[0][0] == 1_000 and s2[0][0] > 5_000  # above what it promised
+
+
+def test_a_hole_filled_up_to_a_limit_counts_no_held_slot_past_it():
+    # the view change's leader fills its trim (limit 2) with a fetched slot while it
+    # already holds later slots of that sender: its received count (which its
+    # heartbeats acknowledge) must stop at the trim (swarm clock seed 1001180)
+    view = _view(("a", "b", "c"))
+    c = ClockStream(view, "c")
+    _, slots = c.cut([Batch.of("c", 0, i, [b"e%d" % i]) for i in range(4)], now=100, window=8, max_batch=1)
+    a = ClockStream(view, "a")
+    a.add(2, 2, slots[2:])  # slots 0 and 1 lost: held out of order
+    assert a.received[2] == 0
+    assert a.add(2, 0, slots[:2], limit=2) and a.received[2] == 2
+    assert a.add(2, 0, slots[:2]) and a.received[2] == 4  # without a limit the run goes on
