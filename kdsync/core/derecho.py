@@ -13,8 +13,12 @@ total outage and a single crash all go through the one view-change path.
 *The parts.*  `stream` orders batches within a view (slots, cumulative
 acknowledgements, stability, delivery, the send window); `viewchange` ends
 a view and agrees on the next (Paxos, ragged trim, joining); `catchup`
-fills a new member's gap before a view's start.  This module holds the
-member's state and the doors every input comes through.
+fills a new member's gap before a view's start; `states` lists the
+member's states and the changes allowed between them; mixed into the node,
+`peers` (which messages are the view's, what is sent to peers),
+`departure` (clean stops, nudges) and `holes` (a lost slot message asked
+for again).  This module holds the member's state and the doors every input
+comes through.
 
 *State.*  One `State` says what a member is doing, changed only by the
 `_become_*` methods:
@@ -48,7 +52,6 @@ after a crash or a trim is delivered once.
 
 from __future__ import annotations
 
-import enum
 from typing import Iterable
 
 from kdsync.core.base import NodeBase
@@ -56,6 +59,8 @@ from kdsync.core.batch import Batch
 from kdsync.core.catchup import Catchup
 from kdsync.core.departure import Departures
 from kdsync.core.holes import HoleRepair, Holes
+from kdsync.core.peers import PeerTalk
+from kdsync.core.states import _CATCHING_UP, _STATUS, TRANSITIONS, State
 from kdsync.core.messages import (
     DERECHO_MESSAGES,
     Accept,
@@ -72,7 +77,6 @@ from kdsync.core.messages import (
     Leave,
     LogData,
     LogReq,
-    Message,
     Nudge,
     Report,
     SlotReq,
@@ -85,44 +89,7 @@ from kdsync.core.viewchange import NO_BALLOT, ViewChange, decode_vote, encode_vo
 __all__ = ["DerechoNode", "State"]
 
 
-class State(enum.Enum):
-    FORMING = "forming"
-    REJOINING = "rejoining"
-    JOINING = "joining"
-    CATCHING_UP = "catching-up"
-    CATCHING_UP_WEDGED = "catching-up-wedged"
-    ACTIVE = "active"
-    WEDGED = "wedged"
-
-
-_STATUS = {
-    State.FORMING: "forming",
-    State.REJOINING: "forming",
-    State.JOINING: "joining",
-    State.CATCHING_UP: "catching-up",
-    State.CATCHING_UP_WEDGED: "catching-up",
-    State.ACTIVE: "active",
-    State.WEDGED: "wedged",
-}
-_CATCHING_UP = frozenset({State.CATCHING_UP, State.CATCHING_UP_WEDGED})
-
-# The state machine: every change goes through `_enter`, and one this table
-# does not list is a core bug (LocalProtocolError).  A new view (an INSTALL,
-# a HINT) can take a member from any state to active, joining, rejoining or
-# catching up; wedging and the end of a catch-up are the other edges.
-_NEW_VIEW = frozenset({State.ACTIVE, State.JOINING, State.REJOINING, State.CATCHING_UP})
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.FORMING: _NEW_VIEW,
-    State.REJOINING: _NEW_VIEW,
-    State.JOINING: _NEW_VIEW,
-    State.ACTIVE: _NEW_VIEW | {State.WEDGED},
-    State.WEDGED: _NEW_VIEW,
-    State.CATCHING_UP: _NEW_VIEW | {State.CATCHING_UP_WEDGED, State.WEDGED},
-    State.CATCHING_UP_WEDGED: _NEW_VIEW | {State.WEDGED},
-}
-
-
-class DerechoNode(Departures, HoleRepair, NodeBase):
+class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
     protocol = "derecho"
     State = State
     MESSAGES = DERECHO_MESSAGES
@@ -315,31 +282,6 @@ class DerechoNode(Departures, HoleRepair, NodeBase):
             self.stats["bad_messages"] += 1
             raise
 
-    def _from_view_member(self, msg: Message) -> bool:
-        """True when msg comes from the current incarnation of a member of our view."""
-        s, inc = msg.sender, msg.inc
-        v = self.view
-        if s not in v.members:
-            return False
-        known = v.incarnations[v.members.index(s)]
-        if known == 0 or known == inc:
-            self.last_heard[s] = self.now
-            return True
-        if self.vc.rejoined.get(s) == inc:
-            # a restarted member: alive (it may vote in the view change, with its
-            # persisted promises) but it holds none of this view's data
-            self.last_heard[s] = self.now
-        return False  # another incarnation: a late message of a dead one, or a restart (JOIN handles it)
-
-    def _in_current_view(self, msg: Message) -> bool:
-        """msg names our view and comes from the current incarnation of one of
-        its members; an older view gets a helping reply instead."""
-        if msg.view != self.view.view_id:
-            if msg.view < self.view.view_id:
-                self.vc.stale_reply(msg.sender, msg.view)
-            return False
-        return self._from_view_member(msg)
-
     # ------------------------------------------------------------- stream
     def _on_append(self, msg: Append) -> None:
         if not self._in_current_view(msg):
@@ -504,47 +446,6 @@ class DerechoNode(Departures, HoleRepair, NodeBase):
                 return False
         return not self.vc.joiners or not self.vc.wanted_joiners()
 
-    def dormant(self) -> bool:
-        """Quiet (nothing but heartbeats and silence counting until input):
-        the driver may stop ticking this node (kdsync.core.liveness).  A
-        retransmission that reaches it is input and wakes it; the slots it
-        repeats make the next heartbeat to its sender due (`_on_append`), so
-        an acknowledgement that was lost is sent again."""
-        return self.quiet()
-
-    def heard(self, heard_ago) -> None:
-        self._heard_shared = True
-        now, last = self.now, self.last_heard
-        for p, ago in heard_ago.items():
-            t = last.get(p)
-            if t is not None and now - ago > t:
-                last[p] = now - ago
-
-    def _send_ack(self, p: str) -> None:
-        self.last_sent[p] = self.now
-        cur = tuple(self.stream.received)
-        self._send(p, self._ack_message(cur))
-        self.acked_sent[p] = cur
-
-    def _send_slots(self, p: str, start: int, stop: int) -> None:
-        st = self.stream
-        slots = st.own_slots(start, stop)
-        if not slots:
-            return
-        cur = tuple(st.received)
-        self.last_sent[p] = self.now
-        self.acked_sent[p] = cur
-        self._send(p, self._slots_message(start, slots, cur))
-
-    def _ack_message(self, cur: tuple) -> bytes:
-        """An ACK carrying received vector `cur` (a hook: the clock protocol adds its report)."""
-        return Ack(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
-                   self.vc.promised[0], self.wedged).encode()
-
-    def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
-        """Own slots from `first` with received vector `cur` (a hook, as `_ack_message`)."""
-        return Append(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur).encode()
-
     # -------------------------------------------------------------- output
     def _before_ready(self) -> None:
         st = self.stream
@@ -559,27 +460,6 @@ class DerechoNode(Departures, HoleRepair, NodeBase):
             # covers the whole round (with many senders, one message instead of one
             # per slot); a round that stays incomplete is acknowledged at the tick
             self._flush_urgent_acks()
-
-    def _multicast_slots(self, first: int, cur: tuple, data: bytes) -> None:
-        """Send own new slots from `first` (encoded in `data`, carrying the
-        received vector `cur`) to every unsuspected peer."""
-        k = self.stream.my_k
-        now = self.now
-        for p, acks in self.stream.acks.items():
-            if p not in self.suspected:
-                if acks[k] == first:
-                    self.ack_progress[p] = now
-                self.last_sent[p] = now
-                self.acked_sent[p] = cur
-                self._send(p, data)
-
-    def _flush_urgent_acks(self) -> None:
-        self._ack_round = -1
-        if self._is_member():
-            cur = tuple(self.stream.received)
-            for p in self.view.members:
-                if p != self.me and p not in self.suspected and self.acked_sent.get(p) != cur:
-                    self._send_ack(p)
 
     def has_ready(self) -> bool:
         if super().has_ready() or (self._ack_round >= 0 and min(self.stream.received, default=0) > self._ack_round):
@@ -604,20 +484,6 @@ class DerechoNode(Departures, HoleRepair, NodeBase):
         if rd.hard_state is not None:
             self.hard = rd.hard_state
         return rd
-
-    def snapshot(self) -> dict:
-        lr = self.vc.round
-        return {
-            "member": self.me,
-            "status": self.status,
-            "state": self.state.value,
-            "view": self.view.view_id,
-            "members": list(self.view.members),
-            "next_seq": self.next_seq,
-            "suspected": sorted(self.suspected),
-            "received": list(self.stream.received),
-            "phase": lr.phase if lr is not None else "",
-        }
 
 
 _ = NO_BALLOT  # re-exported for tests that build reports by hand

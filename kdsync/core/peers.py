@@ -1,0 +1,121 @@
+"""DerechoNode's conversation with the peers of its view, mixed in like
+kdsync.core.departure and kdsync.core.holes: which messages count as the
+view's (`_in_current_view`: the current incarnation of a member of this
+view; an older view gets a helping reply), what the node sends them
+(acknowledgements, its own slots, their multicast; `_ack_message` and
+`_slots_message` are the hooks the clock protocol overrides), what the
+member's liveness layer tells it (`heard`, `dormant`) and the node's
+`snapshot` for logs and tests.  Needs the node's view, stream, suspicions,
+incarnation, `last_heard` / `last_sent` / `acked_sent` / `ack_progress`,
+`vc` and `_send`."""
+
+from __future__ import annotations
+
+from kdsync.core.messages import Ack, Append, Message
+
+__all__ = ["PeerTalk"]
+
+
+class PeerTalk:
+    """The peer-facing duties of a DerechoNode (module docstring)."""
+
+    def _from_view_member(self, msg: Message) -> bool:
+        """True when msg comes from the current incarnation of a member of our view."""
+        s, inc = msg.sender, msg.inc
+        v = self.view
+        if s not in v.members:
+            return False
+        known = v.incarnations[v.members.index(s)]
+        if known == 0 or known == inc:
+            self.last_heard[s] = self.now
+            return True
+        if self.vc.rejoined.get(s) == inc:
+            # a restarted member: alive (it may vote in the view change, with its
+            # persisted promises) but it holds none of this view's data
+            self.last_heard[s] = self.now
+        return False  # another incarnation: a late message of a dead one, or a restart (JOIN handles it)
+
+    def _in_current_view(self, msg: Message) -> bool:
+        """msg names our view and comes from the current incarnation of one of
+        its members; an older view gets a helping reply instead."""
+        if msg.view != self.view.view_id:
+            if msg.view < self.view.view_id:
+                self.vc.stale_reply(msg.sender, msg.view)
+            return False
+        return self._from_view_member(msg)
+
+    def dormant(self) -> bool:
+        """Quiet (nothing but heartbeats and silence counting until input):
+        the driver may stop ticking this node (kdsync.core.liveness).  A
+        retransmission that reaches it is input and wakes it; the slots it
+        repeats make the next heartbeat to its sender due (`_on_append`), so
+        an acknowledgement that was lost is sent again."""
+        return self.quiet()
+
+    def heard(self, heard_ago) -> None:
+        self._heard_shared = True
+        now, last = self.now, self.last_heard
+        for p, ago in heard_ago.items():
+            t = last.get(p)
+            if t is not None and now - ago > t:
+                last[p] = now - ago
+
+    def _send_ack(self, p: str) -> None:
+        self.last_sent[p] = self.now
+        cur = tuple(self.stream.received)
+        self._send(p, self._ack_message(cur))
+        self.acked_sent[p] = cur
+
+    def _send_slots(self, p: str, start: int, stop: int) -> None:
+        st = self.stream
+        slots = st.own_slots(start, stop)
+        if not slots:
+            return
+        cur = tuple(st.received)
+        self.last_sent[p] = self.now
+        self.acked_sent[p] = cur
+        self._send(p, self._slots_message(start, slots, cur))
+
+    def _ack_message(self, cur: tuple) -> bytes:
+        """An ACK carrying received vector `cur` (a hook: the clock protocol adds its report)."""
+        return Ack(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
+                   self.vc.promised[0], self.wedged).encode()
+
+    def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
+        """Own slots from `first` with received vector `cur` (a hook, as `_ack_message`)."""
+        return Append(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur).encode()
+
+    def _multicast_slots(self, first: int, cur: tuple, data: bytes) -> None:
+        """Send own new slots from `first` (encoded in `data`, carrying the
+        received vector `cur`) to every unsuspected peer."""
+        k = self.stream.my_k
+        now = self.now
+        for p, acks in self.stream.acks.items():
+            if p not in self.suspected:
+                if acks[k] == first:
+                    self.ack_progress[p] = now
+                self.last_sent[p] = now
+                self.acked_sent[p] = cur
+                self._send(p, data)
+
+    def _flush_urgent_acks(self) -> None:
+        self._ack_round = -1
+        if self._is_member():
+            cur = tuple(self.stream.received)
+            for p in self.view.members:
+                if p != self.me and p not in self.suspected and self.acked_sent.get(p) != cur:
+                    self._send_ack(p)
+
+    def snapshot(self) -> dict:
+        lr = self.vc.round
+        return {
+            "member": self.me,
+            "status": self.status,
+            "state": self.state.value,
+            "view": self.view.view_id,
+            "members": list(self.view.members),
+            "next_seq": self.next_seq,
+            "suspected": sorted(self.suspected),
+            "received": list(self.stream.received),
+            "phase": lr.phase if lr is not None else "",
+        }
