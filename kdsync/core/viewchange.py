@@ -38,7 +38,9 @@ the memory of processes that all died) are given to new records: no
 cluster ever showed them.
 
 A restarted member (new incarnation, amnesiac) or an excluded one sends
-JOIN; the leader wedges its view and takes it in with the next view change.
+JOIN; the leader wedges its view and takes it in with the next view change
+(kdsync.core.joining: JOIN, and the HINT that helps a member of an older
+view forward).
 A view can name an incarnation that is gone (chosen from a vote cast before
 the crash); that member enters it as a restarted member would from disk, so
 the group can still change it even when every process it names is dead.
@@ -55,14 +57,13 @@ from kdsync.core.messages import (
     Accept,
     Accepted,
     Collect,
-    Hint,
     Install,
-    Join,
     Proposal,
     Report,
     pack,
     unpack_raw,
 )
+from kdsync.core.joining import Joining
 from kdsync.core.stream import ragged_trim
 from kdsync.core.types import LocalProtocolError, RemoteProtocolError, View
 
@@ -94,7 +95,7 @@ class LeaderRound:
         self.gap = 0  # ticks from the last send to the next retransmission (0: retransmit_ticks)
 
 
-class ViewChange:
+class ViewChange(Joining):
     """The view change of one DerechoNode (module docstring): the Paxos state
     (promise, vote, highest round seen, the round this member leads), the
     joiners waiting, the INSTALLs seen, and the handlers of the view-change
@@ -460,83 +461,6 @@ class ViewChange:
         else:
             # catch up from the source before delivering anything of the new view
             n._become_catching_up(prop)
-
-    # ------------------------------------------------------------- joining
-    def send_join(self) -> None:
-        n = self.n
-        if n.leaving:
-            return  # a member that left cleanly does not ask to be taken back
-        data = Join(n.me, n.incarnation, n.durable_seq, n.next_seq).encode()
-        for p in n.peers:
-            n._send(p, data)
-        self.join_sent = n.now
-
-    def on_join(self, msg: Join) -> None:
-        n = self.n
-        s, inc = msg.sender, msg.inc
-        v = n.view
-        if s in v.members:
-            known = v.incarnations[v.members.index(s)]
-            if known == inc:
-                # already a member with that incarnation, and it does not know it (its
-                # INSTALL was lost): send it the one we saw (swarm seed 7691)
-                self.stale_reply(s, v.view_id - 1)
-                return
-            if known != 0 and n._is_member():
-                n._suspect({s})  # its previous incarnation is gone
-        self.joiners[s] = (inc, msg.durable, msg.next)
-        if s in v.members:
-            self.rejoined[s] = inc
-            n.last_heard[s] = n.now
-        if n._is_member() and (self.leader() != n.me or s in v.members):
-            # tell it which view it is asking to join; the leader too when the view
-            # names it: it does not know it is a member (it restarted from an older
-            # view) and would never report, while the view cannot change without it
-            # (swarm seeds 2719, 8295: a restarted leader waited for it forever)
-            self.stale_reply(s, -1)
-
-    def stale_reply(self, peer: str, view_id: int) -> None:
-        """`peer` speaks of an older view (or asks to join): help it forward."""
-        n = self.n
-        if n.now - self.hint_sent.get(peer, -10**9) < n.cfg.retransmit_ticks:
-            return
-        self.hint_sent[peer] = n.now
-        inst = self.last_install.get(view_id)
-        if inst is not None:
-            n._send(peer, inst)
-        elif n.state in (n.State.ACTIVE, n.State.WEDGED, n.State.REJOINING) and n._is_member():
-            # a restarted member knows its view only from disk (incarnations 0:
-            # unknown), but that is enough: the peer joins it, and a view whose
-            # members all restarted cannot change without every one of them
-            # (swarm seed 8310: one member never saw view 1 installed, the others
-            # restarted in it, and nobody told it)
-            v = n.view
-            n._send(peer, Hint(n.me, n.incarnation, v.view_id, v.members, v.incarnations).encode())
-
-    def on_hint(self, msg: Hint) -> None:
-        n = self.n
-        v = n.view
-        state = n.state
-        if msg.view < v.view_id:
-            return
-        members = msg.members
-        if n.me in members:
-            if msg.incs[members.index(n.me)] == n.incarnation:
-                return  # the INSTALL will follow
-            if msg.view == v.view_id and state is not n.State.JOINING:
-                return
-            # a member of that view whose incarnation there is unknown (a HINT from a
-            # restarted member) or older: a restarted member of it (swarm seed 2574: as
-            # a joiner from outside it never reported, and the view could not change)
-            if state is not n.State.JOINING:
-                n._resubmit_own()
-            n._become_rejoining(View(msg.view, members, (0,) * len(members), n._senders_of(members), n.next_seq))
-            return
-        if msg.view == v.view_id:
-            return
-        if state is not n.State.JOINING:
-            n._resubmit_own()
-        n._become_joining(View(msg.view, members, msg.incs, n._senders_of(members), -1))
 
 
 def encode_vote(ballot: Ballot, prop: Proposal) -> bytes:
