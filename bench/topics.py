@@ -4,6 +4,7 @@ number of source topics (issue 26, docs/operations.md "Many source topics per me
     python -m bench.topics [--topics 1 100 1000] [--idle 20] [--rate 1000] [--seconds 20] [--first-rate 100]
                            [--out results/topics.json] [--keep DIR]
     python -m bench.topics --topics 300 1000 --startup-only   # start-up alone, with progress
+    python -m bench.topics --topics 1000 --burst              # one record per topic per cluster at once
 
 For each topic count N: three embedded Tansu clusters, N source topics
 `app-0000`... in each, one `kdsync run` member per cluster with
@@ -23,6 +24,13 @@ For each topic count N: three embedded Tansu clusters, N source topics
   over the N topics: member CPU seconds per ordered event (records added to
   the global topics), and the same rate into one topic in the same run
   (`one_topic_cpu_per_event`, for N > 1).
+
+`--burst` (issue 43): after the start-up, one record written to every topic
+in every cluster at once (3 N records, no pacing); `burst_written_s` until the
+brokers acknowledged them, `burst_ordered_s` until every global topic holds
+its 3 records, and what the members did meanwhile: views installed, peers
+judged silent, the worst `loop late` delay they logged.  No view should change:
+nothing failed, a late loop is not a silent peer.
 
 Every figure comes from process counters (psutil) and the members' metrics;
 a run where an event does not reach every global topic raises.
@@ -68,6 +76,30 @@ def _active_topics(g: LocalGroup, i: int) -> int:
 
 def _views(g: LocalGroup, i: int) -> int:
     return len(re.findall(r'msg="view installed"', g.log_text(i)))
+
+
+def _peer_silent(g: LocalGroup, i: int) -> int:
+    return len(re.findall(r'msg="peer silent"', g.log_text(i)))
+
+
+def _worst_late_ms(g: LocalGroup, i: int) -> int:
+    return max(map(int, re.findall(r'msg="loop late" delay_ms=(\d+)', g.log_text(i))), default=0)
+
+
+def burst(g: LocalGroup, topics: list[str], poll: float) -> dict:
+    """One record into every topic of every cluster at once (module doc)."""
+    views0 = [_views(g, i) for i in range(g.n)]
+    silent0 = [_peer_silent(g, i) for i in range(g.n)]
+    before = [_delivered(g, i, set(topics)) for i in range(g.n)]
+    t0 = time.monotonic()
+    _write_spread(g, topics, len(topics), None, "burst")
+    out = {"burst_records": g.n * len(topics), "burst_written_s": round(time.monotonic() - t0, 2)}
+    _wait_delivered(g, min(before) + g.n * len(topics), 300, set(topics), poll)
+    out["burst_ordered_s"] = round(time.monotonic() - t0, 2)
+    out["burst_views_installed"] = sum(_views(g, i) - v for i, v in enumerate(views0))
+    out["burst_peer_silent"] = sum(_peer_silent(g, i) - s for i, s in enumerate(silent0))
+    out["burst_worst_loop_late_ms"] = max(_worst_late_ms(g, i) for i in range(g.n))
+    return out
 
 
 def _delivered(g: LocalGroup, i: int, topics: set[str] | None = None) -> float:
@@ -128,7 +160,7 @@ def _wait_delivered(g: LocalGroup, want: float, timeout: float, topics: set[str]
 
 
 def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path, startup_only: bool = False,
-              first_rate: float = FIRST_RATE, first_s: float | None = None) -> dict:
+              first_rate: float = FIRST_RATE, first_s: float | None = None, burst_only: bool = False) -> dict:
     topics = topic_names(n)
     # the product's default timing (kdsync.config ProtocolSection)
     g = LocalGroup(3, workdir, topic=ONE, metrics=True, tick_ms=50, heartbeat_ms=100, suspect_ms=500,
@@ -172,6 +204,9 @@ def run_point(n: int, idle_s: float, rate: float, seconds: float, workdir: Path,
         # paced: Tansu appends to a partition in ~2 ms with an idempotent producer, so a
         # thousand topics written at once take its brokers a minute (kdsync's writes too)
         poll = max(0.5, n / 200)
+        if burst_only:
+            out.update(burst(g, topics, poll))
+            return out
         if first_rate > 0:
             _write_spread(g, topics, n, first_rate, "first")
             _wait_delivered(g, 3 * n, 120 + n / first_rate, set(topics), poll)
@@ -302,6 +337,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--startup-only", action="store_true",
                     help="measure the start-up alone (progress every 5 s: topics ready, views, groups active)")
+    ap.add_argument("--burst", action="store_true",
+                    help="after the start-up, one record into every topic of every cluster at once: seconds until "
+                         "ordered, views installed and peers judged silent meanwhile (module doc)")
     ap.add_argument("--keep", type=Path, default=None,
                     help="run in DIR/<topics> and keep it (member and broker logs) instead of a temporary directory")
     a = ap.parse_args(argv)
@@ -310,10 +348,11 @@ def main(argv=None) -> int:
         if a.keep is not None:
             d = a.keep / str(n)
             d.mkdir(parents=True, exist_ok=True)
-            row = run_point(n, a.idle, a.rate, a.seconds, d, a.startup_only, a.first_rate)
+            row = run_point(n, a.idle, a.rate, a.seconds, d, a.startup_only, a.first_rate, burst_only=a.burst)
         else:
             with tempfile.TemporaryDirectory(prefix="kdsync-topics-") as d:
-                row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only, a.first_rate)
+                row = run_point(n, a.idle, a.rate, a.seconds, Path(d), a.startup_only, a.first_rate,
+                                burst_only=a.burst)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:

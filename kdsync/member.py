@@ -49,7 +49,7 @@ import signal
 import sys
 import time
 
-from kdsync.config import Config, parse_address
+from kdsync.config import Config
 from kdsync.core import Delivery
 from kdsync.fatal import FatalError, retry
 from kdsync.observability.stalls import StallDetector, loop_delay, sample_pipelines
@@ -57,17 +57,18 @@ from kdsync.kafka.checkpoint import CheckpointRounds, OffsetsConsumer
 from kdsync.kafka.sink import ReportPoller, make_producer, producer_conf
 from kdsync.kafka.source import SourceConsumer, SourceRun, consumer_conf
 from kdsync.observability.logs import KafkaClientLog, KafkaErrors, client_callback, kv
-from kdsync.pipeline import Prepared, TopicPipeline, close_pipelines, discover_topics, open_pipeline, start_each, start_topics
+from kdsync.pipeline import (Prepared, TopicPipeline, close_pipelines, discover_topics, known, log_ready, open_pipeline,
+                             start_each, start_listed, start_topics)
 from kdsync.producer_recovery import ProducerRecovery
 from kdsync.observability.gcpauses import GcPauses, freeze_started
 from kdsync.observability.kafka_requests import KafkaRequests
 from kdsync.observability.profiler import profiler
-from kdsync.observability.stage_latency import LatencyTrace, shard_trace_path
+from kdsync.observability.stage_latency import LatencyTrace, open_trace
 from kdsync.handshake import ReadyHandshake
 from kdsync.inbox import PeerInbox
 from kdsync.state import StateDirLock, StateLog
 from kdsync.stopping import StopClock, leave_groups
-from kdsync.ticks import Coalesced, FormingSlots, Sleepers, TickClock, wall_us
+from kdsync.ticks import Coalesced, FormingSlots, GroupTicks, Pulse, Sleepers, TickClock
 
 log = logging.getLogger("kdsync.member")
 
@@ -114,11 +115,11 @@ class Member:
         self.rng = random.Random()
         # peer frames to the nodes (the loop's parts it uses are made in _run: looked up when a frame comes)
         self.inbox = PeerInbox(self.pipelines, heard=lambda *a: self.sleepers.heard(*a), orders=self._orders,
-                               known=self._known, start=self.start_pipeline, due=lambda: self.clock.due(),
+                               known=lambda t: known(self, t), start=self.start_pipeline, due=lambda: self.clock.due(),
                                wake=self.before_input, process=lambda p: self.to_process.add(p),
                                bad=lambda peer: self.metrics.bad_messages.labels(peer).inc())
-        self.reports = ReportPoller(lambda: self.producer, lambda why: self.recovery.failed(why),
-                                    self._reports_outstanding, lambda: self.stopping)
+        self.reports = ReportPoller(lambda: self.producer, lambda why: self.recovery.failed(why), lambda: any(
+            p.writer.outstanding for p in self.pipelines.values() if p.writer is not None), lambda: self.stopping)
         self.recovery = ProducerRecovery(self)
         self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
         self._last_health = 0.0
@@ -130,16 +131,6 @@ class Member:
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ helpers
-    def _stats_for_metrics(self) -> dict[str, dict]:
-        return {t: dict(p.node.stats) for t, p in list(self.pipelines.items())}
-
-    def _peer_stats(self) -> dict:
-        return dict(self.transport.stats) if self.transport is not None else {}
-
-    def _links_for_metrics(self) -> tuple[dict, tuple | None]:
-        t = self.transport
-        return ({p: t.path(p) for p in sorted(t.peers)}, t.rdma_links()) if t is not None else ({}, None)
-
     def status(self) -> dict:
         """Where this member stands (kdsync.status), for `kdsync status`."""
         from kdsync.status import member_status
@@ -173,29 +164,16 @@ class Member:
     async def _run(self) -> int:
         self.dir_lock.acquire()  # before anything: a second process on this state directory exits 1 here
         self.loop = asyncio.get_running_loop()
-        self.clock = TickClock(self.loop, self.pcfg.tick_ms, quiet=self._all_quiet, on_ticks=self._on_ticks,
-                               on_error=self._on_tick_error, stopping=lambda: self.stopping)
         if self.signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.loop.add_signal_handler(sig, self._on_signal, sig)
         from kdsync.observability.metrics import MemberMetrics
         from kdsync.transport import TransportError, member_transport
 
-        self.metrics, self.gc_pauses = MemberMetrics(self._peer_stats, self._stats_for_metrics,
-                                                     self._links_for_metrics), GcPauses()
+        self.metrics = MemberMetrics.of_member(lambda: self.transport, self.pipelines)
         self.metrics.registry.register(self.kafka_requests)
-        if self.trace_path:
-            path = shard_trace_path(self.trace_path, self.shard)
-            try:
-                self.trace = LatencyTrace(path, self.shard)
-            except OSError as e:
-                raise FatalError(f"--trace-latency: cannot write {path}: {e.strerror}") from None
-        if self.cfg.metrics.listen:
-            host, port = parse_address(self.cfg.metrics.listen)
-            try:
-                self.metrics.serve(host, port)
-            except OSError as e:
-                raise FatalError(f"metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e.strerror}") from None
+        self.gc_pauses, self.trace = GcPauses(), open_trace(self.trace_path, self.shard)
+        self.metrics.listen(self.cfg.metrics.listen)
         try:
             self.transport = member_transport(self.cfg, self.shard, self.inbox.on_message)
             self.transport.status = self.status  # what a `kdsync status` probe is answered
@@ -207,7 +185,12 @@ class Member:
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
-        self.to_process = Coalesced(self.loop, self.process)  # nodes that received peer messages or source runs
+        # a long pass still pings and writes every half heartbeat: a late loop is not a silent peer
+        pulse = Pulse(lambda: (self.sleepers.ping(), self.transport.flush_now()), pc.heartbeat_ms / 2000)
+        self.ticks = GroupTicks(self.pipelines, self.sleepers, self.forming, self.process, self._after_ticks, pulse)
+        self.clock = TickClock(self.loop, pc.tick_ms, quiet=self.ticks.quiet, on_ticks=self.ticks,
+                               on_error=self._on_tick_error, stopping=lambda: self.stopping)
+        self.to_process = Coalesced(self.loop, self.process, pulse=pulse)  # nodes given peer messages or source runs
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
@@ -215,7 +198,7 @@ class Member:
             self.handshake.state_log.load()
             # ticks from the start: a group forms as soon as its pipeline is
             # ready here and at its peers, not once a thousand others are
-            self._start_ticks()
+            self.clock.start()
             try:
                 if not self.witness:
                     await self._start_kafka()
@@ -268,15 +251,9 @@ class Member:
 
     def producer_conf(self) -> dict:
         return {**producer_conf(self.cfg.kafka.producer_conf()),
-                "error_cb": client_callback(self._on_producer_error, "producer error_cb"),
+                "error_cb": client_callback(self.kafka_errors.routed(  # from producer.poll(), on the loop
+                    lambda why: self.recovery.failed(f"kafka producer: {why}")), "producer error_cb"),
                 "logger": self.kafka_log, **self.kafka_requests.conf()}
-
-    def _on_producer_error(self, err) -> None:
-        # called from producer.poll(), on the loop's thread
-        if err.fatal():
-            self.recovery.failed(f"kafka producer: {err.str()}")
-        else:
-            self.kafka_errors(err)
 
     async def _start_kafka(self) -> None:
         self.producer = make_producer(self.producer_conf())
@@ -285,11 +262,12 @@ class Member:
             {**self.kafka_conf, "error_cb": client_callback(self.kafka_errors, "source error_cb")}, self.me, self.loop,
             on_runs=self._on_source_runs, on_fatal=self.fatal, batch=self.consume_batch,
             on_lag=lambda t, p, lag: self.metrics.input_lag.labels(t, str(p)).set(lag),
-            on_commit=self._committed_delay,
+            on_commit=lambda t, delay: (p := self.pipelines.get(t)) and p.stages.h["committed"].observe(delay),
             on_restart=self.metrics.source_restarted, idle=self.cfg.topics.idle(), on_gap=self.metrics.source_gap,
             txn_probe=not self.cfg.kafka.trust_read_committed,  # kdsync.kafka.transactions
             shard=None if self.shard is None else (self.shard, self.shards),
-            on_topics=self._on_listed if self._discovers() else None, client_extra=self.kafka_requests.conf())
+            on_topics=self._on_listed if self.cfg.topics.fixed_names() is None else None,
+            client_extra=self.kafka_requests.conf())
         self.metrics.source_fetch_wait.set(self.source.conf.get("fetch.wait.max.ms", 500))
         topics = await self.retry("listing source topics", discover_topics, self.cfg, self.kafka_conf)
         if not topics:
@@ -307,49 +285,23 @@ class Member:
             self.pipelines[topic] = p
             if getattr(p.node, "view", None) is not None:  # restored: its view counts in the pings' digest
                 self.sleepers.views.set(topic, p.node.view.view_id)
-            watermarks = start.watermarks if start is not None else {}
-            if self.source is not None:
-                self.source.add_topic(topic, {part: off + 1 for (origin, part), off in watermarks.items()
-                                              if origin == self.me})
+            if self.source is not None:  # from the next offset of its own events in the start state
+                self.source.add_topic(topic, dict(p.own_next))
             self.metrics.delivered.labels(topic).set(p.durable_end)
             self.handshake.note_status(p, p.node.status)
             self.inbox.replay(topic, p.node)
-            log.info("topic ready", **kv(topic=topic, global_topic=p.global_topic, start_seq=p.durable_end,
-                                         origins=len(watermarks), hard_state=hs is not None,
-                                         **({} if start is None else {
-                                             "checkpoint": start.checkpoint.seq if start.checkpoint else "none",
-                                             "records_read": start.records})))
+            log_ready(p, start, hs)
             self.process(p)
         finally:
             self.starting.discard(topic)
 
     # ------------------------------------------------------------ driving the node
-    def _start_ticks(self) -> None:
-        self.clock.start()
-
-    def _all_quiet(self) -> bool:
-        asleep = self.sleepers.dorm.asleep  # a sleeping node is quiet: not asked (a thousand idle topics)
-        if not self.pipelines or len(asleep) == len(self.pipelines):
-            return bool(self.pipelines)
-        return all(self.pipelines[t].node.quiet() for t in self.sleepers.awake(self.pipelines))
-
     def _on_tick_error(self, e: Exception) -> None:  # a core bug: stop loudly rather than run without a clock
         log.exception("tick failed")
         self.fatal(f"tick: {e}")
 
-    def _on_ticks(self, n: int, now: float) -> None:
-        self.sleepers.on_ticks(n)
-        self.forming.refill()
-        asleep = self.sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
-        for t in (self.sleepers.awake(self.pipelines) if len(asleep) < len(self.pipelines) else ()):
-            p = self.pipelines.get(t)
-            if p is None or t in asleep or self.sleepers.skip(t, p.node) \
-                    or not self.forming.tick_wanted(t, p.node.status, n):
-                continue
-            p.node.clock(wall_us())
-            for _ in range(n):
-                p.node.tick()
-            self.process(p)
+    def _after_ticks(self, now: float) -> None:
+        """The end of every tick pass (kdsync.ticks.GroupTicks): reports served, health sampled."""
         self.poll_producer()
         if now - self._last_health >= max(1.0, len(self.pipelines) / SAMPLED_PER_S):
             self._last_health = now
@@ -357,30 +309,14 @@ class Member:
                        len(self.sleepers.dorm.asleep), self.gc_pauses.take())
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
 
-    def _committed_delay(self, topic: str, delay: float) -> None:
-        p = self.pipelines.get(topic)
-        if p is not None:
-            p.stages.h["committed"].observe(delay)
-
     def before_input(self, p: TopicPipeline) -> None:
         """Before any input reaches `p`'s node: wake it if it sleeps."""
         self.sleepers.wake(p.topic, p.node)
 
-    def _discovers(self) -> bool:
-        """Source topics come from a pattern: new matching topics are found
-        in the source consumer's metadata refreshes (`_on_listed`)."""
-        return not self.witness and self.cfg.topics.fixed_names() is None
-
     def _on_listed(self, names: list[str]) -> None:
-        """The source's metadata listed `names`: start the matching topics not known yet."""
-        new = sorted(t for t in names if self.cfg.topics.matches(t) and not self._known(t))
-        if new and not self.stopping:
-            self.planned.update(new)  # known at once: the next listing does not start them twice
-            asyncio.ensure_future(start_topics(self, new))
-
-    def _known(self, topic: str) -> bool:
-        """`topic` has a pipeline, or one starting or about to start."""
-        return topic in self.pipelines or topic in self.starting or topic in self.planned
+        """Source topics from a pattern: the source consumer's metadata refresh listed `names`."""
+        if not self.stopping:
+            start_listed(self, names)
 
     def _orders(self, topic: str) -> bool:
         """This member orders `topic` (a witness orders whatever its peers name)."""
@@ -397,13 +333,8 @@ class Member:
             p = self.pipelines.get(run.topic)
             if p is None:
                 continue
-            p.stages.submitted(run, now)
-            b = run.batch
-            p.consumed += b.count
-            p.submitted_next[b.partition] = b.first_offset + b.count
-            p.own_next.setdefault(b.partition, b.first_offset)  # below its first submission: ordered before
             self.before_input(p)
-            p.node.submit([run.batch])
+            p.submit(run, now)
             # drained with the peer messages of this loop iteration: the runs that
             # arrived together (a coalesced loop, [member] coalesce_us) make one slot
             self.to_process.add(p)
@@ -413,17 +344,7 @@ class Member:
         self.handshake.process(p)
 
     def deliver(self, p: TopicPipeline, d: Delivery) -> None:
-        p.delivered_end = d.end_seq
-        own = p.own_next
-        for b in d.batches:
-            if b.origin == self.me and b.first_offset + b.count > own.get(b.partition, 0):
-                own[b.partition] = b.first_offset + b.count
-        p.stages.delivered(d, time.monotonic(), writes=p.writer is not None)
-        if p.writer is None:  # a witness: nothing to write, durable at once (reported after advance)
-            p.durable_end = d.end_seq
-        else:
-            p.writer.write(d)
-            p.checkpoint.delivered(d)
+        if p.deliver(d, self.me, time.monotonic()):
             self.poll_reports_soon()
 
     def poll_reports_soon(self) -> None:
@@ -433,15 +354,10 @@ class Member:
         """Serve the producer's callbacks now (kdsync.kafka.sink.ReportPoller)."""
         self.reports.poll()
 
-    def _reports_outstanding(self) -> bool:
-        return any(p.writer.outstanding for p in self.pipelines.values() if p.writer is not None)
-
     # ------------------------------------------------------------ the global topic's reports
     def on_durable(self, p: TopicPipeline, end: int, commits: dict[int, int]) -> None:
-        p.durable_end = end
         self.before_input(p)
-        p.node.durable(end)
-        p.checkpoint.durable(end)
+        p.durable(end)
         self.metrics.delivered.labels(p.topic).set(end)
         if self.source is not None:
             self.source.commit(p.topic, commits)
@@ -459,16 +375,9 @@ class Member:
                 left = await leave_groups(lambda: [(p, p.node) for p in self.pipelines.values()], self.process,
                                           self.pcfg.tick_ms / 1000)
                 log.info("left the groups", **kv(groups=len(self.pipelines), not_confirmed=left))
-        writers = [p.writer for p in self.pipelines.values() if p.writer is not None]
         if self.producer is not None and self._fatal is None:
-            with step("delivery reports"):
-                # wait (bounded) for outstanding delivery reports so their offsets get committed
-                deadline = time.monotonic() + 10.0
-                while any(w.outstanding for w in writers) and time.monotonic() < deadline:
-                    await asyncio.to_thread(self.producer.poll, 0.1)
-                    await asyncio.sleep(0)  # run the scheduled durable reports
-                for w in writers:
-                    w.report_durable()
+            with step("delivery reports"):  # bounded: their offsets get committed
+                await self.reports.drain([p.writer for p in self.pipelines.values() if p.writer is not None])
         if self.source is not None:
             with step("source offsets commit and consumer close"):
                 await asyncio.to_thread(self.source.close, 15)

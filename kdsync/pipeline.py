@@ -40,12 +40,14 @@ from kdsync.state import StateLog
 
 if TYPE_CHECKING:
     from kdsync.config import Config, ProtocolSection
+    from kdsync.core import Delivery
+    from kdsync.kafka.source import SourceRun
     from kdsync.kafka.checkpoint import CheckpointRounds
     from kdsync.observability.stage_latency import LatencyTrace
 
 __all__ = ["PipelineHost", "Prepared", "ReadHost", "TopicPipeline", "at_most", "close_pipelines", "discover_topics",
-           "node_config", "open_pipeline", "prepare_topics", "prime_metadata", "serve_read", "start_each",
-           "start_topics"]
+           "known", "log_ready", "node_config", "open_pipeline", "prepare_topics", "prime_metadata", "serve_read",
+           "start_each", "start_listed", "start_topics"]
 
 log = logging.getLogger("kdsync.member")
 
@@ -81,6 +83,37 @@ class TopicPipeline:
     # own events per source partition: next offset submitted / next offset the group delivered (kdsync.observability.stalls)
     submitted_next: dict[int, int] = field(default_factory=dict)
     own_next: dict[int, int] = field(default_factory=dict)
+
+    def submit(self, run: SourceRun, now: float) -> None:
+        """A run of source records to the node, counted (submitted, own events waiting)."""
+        self.stages.submitted(run, now)
+        b = run.batch
+        self.consumed += b.count
+        self.submitted_next[b.partition] = b.first_offset + b.count
+        self.own_next.setdefault(b.partition, b.first_offset)  # below its first submission: ordered before
+        self.node.submit([b])
+
+    def deliver(self, d: Delivery, me: str, now: float) -> bool:
+        """The node delivered `d`: to the writer (True), or durable at once
+        on a witness, which has nothing to write (False)."""
+        self.delivered_end = d.end_seq
+        own = self.own_next
+        for b in d.batches:
+            if b.origin == me and b.first_offset + b.count > own.get(b.partition, 0):
+                own[b.partition] = b.first_offset + b.count
+        self.stages.delivered(d, now, writes=self.writer is not None)
+        if self.writer is None:  # durable at once (reported after advance)
+            self.durable_end = d.end_seq
+            return False
+        self.writer.write(d)
+        self.checkpoint.delivered(d)
+        return True
+
+    def durable(self, end: int) -> None:
+        """The global topic holds every position below `end`: the node and the checkpoint writer hear it."""
+        self.durable_end = end
+        self.node.durable(end)
+        self.checkpoint.durable(end)
 
     def own_waiting(self) -> int:
         """Own events submitted that the group has not delivered yet."""
@@ -171,6 +204,20 @@ def ordered_topics(m: PipelineHost) -> int:
     """The distinct topics a member orders: open, starting or planned (the
     sets overlap while topics start)."""
     return len(m.pipelines.keys() | m.starting | m.planned)
+
+
+def known(m: PipelineHost, topic: str) -> bool:
+    """`topic` has a pipeline at `m`, or one starting or about to start."""
+    return topic in m.pipelines or topic in m.starting or topic in m.planned
+
+
+def start_listed(m: PipelineHost, names: list[str]) -> None:
+    """The source's metadata listed `names` (a member whose source topics
+    come from a pattern): start the matching topics `m` does not know yet."""
+    new = sorted(t for t in names if m.cfg.topics.matches(t) and not known(m, t))
+    if new:
+        m.planned.update(new)  # known at once: the next listing does not start them twice
+        asyncio.ensure_future(start_topics(m, new))
 
 
 def checkpoint_interval(m: PipelineHost) -> float:
@@ -350,6 +397,15 @@ async def open_pipeline(m: PipelineHost, topic: str, prepared: Prepared | None =
         log.warning("global topic has positions beyond a gap; they will not be written twice",
                     **kv(topic=topic, gap_at=start_seq, beyond=len(present)))
     return p, start, hs
+
+
+def log_ready(p: TopicPipeline, start: GlobalStart | None, hs: HardState | None) -> None:
+    """The "topic ready" line of a pipeline the member registered."""
+    log.info("topic ready", **kv(topic=p.topic, global_topic=p.global_topic, start_seq=p.durable_end,
+                                 origins=len(start.watermarks) if start is not None else 0, hard_state=hs is not None,
+                                 **({} if start is None else {
+                                     "checkpoint": start.checkpoint.seq if start.checkpoint else "none",
+                                     "records_read": start.records})))
 
 
 def _start_checkpoints(m: PipelineHost, p: TopicPipeline, start: GlobalStart, parts: int) -> None:

@@ -24,7 +24,7 @@ from kdsync.transport.channels import frame_channel
 
 log = logging.getLogger("kdsync.member")
 
-__all__ = ["PING_CHANNEL", "Coalesced", "FormingSlots", "Sleepers", "TickClock", "wall_us"]
+__all__ = ["PING_CHANNEL", "Coalesced", "FormingSlots", "GroupTicks", "Pulse", "Sleepers", "TickClock", "wall_us"]
 
 MAX_CATCH_UP = 5  # a stalled loop catches up a few ticks, not hundreds
 # Coalesced drains in one callback unless given a budget.  Cutting the member's work
@@ -118,6 +118,33 @@ class TickClock:
             self._on_ticks(n, now)
 
 
+class Pulse:
+    """Called inside a long pass of the loop (a drain of a thousand nodes, a
+    tick pass over them): at most every `period_s` it runs `beat()` — the
+    member's pings queued and the transport's queue written now
+    (`Transport.flush_now`) instead of after the pass.
+
+    Why: what a pass sends leaves after it, so a member whose pass ran a
+    second (a burst into 1 000 topics) was silent to its peers for that
+    second, and with `suspect_ms` 500 they judged it dead and changed the
+    view of every group (issue 43: 5 213 views).  A late loop is not a
+    silent peer: its peers hear it every `period_s` however long its pass."""
+
+    def __init__(self, beat: Callable[[], None], period_s: float, clock: Callable[[], float] = time.perf_counter):
+        self.beat, self.period, self.clock = beat, period_s, clock
+        self.next = float("inf")  # armed by start()
+
+    def start(self) -> None:
+        """A pass begins."""
+        self.next = self.clock() + self.period
+
+    def __call__(self) -> None:
+        now = self.clock()
+        if now >= self.next:
+            self.next = now + self.period
+            self.beat()
+
+
 class Coalesced:
     """`run(item)` once soon for every item added (`add`), however often it
     is added before it runs, first added first run, in slices of the loop
@@ -131,8 +158,8 @@ class Coalesced:
     callback for all of them, cut by time, keeps every iteration short."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, run: Callable[[object], None],
-                 budget_s: float = DRAIN_BUDGET_S):
-        self.loop, self._run, self.budget = loop, run, budget_s
+                 budget_s: float = DRAIN_BUDGET_S, pulse: Pulse | None = None):
+        self.loop, self._run, self.budget, self.pulse = loop, run, budget_s, pulse
         self._todo: dict[int, object] = {}  # id(item) -> item, in the order added
         self._scheduled = False
 
@@ -146,11 +173,15 @@ class Coalesced:
 
     def _drain(self) -> None:
         self._scheduled = False
-        todo, run = self._todo, self._run
+        todo, run, pulse = self._todo, self._run, self.pulse
         end = time.perf_counter() + self.budget
+        if pulse is not None:
+            pulse.start()
         try:
             while todo:
                 run(todo.pop(next(iter(todo))))
+                if pulse is not None:
+                    pulse()
                 if time.perf_counter() >= end:
                     break
         finally:  # also when run() raised (the loop logs it): the rest still run
@@ -188,13 +219,7 @@ class Sleepers:
         for _ in range(n):
             due |= live.tick()
         if due:  # once, however many ticks a late pass runs
-            live.views = self.views.value()
-            ping = frame_channel(PING_CHANNEL, live.views)
-            for peer in live.peers:
-                try:
-                    self._send(peer, ping)
-                except Exception:  # noqa: BLE001 - a peer link down: its silence says the rest
-                    pass
+            self.ping()
         silent = live.newly_silent()
         if silent:
             ago = live.ago()
@@ -203,6 +228,18 @@ class Sleepers:
             self.dorm.wake_all()
         self.dorm.wake_due()
         self.refresh(n)
+
+    def ping(self) -> None:
+        """The member's ping (its ViewDigest) to every peer: at every
+        heartbeat, and in a long pass of the loop (`Pulse`)."""
+        live = self.live
+        live.views = self.views.value()
+        ping = frame_channel(PING_CHANNEL, live.views)
+        for peer in live.peers:
+            try:
+                self._send(peer, ping)
+            except Exception:  # noqa: BLE001 - a peer link down: its silence says the rest
+                pass
 
     def refresh(self, n: int = 1) -> None:
         """What every awake node hears before the `n` ticks it runs next:
@@ -301,3 +338,46 @@ class FormingSlots:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+
+class GroupTicks:
+    """One pass of the tick timer over a member's groups (its `on_ticks`)
+    and the timer's question whether they are all quiet (its `quiet`).
+
+    `groups` maps a topic to its pipeline (anything with a `.node`), read at
+    every pass; `sleepers` says which nodes sleep and what the awake ones hear
+    of the member's liveness; `forming` admits the groups in a view change;
+    `process(pipeline)` drains a node that was ticked; `after(now)` runs once
+    at the end of every pass (the member's producer poll and health sample);
+    `pulse`: called after every group (a long pass: `Pulse`)."""
+
+    def __init__(self, groups: dict, sleepers: Sleepers, forming: FormingSlots, process: Callable[[object], None],
+                 after: Callable[[float], None], pulse: Pulse | None = None):
+        self.groups, self.sleepers, self.forming, self.process, self.after = groups, sleepers, forming, process, after
+        self.pulse = pulse or (lambda: None)
+
+    def quiet(self) -> bool:
+        """Every awake node is quiet (a sleeping node is not asked: a thousand idle topics)."""
+        groups, asleep = self.groups, self.sleepers.dorm.asleep
+        if not groups or len(asleep) == len(groups):
+            return bool(groups)
+        return all(groups[t].node.quiet() for t in self.sleepers.awake(groups))
+
+    def __call__(self, n: int, now: float) -> None:
+        groups, sleepers, forming = self.groups, self.sleepers, self.forming
+        sleepers.on_ticks(n)
+        forming.refill()
+        asleep = sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
+        pulse = self.pulse
+        if isinstance(pulse, Pulse):
+            pulse.start()
+        for t in (sleepers.awake(groups) if len(asleep) < len(groups) else ()):
+            p = groups.get(t)
+            if p is None or t in asleep or sleepers.skip(t, p.node) or not forming.tick_wanted(t, p.node.status, n):
+                continue
+            p.node.clock(wall_us())
+            for _ in range(n):
+                p.node.tick()
+            self.process(p)
+            pulse()
+        self.after(now)

@@ -1,5 +1,6 @@
 """kdsync.ticks.Coalesced: the member drains each node once for all the
-peer messages that reached it in a loop iteration."""
+peer messages that reached it in a loop iteration; kdsync.ticks.Pulse: a
+long pass still beats (pings and writes) every period."""
 
 import asyncio
 
@@ -34,3 +35,17 @@ def test_coalesced_runs_each_item_once_in_order_in_slices_and_survives_an_error(
         await asyncio.sleep(0)
         assert ran[-1] == "a" and len(ran) == 5
     asyncio.run(main())
+
+
+def test_a_pulse_beats_at_most_once_a_period_inside_a_long_pass():
+    from kdsync.ticks import Pulse
+
+    beats: list[int] = []
+    clock = [0.0]
+    pulse = Pulse(lambda: beats.append(len(beats)), 1 / 16, clock=lambda: clock[0])  # binary fractions: exact
+    pulse()  # not started: no pass
+    pulse.start()
+    for _ in range(20):  # a pass of 20 steps of a quarter period
+        clock[0] += 1 / 64
+        pulse()
+    assert len(beats) == 5  # every fourth step

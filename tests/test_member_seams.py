@@ -326,3 +326,83 @@ def test_kafka_errors_and_the_report_poller_without_a_member(caplog):
         assert Producer.polls - before == 3  # on while reports are outstanding, then stops
 
     asyncio.run(scenario())
+
+
+def test_a_producer_error_is_routed_and_the_last_reports_are_drained_without_a_member():
+    from kdsync.kafka.sink import ReportPoller
+    from kdsync.observability.logs import KafkaErrors
+
+    fatal, recovered = [], []
+    errors = KafkaErrors(fatal.append, logging.getLogger("kdsync.member"))
+    producer_cb = errors.routed(recovered.append)
+    producer_cb(_Err(-195, "broker transport failure"))
+    producer_cb(_Err(-150, "fenced", fatal=True))
+    assert recovered == ["fenced"] and not fatal  # the producer's fatal error is recovered, not the member's
+    assert errors.last[0] == "fenced"
+
+    class Writer:
+        def __init__(self, reports: int) -> None:
+            self.outstanding, self.reported = reports, False
+
+        def report_durable(self) -> None:
+            self.reported = True
+
+    writers = [Writer(2), Writer(1)]
+
+    class Producer:
+        def poll(self, timeout: float) -> None:  # each poll serves one report of every writer
+            for w in writers:
+                w.outstanding = max(0, w.outstanding - 1)
+
+    poller = ReportPoller(lambda: Producer(), recovered.append, lambda: True, lambda: True)
+    asyncio.run(poller.drain(writers, timeout=5.0))
+    assert [(w.outstanding, w.reported) for w in writers] == [(0, True), (0, True)]
+    stuck = [Writer(1)]
+    asyncio.run(ReportPoller(lambda: _Silent(), recovered.append, lambda: True, lambda: True).drain(stuck, 0.2))
+    assert stuck[0].outstanding == 1 and stuck[0].reported  # bounded: what is durable is still reported
+
+
+class _Silent:
+    def poll(self, timeout: float) -> None:
+        pass
+
+
+def test_the_tick_pass_over_groups_without_a_member():
+    """kdsync.ticks.GroupTicks: sleeping groups are neither asked nor ticked,
+    an awake group is ticked n times and drained, a group in a view change
+    waits for a forming slot, and the pass ends with `after(now)`."""
+    from kdsync.ticks import FormingSlots, GroupTicks, Sleepers
+
+    class Node:
+        def __init__(self, status: str) -> None:
+            self.status, self.ticks, self.heard_ago, self.busy = status, 0, None, False
+
+        def clock(self, us: int) -> None:
+            pass
+
+        def tick(self) -> None:
+            self.ticks += 1
+
+        def heard(self, ago: dict) -> None:
+            self.heard_ago = ago
+
+        def quiet(self) -> bool:
+            return not self.busy
+
+    class P:
+        def __init__(self, topic: str, status: str) -> None:
+            self.topic, self.node = topic, Node(status)
+
+    groups = {"a": P("a", "active"), "b": P("b", "forming"), "c": P("c", "forming")}
+    sleepers = Sleepers(["dc2"], 2, 10, lambda peer, frame: None, sleep=False)
+    drained, after = [], []
+    ticks = GroupTicks(groups, sleepers, FormingSlots(1, 40), lambda p: drained.append(p.topic), after.append)
+    assert ticks.quiet()
+    groups["a"].node.busy = True
+    assert not ticks.quiet()
+    ticks(3, 1.5)
+    assert groups["a"].node.ticks == 3 and after == [1.5]
+    assert groups["a"].node.heard_ago is not None  # the member's liveness, before its ticks
+    ticks(1, 1.6)  # one forming slot: the first group in line runs, the other waits
+    formed = [t for t in "bc" if groups[t].node.ticks]
+    assert len(formed) == 1 and drained.count(formed[0]) == 1 and drained.count("a") == 2

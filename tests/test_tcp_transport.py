@@ -162,6 +162,31 @@ async def test_one_loop_iteration_of_sends_leaves_as_one_frame_without_the_write
 
 
 @async_test
+async def test_flush_now_writes_inside_a_long_pass_and_nothing_twice():
+    """Transport.flush_now (the member's Pulse): what a pass queued so far is
+    written to the socket before the pass yields, each message once."""
+    from kdsync.ticks import Pulse
+
+    ids = ["dc1", "dc2"]
+    inboxes = {m: Inbox() for m in ids}
+    async with running(group(ids, inboxes=inboxes, ping_interval=60)) as ts:
+        st = ts["dc1"].stats["dc2"]
+        before = st.frames_out
+        pulse = Pulse(ts["dc1"].flush_now, 0.0)  # every call beats
+        pulse.start()
+        for i in range(30):  # one long pass: no await
+            assert ts["dc1"].send("dc2", b"p%d" % i)
+            if i % 10 == 9:
+                pulse()
+                assert st.frames_out == before + (i + 1) // 10  # on the socket now, not after the pass
+        ts["dc1"].send("dc2", b"tail")
+        await until(lambda: len(inboxes["dc2"].got["dc1"]) == 31, 10, "every message")
+        await asyncio.sleep(0.05)
+        assert inboxes["dc2"].got["dc1"] == [b"p%d" % i for i in range(30)] + [b"tail"]  # once each, in order
+        assert st.frames_out == before + 4  # the flush scheduled for the pass found only the tail
+
+
+@async_test
 async def test_on_heard_says_the_peer_is_alive_before_its_messages_are_delivered():
     """Bytes from a peer mark it alive (the member's liveness) before the
     messages they carry reach on_message, which gets them all in order."""

@@ -129,6 +129,20 @@ class ReportPoller:
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(REPORT_POLL_S, self._due)
 
+    async def drain(self, writers: list, timeout: float = 10.0) -> None:
+        """At a stop: serve the reports (in a thread, bounded by `timeout`)
+        until no writer of `writers` has one outstanding, then have each
+        report what is durable, so the offsets of those records get committed."""
+        producer = self._producer()
+        if producer is None:
+            return
+        deadline = time.monotonic() + timeout
+        while any(w.outstanding for w in writers) and time.monotonic() < deadline:
+            await asyncio.to_thread(producer.poll, 0.1)
+            await asyncio.sleep(0)  # run the scheduled durable reports
+        for w in writers:
+            w.report_durable()
+
     def _due(self) -> None:
         self._timer = None
         if self._stopping():

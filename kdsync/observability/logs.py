@@ -115,6 +115,20 @@ class KafkaErrors:
             self._log.warning("kafka client error (retrying)", **kv(error=err.str()))
 
 
+    def routed(self, fatal: Callable[[str], None]) -> Callable:
+        """This error_cb, but a fatal error goes to `fatal(error text)` (a
+        producer's: re-created in place, kdsync.producer_recovery)."""
+
+        def error_cb(err) -> None:
+            if err.fatal():
+                self.last = (err.str(), time.monotonic())
+                fatal(err.str())
+            else:
+                self(err)
+
+        return error_cb
+
+
 class KafkaClientLog:
     """The `logger` of a confluent-kafka client: librdkafka's log lines as
     lines of logger `kdsync.kafka.client`, at most one per kind (librdkafka

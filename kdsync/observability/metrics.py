@@ -195,6 +195,32 @@ class MemberMetrics:
         self.checkpoint_position.labels(topic).set(seq)
         self.checkpoint_time.labels(topic).set(written_ms / 1000.0)
 
+    @classmethod
+    def of_member(cls, transport: Callable[[], object | None], pipelines: dict) -> MemberMetrics:
+        """A member's metrics: the peer and link families read its transport
+        (`transport()`, None until made), the core family its pipelines' nodes."""
+
+        def peers() -> dict:
+            t = transport()
+            return dict(t.stats) if t is not None else {}
+
+        def links() -> tuple[dict, tuple | None]:
+            t = transport()
+            return ({p: t.path(p) for p in sorted(t.peers)}, t.rdma_links()) if t is not None else ({}, None)
+
+        return cls(peers, lambda: {topic: dict(p.node.stats) for topic, p in list(pipelines.items())}, links)
+
+    def listen(self, address: str | None) -> None:
+        """Serve on `[metrics] listen` (None: not served); a port taken is a FatalError naming it."""
+        if address:
+            from kdsync.config import parse_address
+            from kdsync.fatal import FatalError
+
+            try:
+                self.serve(*parse_address(address))
+            except OSError as e:
+                raise FatalError(f"metrics.listen: cannot listen on {address}: {e.strerror}") from None
+
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (a daemon thread). Raises OSError if the port is taken."""
         self.server, _ = start_http_server(port, addr=host, registry=self.registry)

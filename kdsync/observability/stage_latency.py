@@ -41,7 +41,7 @@ from collections import deque
 
 from kdsync.observability.metrics import observe_many
 
-__all__ = ["ALL_TOPICS", "STAGES", "LatencyTrace", "StageClock", "shard_trace_path"]
+__all__ = ["ALL_TOPICS", "STAGES", "LatencyTrace", "StageClock", "open_trace", "shard_trace_path"]
 
 ALL_TOPICS = "_all"  # the topic label of histograms shared by many topics ([metrics] topic_histograms)
 
@@ -54,6 +54,20 @@ def shard_trace_path(path: str, shard: int | None) -> str:
     group (shards = 1), `path.shard-S` for shard S (each shard, in whichever
     worker process it runs, appends to a file of its own)."""
     return path if shard is None else f"{path}.shard-{shard}"
+
+
+def open_trace(path: str | None, shard: int | None) -> LatencyTrace | None:
+    """`--trace-latency`'s file for `shard` (None: no trace); a file that
+    cannot be written is a FatalError naming it."""
+    if not path:
+        return None
+    from kdsync.fatal import FatalError
+
+    path = shard_trace_path(path, shard)
+    try:
+        return LatencyTrace(path, shard)
+    except OSError as e:
+        raise FatalError(f"--trace-latency: cannot write {path}: {e.strerror}") from None
 
 
 class LatencyTrace:

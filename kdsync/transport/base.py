@@ -261,6 +261,11 @@ class Transport(abc.ABC):
         message larger than a frame can carry.
         """
 
+    def flush_now(self) -> None:
+        """Write what `send` queued so far now rather than after the loop
+        iteration (the member's long passes: kdsync.ticks.Pulse).  Default:
+        nothing (a transport that writes at once)."""
+
     def path(self, peer: str) -> str | None:
         """The link `send(peer)` uses now: the transport's kind while the
         link is up, None while it is down (RDMA says "rdma" or "tcp")."""

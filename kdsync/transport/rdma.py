@@ -981,6 +981,13 @@ class RdmaTransport(Transport):
         st.frames_out += 1
         st.bytes_out += len(frame)
 
+    def flush_now(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush()
+        if self.tcp is not None:
+            self.tcp.flush_now()
+
     def _flush(self) -> None:
         self._flush_handle = None
         due, self._flush_due = self._flush_due, set()

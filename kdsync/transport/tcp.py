@@ -346,6 +346,11 @@ class TcpTransport(Transport):
             self._loop.call_soon(self._flush, link)
         return True
 
+    def flush_now(self) -> None:
+        for link in self._links.values():
+            if link.flush_due:
+                self._flush(link)  # the call_soon already scheduled finds the queue empty, or what came since
+
     def _flush(self, link: _Link) -> None:
         """Write the queue of a connected link straight to its socket (one
         BATCH frame, or a few when large), without waking the write loop; when
