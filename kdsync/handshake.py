@@ -84,7 +84,7 @@ class ReadyHandshake:
         for p, rd in held:
             p.saving = False
             self._done(p, rd)
-            self.process(p)
+            self.m.process(p)  # the member's: it also pulses (kdsync.ticks.Pulse), a thousand groups may wait here
 
     def _done(self, p: TopicPipeline, rd) -> None:
         """A Ready whose hard state (if any) is on disk: messages, deliveries, views, reads, advance."""

@@ -120,7 +120,11 @@ class Member:
                                bad=lambda peer: self.metrics.bad_messages.labels(peer).inc())
         self.reports = ReportPoller(lambda: self.producer, lambda why: self.recovery.failed(why), lambda: any(
             p.writer.outstanding for p in self.pipelines.values() if p.writer is not None), lambda: self.stopping)
+        # a long pass still pings and writes every half heartbeat: a late loop is not a silent peer
+        self.pulse = Pulse(lambda: (self.sleepers.ping(), self.transport.flush_now()), self.pcfg.heartbeat_ms / 2000,
+                           auto=True)
         self.recovery = ProducerRecovery(self)
+        self.producer_failed = self.recovery.failed  # a writer's producer failed: re-created in place
         self.handshake = ReadyHandshake(self, StateLog(cfg.state_path()))  # every group's Ready (load() in _run)
         self._last_health = 0.0
         self.health = StallDetector(cfg.health.stall_after_ms / 1000.0)
@@ -146,10 +150,6 @@ class Member:
     def state_log(self) -> StateLog:
         """The hard-state log of every group (kdsync.pipeline.PipelineHost)."""
         return self.handshake.state_log
-
-    def producer_failed(self, why: str) -> None:
-        """A writer's producer failed: re-create it in place (kdsync.producer_recovery)."""
-        self.recovery.failed(why)
 
     # ------------------------------------------------------------ start
     async def run(self) -> int:
@@ -185,12 +185,10 @@ class Member:
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
                                  pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
         self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
-        # a long pass still pings and writes every half heartbeat: a late loop is not a silent peer
-        pulse = Pulse(lambda: (self.sleepers.ping(), self.transport.flush_now()), pc.heartbeat_ms / 2000)
-        self.ticks = GroupTicks(self.pipelines, self.sleepers, self.forming, self.process, self._after_ticks, pulse)
+        self.ticks = GroupTicks(self.pipelines, self.sleepers, self.forming, self.process, self._after_ticks)
         self.clock = TickClock(self.loop, pc.tick_ms, quiet=self.ticks.quiet, on_ticks=self.ticks,
                                on_error=self._on_tick_error, stopping=lambda: self.stopping)
-        self.to_process = Coalesced(self.loop, self.process, pulse=pulse)  # nodes given peer messages or source runs
+        self.to_process = Coalesced(self.loop, self.process, pulse=self.pulse)  # nodes given peer messages or source runs
         log.info("member started", **kv(**({} if self.shard is None else {"shard": self.shard}),
                                          role=self.cfg.member.role, protocol=self.pcfg.name,
                                          listen=self.cfg.member.listen, peers=",".join(self.cfg.member_ids())))
@@ -340,8 +338,9 @@ class Member:
             self.to_process.add(p)
 
     def process(self, p: TopicPipeline) -> None:
-        """Drain `p`'s node (kdsync.handshake)."""
+        """Drain `p`'s node (kdsync.handshake); a long pass pulses."""
         self.handshake.process(p)
+        self.pulse()
 
     def deliver(self, p: TopicPipeline, d: Delivery) -> None:
         if p.deliver(d, self.me, time.monotonic()):

@@ -120,29 +120,49 @@ class TickClock:
 
 class Pulse:
     """Called inside a long pass of the loop (a drain of a thousand nodes, a
-    tick pass over them): at most every `period_s` it runs `beat()` — the
-    member's pings queued and the transport's queue written now
-    (`Transport.flush_now`) instead of after the pass.
+    tick pass over them, a batch frame of a thousand groups' messages, the
+    Readys released by one fsync): at most every `period_s` it runs
+    `beat()` — the member's pings queued and the transport's queue written
+    now (`Transport.flush_now`) instead of after the pass.
 
     Why: what a pass sends leaves after it, so a member whose pass ran a
     second (a burst into 1 000 topics) was silent to its peers for that
     second, and with `suspect_ms` 500 they judged it dead and changed the
     view of every group (issue 43: 5 213 views).  A late loop is not a
-    silent peer: its peers hear it every `period_s` however long its pass."""
+    silent peer: its peers hear it every `period_s` however long its pass.
 
-    def __init__(self, beat: Callable[[], None], period_s: float, clock: Callable[[], float] = time.perf_counter):
-        self.beat, self.period, self.clock = beat, period_s, clock
-        self.next = float("inf")  # armed by start()
+    A pass begins at `start()`, or, `auto`, at the first call since the
+    loop last got back to its callbacks (the pulse disarms itself with
+    `call_soon` on the running loop)."""
+
+    def __init__(self, beat: Callable[[], None], period_s: float, clock: Callable[[], float] = time.perf_counter,
+                 auto: bool = False):
+        self.beat, self.period, self.clock, self.auto = beat, period_s, clock, auto
+        self.next = float("inf")  # armed by start(), or by the first call of a pass (loop given)
+        self._disarm_due = False
 
     def start(self) -> None:
         """A pass begins."""
         self.next = self.clock() + self.period
+
+    def _disarm(self) -> None:
+        self._disarm_due = False
+        self.next = float("inf")
 
     def __call__(self) -> None:
         now = self.clock()
         if now >= self.next:
             self.next = now + self.period
             self.beat()
+        elif self.auto and not self._disarm_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on a loop (a test driving a part alone): no pass to time
+                return
+            if self.next == float("inf"):
+                self.next = now + self.period
+            self._disarm_due = True
+            loop.call_soon(self._disarm)
 
 
 class Coalesced:
@@ -155,7 +175,9 @@ class Coalesced:
     hundreds of callbacks in one loop iteration when a read touched hundreds
     of topics, and the tick timer, queued behind them, ran up to a second
     late (measured at 1 000 topics: its pings late, peers suspected).  One
-    callback for all of them, cut by time, keeps every iteration short."""
+    callback for all of them, cut by time, keeps every iteration short.
+    `pulse` (the member's `Pulse`): called at every `add` — the adds of one
+    read may be a batch frame of a thousand groups' messages."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, run: Callable[[object], None],
                  budget_s: float = DRAIN_BUDGET_S, pulse: Pulse | None = None):
@@ -164,6 +186,8 @@ class Coalesced:
         self._scheduled = False
 
     def add(self, item) -> None:
+        if self.pulse is not None:
+            self.pulse()
         if self._todo.setdefault(id(item), item) is item and not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._drain)
@@ -173,15 +197,11 @@ class Coalesced:
 
     def _drain(self) -> None:
         self._scheduled = False
-        todo, run, pulse = self._todo, self._run, self.pulse
+        todo, run = self._todo, self._run
         end = time.perf_counter() + self.budget
-        if pulse is not None:
-            pulse.start()
         try:
             while todo:
                 run(todo.pop(next(iter(todo))))
-                if pulse is not None:
-                    pulse()
                 if time.perf_counter() >= end:
                     break
         finally:  # also when run() raised (the loop logs it): the rest still run
@@ -347,14 +367,13 @@ class GroupTicks:
     `groups` maps a topic to its pipeline (anything with a `.node`), read at
     every pass; `sleepers` says which nodes sleep and what the awake ones hear
     of the member's liveness; `forming` admits the groups in a view change;
-    `process(pipeline)` drains a node that was ticked; `after(now)` runs once
-    at the end of every pass (the member's producer poll and health sample);
-    `pulse`: called after every group (a long pass: `Pulse`)."""
+    `process(pipeline)` drains a node that was ticked (the member's pulses:
+    `Pulse`); `after(now)` runs once at the end of every pass (the member's
+    producer poll and health sample)."""
 
     def __init__(self, groups: dict, sleepers: Sleepers, forming: FormingSlots, process: Callable[[object], None],
-                 after: Callable[[float], None], pulse: Pulse | None = None):
+                 after: Callable[[float], None]):
         self.groups, self.sleepers, self.forming, self.process, self.after = groups, sleepers, forming, process, after
-        self.pulse = pulse or (lambda: None)
 
     def quiet(self) -> bool:
         """Every awake node is quiet (a sleeping node is not asked: a thousand idle topics)."""
@@ -368,9 +387,6 @@ class GroupTicks:
         sleepers.on_ticks(n)
         forming.refill()
         asleep = sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
-        pulse = self.pulse
-        if isinstance(pulse, Pulse):
-            pulse.start()
         for t in (sleepers.awake(groups) if len(asleep) < len(groups) else ()):
             p = groups.get(t)
             if p is None or t in asleep or sleepers.skip(t, p.node) or not forming.tick_wanted(t, p.node.status, n):
@@ -379,5 +395,4 @@ class GroupTicks:
             for _ in range(n):
                 p.node.tick()
             self.process(p)
-            pulse()
         self.after(now)

@@ -49,3 +49,35 @@ def test_a_pulse_beats_at_most_once_a_period_inside_a_long_pass():
         clock[0] += 1 / 64
         pulse()
     assert len(beats) == 5  # every fourth step
+
+
+def test_an_auto_pulse_times_each_pass_from_its_first_call():
+    """`auto`: the first call of a pass arms the pulse, which beats once a
+    period passed within that pass, and disarms when the loop gets back to
+    its callbacks: the next pass starts counting afresh."""
+    from kdsync.ticks import Pulse
+
+    beats: list[float] = []
+    clock = [0.0]
+    pulse = Pulse(lambda: beats.append(clock[0]), 1 / 16, clock=lambda: clock[0], auto=True)
+    pulse()  # no loop: nothing armed, nothing raised
+
+    async def main():
+        clock[0] = 1.0
+        pulse()  # a pass begins
+        clock[0] += 1 / 32
+        pulse()
+        assert beats == []
+        clock[0] += 1 / 32
+        pulse()  # a period into the pass
+        assert beats == [1.0 + 1 / 16]
+        await asyncio.sleep(0)  # the loop gets back to its callbacks
+        await asyncio.sleep(0)
+        clock[0] += 1.0  # long after, but a new pass
+        pulse()
+        assert len(beats) == 1
+        clock[0] += 1 / 16
+        pulse()
+        assert len(beats) == 2
+
+    asyncio.run(main())
