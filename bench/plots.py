@@ -135,7 +135,7 @@ def wan_regions(rows: list[dict], labels: list[str], out: Path) -> list[tuple[st
         xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(rows))]
         proto = label.split()[0]
         ax.bar(xs, [r.get(f"{label} p50") or 0 for r in rows], width, label=label,
-               color=COLORS.get(proto, "#2ca02c"), alpha=1.0 if label != "clock" else 0.6)
+               color=COLORS.get(proto, "#2ca02c"), alpha={"clock": 0.6, "clock defaults": 0.3}.get(label, 1.0))
     ax.scatter(range(len(rows)), [r["model clock q=2 p50"] for r in rows], marker="_", s=600, color="k",
                label="clock q=2 model (bench/wan.py)", zorder=3)
     ax.set_xticks(range(len(rows)), [r["origin"] for r in rows])

@@ -307,7 +307,7 @@ class ProtocolSection(_Model):
     max_batch: Annotated[int, Field(ge=1)] = 10_000
     log_retention: Annotated[int, Field(ge=1)] = 1_000_000
     catchup_chunk: Annotated[int, Field(ge=1)] = 5_000
-    clock_lead_ms: Annotated[float, Field(ge=0, le=60_000)] = 0
+    clock_lead_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None  # unset: chosen from measured delays
     commit_quorum: Annotated[int, Field(ge=0, le=1000)] = 0
     quiesce: bool = True  # an idle topic's group sleeps: no ticks, no heartbeats (kdsync.core.liveness)
 

@@ -149,7 +149,8 @@ def node_config(cfg: Config) -> NodeConfig:
                       heartbeat_ticks=p.ticks(p.heartbeat_ms), suspect_ticks=p.ticks(p.suspect_ms),
                       retransmit_ticks=p.ticks(p.retransmit_ms), max_batch=p.max_batch,
                       log_retention=p.log_retention, catchup_chunk=p.catchup_chunk,
-                      clock_lead_us=int(p.clock_lead_ms * 1000), commit_quorum=p.commit_quorum)
+                      clock_lead_us=int((p.clock_lead_ms or 0) * 1000),
+                      auto_lead=p.clock_lead_ms is None, commit_quorum=p.commit_quorum)
 
 
 class ReadHost(Protocol):

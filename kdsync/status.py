@@ -49,9 +49,14 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
     for topic, stage in stalled:
         stalls.setdefault(topic, []).append(stage)
     topics = []
+    delays: dict[str, int] = {}  # clock: one-way delays (us) this member measured to its peers
     for p in sorted(pipelines, key=lambda p: p.topic):
         view = getattr(p.node, "view", None)
         w = p.writer
+        leads = getattr(p.node, "leads", None)
+        if leads is not None:
+            for peer, us in leads.row().items():
+                delays.setdefault(peer, us)
         topics.append({
             "topic": p.topic,
             "global_topic": p.global_topic,
@@ -64,6 +69,8 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
                     "produce": w.unproduced if w is not None else 0,
                     "delivery report": w.outstanding if w is not None else 0},
             "stalled": stalls.get(p.topic, []),
+            # clock: the lead in use (chosen from measured delays unless configured; docs/wan.md)
+            "lead_ms": None if leads is None else round(p.node.lead_us / 1000, 1),
         })
     in_view = set().union(*(t["members"] for t in topics)) if topics else set()
     return {
@@ -79,7 +86,8 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
                    "refused": (refusals[peer][1] if peer in refusals else None),
                    "refused_why": (refusals[peer][0] if peer in refusals else None),
                    "refused_s_ago": (round(now - refusals[peer][2], 1) if peer in refusals else None),
-                   "twin": twins.get(peer)} for peer in peers],
+                   "twin": twins.get(peer),
+                   "one_way_ms": round(delays[peer] / 1000, 1) if peer in delays else None} for peer in peers],
         "topics": topics,
         "kafka_error": (None if kafka_error is None else
                         {"error": kafka_error[0], "s_ago": round(now - kafka_error[1], 1)}),
@@ -132,18 +140,22 @@ def render(snaps: list[dict[str, Any]]) -> str:
         wire = snap["wire"][0] if snap["wire"][0] == snap["wire"][1] else f"{snap['wire'][0]}-{snap['wire'][1]}"
         out.append(f"member {snap['member']} ({snap['protocol']},{shard} pid {snap['pid']}, "
                    f"up {_uptime(snap['uptime_s'])}, wire {wire})")
-        rows = [["peer", "link", "in view", "refused"]]
+        clock = snap["protocol"] == "clock"  # its measured delays and leads get a column each
+        rows = [["peer", "link", "in view", *(["one-way"] if clock else []), "refused"]]
         for p in snap["peers"]:
             refused = "-" if not p["refused"] else f"{p['refused']} ({p['refused_s_ago']:g}s ago): {p['refused_why']}"
-            rows.append([p["peer"], p["link"], "yes" if p["in_view"] else "no", refused])
+            one_way = [] if not clock else ["-" if p.get("one_way_ms") is None else f"{p['one_way_ms']:g}ms"]
+            rows.append([p["peer"], p["link"], "yes" if p["in_view"] else "no", *one_way, refused])
         out += _table(rows)
-        rows = [["topic", "status", "view", "members", "delivered", "fetch", "ordering", "produce", "report",
-                 "stalled"]]
+        rows = [["topic", "status", "view", "members", *(["lead"] if clock else []), "delivered", "fetch", "ordering",
+                 "produce", "report", "stalled"]]
         for t in snap["topics"]:
             lag = t["lag"]
+            lead = [] if not clock else ["-" if t.get("lead_ms") is None else f"{t['lead_ms']:g}ms"]
             rows.append([t["topic"], t["status"], "-" if t["view"] is None else str(t["view"]),
-                         ",".join(t["members"]) or "-", str(t["delivered"]), str(lag["fetch"]), str(lag["ordering"]),
-                         str(lag["produce"]), str(lag["delivery report"]), ",".join(t["stalled"]) or "-"])
+                         ",".join(t["members"]) or "-", *lead, str(t["delivered"]), str(lag["fetch"]),
+                         str(lag["ordering"]), str(lag["produce"]), str(lag["delivery report"]),
+                         ",".join(t["stalled"]) or "-"])
         out += [""] + _table(rows)
         k = snap.get("kafka_error")
         if k is not None:

@@ -68,7 +68,8 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
     message).
     """
     base = NodeConfig(member_id=member_id, members=s.member_ids)
-    lead_us = int(next(m.clock_lead_ms for m in s.members if m.id == member_id) * 1000)
+    lead_ms = next(m.clock_lead_ms for m in s.members if m.id == member_id)
+    lead_us, auto_lead = int((lead_ms or 0) * 1000), lead_ms is None
     if s.timing is not None:  # the real member's timers, counted in its ticks (kdsync/config.py ticks())
         t = s.timing.resolved()
 
@@ -78,7 +79,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         return NodeConfig(member_id=member_id, members=s.member_ids,
                           roles={m.id: m.role for m in s.members if m.role == "witness"}, protocol=s.protocol,
                           suspect_ticks=ticks(t["suspect_ms"]), heartbeat_ticks=ticks(t["heartbeat_ms"]),
-                          retransmit_ticks=ticks(t["retransmit_ms"]), clock_lead_us=lead_us,
+                          retransmit_ticks=ticks(t["retransmit_ms"]), clock_lead_us=lead_us, auto_lead=auto_lead,
                           commit_quorum=s.commit_quorum)
     worst_ms = s.network.default.latency_ms or 1.0
     worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
@@ -101,6 +102,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         heartbeat_ticks=max(base.heartbeat_ticks, suspect // 4),
         retransmit_ticks=max(base.retransmit_ticks, int(rtt_ticks + 0.999) + 1),
         clock_lead_us=lead_us,
+        auto_lead=auto_lead,
         commit_quorum=s.commit_quorum,
     )
 

@@ -29,7 +29,8 @@ class _Strict(BaseModel):
 class MemberSpec(_Strict):
     id: str = Field(min_length=1)
     role: Literal["member", "witness"] = "member"
-    clock_lead_ms: float = Field(default=0.0, ge=0, le=60_000)  # extension: kdsync run's protocol.clock_lead_ms
+    # extension: kdsync run's protocol.clock_lead_ms (unset: chosen from measured delays, kdsync.core.leads)
+    clock_lead_ms: float | None = Field(default=None, ge=0, le=60_000)
 
 
 class LinkSpec(_Strict):

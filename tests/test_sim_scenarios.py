@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kdsync.core import make_node
 from sim.cli import main
 from sim.runner import run_scenario
 from sim.scenario import load_scenario
@@ -104,3 +105,34 @@ def test_a_clean_stop_costs_no_suspect_timeout_a_crash_does():
     print(f"worst live latency while a member is down: stop {worst['stop']:.0f} ms, crash {worst['crash']:.0f} ms")
     assert worst["crash"] > 3000  # suspect_ms of silence first
     assert worst["stop"] < 1000, worst
+
+
+def test_a_far_region_chooses_its_own_lead():
+    """Issue 42, no hand tuning: wan-one-far-region.yaml without its
+    configured lead.  The far member measures its delays and chooses about
+    the lead docs/wan.md's rule gives by hand (60 ms: 90 one way, 30 between
+    the others); the near ones choose none; the median falls as with the
+    hand-set lead, against the same run with every lead pinned at 0."""
+    base = load_scenario(SCENARIOS / "wan-one-far-region.yaml")
+    assert next(m for m in base.members if m.id == "far").clock_lead_ms == 60
+
+    def members(lead):
+        return [m.model_copy(update={"clock_lead_ms": lead}) for m in base.members]
+
+    nodes = []
+
+    def factory(config, **kw):
+        nodes.append(make_node(config, **kw))
+        return nodes[-1]
+
+    auto = run_scenario(base.model_copy(update={"members": members(None)}), node_factory=factory)
+    none = run_scenario(base.model_copy(update={"members": members(0)}))
+    for r in (auto, none):
+        assert r.failing == [] and r.summary["violations"] == []
+        assert all(n == r.summary["events_submitted"] for n in r.summary["events_delivered"].values())
+    leads = {n.me: n.lead_us for n in nodes}
+    assert 45_000 <= leads["far"] <= 75_000, leads
+    assert all(leads[m] < 5_000 for m in ("r1", "r2", "r3", "r4")), leads
+    p50 = {name: r.summary["latency_ms"]["p50"] for name, r in (("auto", auto), ("none", none))}
+    print(f"leads {leads}; p50 {p50}")
+    assert p50["auto"] < 0.7 * p50["none"], p50

@@ -40,6 +40,10 @@ far from every other one then holds the others back by its distance minus
 its lead (its promises arrive that much "earlier"), and its own events wait
 its lead longer: docs/wan.md says how to choose it.
 
+*Automatic lead* (`auto_lead`, kdsync.core.leads): the member times its own
+slots' acknowledgements, gossips its one-way delay estimates (DELAYS) and
+chooses its lead by docs/wan.md's rule; a configured lead overrides it.
+
 *Commit quorum.*  C1 needs a majority of the view by default: learning that
 costs two one-way delays (origin -> holder -> here).  `commit_quorum` q
 smaller than a majority (2: the origin and this member, so one delay) is
@@ -73,7 +77,9 @@ from __future__ import annotations
 
 from kdsync.core.clock_stream import ClockStream
 from kdsync.core.derecho import DerechoNode
-from kdsync.core.messages import CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, Report, SlotData, SlotReq
+from kdsync.core.leads import Leads
+from kdsync.core.messages import (CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, Delays, Report, SlotData,
+                                  SlotReq)
 from kdsync.core.types import RemoteProtocolError, View
 from kdsync.core.viewchange import ViewChange
 
@@ -205,6 +211,7 @@ class ClockNode(DerechoNode):
         self._ack_at_tick = False  # ...from a far sender: acknowledge with the next tick's reports (module doc)
         self._tick_us = 0  # the tick period as measured on the node's clock (0: not known yet)
         self._last_tick_us: int | None = None
+        self.leads = Leads(config.member_id)
         super().__init__(config, **kw)
         h = self._handlers
         del h[Append], h[Ack]  # not in this protocol's codec
@@ -212,11 +219,17 @@ class ClockNode(DerechoNode):
         h[ClockAck] = self._on_clock_ack
         h[SlotReq] = self.vc.on_slot_req
         h[SlotData] = self._on_slot_data
+        h[Delays] = self._on_delays
+
+    @property
+    def lead_us(self) -> int:
+        """The lead in use: the configured one, or the measured one (auto_lead)."""
+        return self.leads.lead_us if self.cfg.auto_lead else self.cfg.clock_lead_us
 
     @property
     def _stamp_now(self) -> int:
         """The time own stamps and promises start from: the clock plus the lead."""
-        return self.now_us + self.cfg.clock_lead_us
+        return self.now_us + self.lead_us
 
     def _new_stream(self, view: View) -> ClockStream:
         old = getattr(self, "stream", None)
@@ -263,6 +276,33 @@ class ClockNode(DerechoNode):
         self._take_ack(msg)  # derecho's: acknowledgements, suspicions, wedging (same field names)
         self._try_deliver()
 
+    def _on_ack_vector(self, s: str, recv) -> None:
+        super()._on_ack_vector(s, recv)
+        k = self.stream.my_k
+        if self.cfg.auto_lead and k >= 0:
+            self.leads.on_ack(s, recv[k], self.now_us)
+
+    # ------------------------------------------------------------- leads
+    def _on_delays(self, msg: Delays) -> None:
+        if len(msg.peers) != len(msg.delays) or msg.sender in msg.peers or any(d > 60_000_000 for d in msg.delays):
+            raise RemoteProtocolError("delays: one delay per peer, under a minute, none to itself")
+        self.leads.on_row(msg.sender, dict(zip(msg.peers, msg.delays)))
+
+    def _entered_view(self) -> None:
+        super()._entered_view()
+        self.leads.new_view(self.view.members)
+
+    def _gossip_delays(self) -> None:
+        """Send our delay row where it is due, and choose the lead (kdsync.core.leads)."""
+        peers = [p for p in self.view.members if p != self.me and p not in self.suspected]
+        to, row = self.leads.due(peers)
+        if to:
+            peers_, delays = tuple(row), tuple(row.values())
+            data = Delays(self.me, self.incarnation, self.view.view_id, peers_, delays).encode()
+            for p in to:
+                self._send(p, data)
+        self.leads.choose(self.view.members)
+
     # ------------------------------------------------------------- repair
     def _on_slot_data(self, msg: SlotData) -> None:
         """Slots fetched: by a view change's leader (ClockViewChange), or to
@@ -306,6 +346,9 @@ class ClockNode(DerechoNode):
             self._tick_us = gap if not self._tick_us else (3 * self._tick_us + gap) // 4
         self._last_tick_us = now_us
         super().tick()
+        if self.cfg.auto_lead and self.now % self.cfg.heartbeat_ticks == 0 and self._is_member() \
+                and not self.wedged:
+            self._gossip_delays()
         if self._ack_at_tick:  # the acknowledgements of far slots that arrived since the last tick
             self._ack_at_tick = False
             if self._ack_due:
@@ -338,6 +381,9 @@ class ClockNode(DerechoNode):
             first, slots = st.cut(self.pending, self._stamp_now, IN_FLIGHT, self.cfg.max_batch)
             cur = tuple(st.received)
             self._multicast_slots(first, cur, self._slots_message(first, slots, cur))
+            if self.cfg.auto_lead:
+                self.leads.on_cut(first, (p for p in self.view.members if p != self.me and p not in self.suspected),
+                                  self.now_us)
             self._ack_due = False  # that message acknowledges and reports
             self._try_deliver()
         if self._ack_due and not self._ack_at_tick:
@@ -350,5 +396,6 @@ class ClockNode(DerechoNode):
     def snapshot(self) -> dict:
         snap = super().snapshot()
         snap["clock"] = self.stream.clock
+        snap["lead_us"] = self.lead_us
         return snap
 

@@ -399,8 +399,22 @@ class SlotData(Message):
     slots: tuple
 
 
+class Delays(Message):
+    """The sender's one-way delay estimates to `peers` (us, half its smallest
+    recent round trip to each): the rows the clock protocol's automatic
+    lead is chosen from (kdsync.core.leads).  An older release drops it and
+    its peers keep their leads where they are."""
+
+    __slots__ = ("view", "peers", "delays")
+    TYPE = 22
+    FIELDS = (("view", INT), ("peers", MEMBERS), ("delays", INTS))
+    view: int
+    peers: tuple
+    delays: tuple
+
+
 CLOCK_MESSAGES = (ClockAppend, ClockAck, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge)
+                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge, Delays)
 
 # ------------------------------------------------------------------- mirror
 class MirrorData(Message):

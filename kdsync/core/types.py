@@ -162,4 +162,5 @@ class NodeConfig:
     log_retention: int = 1_000_000  # delivered events kept in memory for catch-up
     catchup_chunk: int = 5_000  # events per catch-up message
     clock_lead_us: int = 0  # clock protocol: own stamps run this far ahead of the clock (a far member's lead)
+    auto_lead: bool = False  # clock protocol: choose the lead from measured delays instead (kdsync.core.leads)
     commit_quorum: int = 0  # clock protocol: members that must hold a slot before delivery (0: a majority)
