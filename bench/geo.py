@@ -14,6 +14,7 @@ region by default) and each figure is the median of a few runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -35,20 +36,21 @@ RATE_EPS = 250.0
 DURATION_S = 8.0
 
 
-def real_run(protocol: str, rate_eps: float = RATE_EPS, duration_s: float = DURATION_S,
-             timeout_s: float = 120.0) -> dict:
-    """One real run; latency = global record timestamp - source timestamp, every
-    global topic, records written after every member was ready."""
+@contextlib.contextmanager
+def geo_group(protocol: str, out: dict):
+    """Five local Tansu clusters and five `kdsync run` members of `protocol`
+    on loopback, every member link through a delay proxy with the one-way
+    delay of the same link in wan-five-regions.yaml, every member ready.
+    Yields (the LocalGroup, member -> its start overrides: a restart passes
+    them again); the proxies' lateness goes into `out` at the end."""
     from kdsync.kafka.topic import ensure_topic
     from kdsync.testing import local
-    from kdsync.testing.load import PacedWriters
 
     s = yaml.safe_load(SCENARIO.read_text())
     ids, d = delays(s)
     n = len(ids)
     leads = {i: m.get("clock_lead_ms", 0.0) for i, m in enumerate(s["members"])}
     proxies: dict[tuple[int, int], str] = {}
-    out: dict = {"protocol": protocol, "rate_eps": rate_eps, "duration_s": duration_s}
     extra = {"protocol": {"commit_quorum": s.get("commit_quorum", 0)}} if protocol == "clock" else {}
     with tempfile.TemporaryDirectory(prefix="kdsync-geo-") as tmp:
         g = local.LocalGroup(n, Path(tmp), protocol=protocol, names=ids, metrics=True,
@@ -65,41 +67,53 @@ def real_run(protocol: str, rate_eps: float = RATE_EPS, duration_s: float = DURA
                     c.start()
                 for i in range(n):
                     ensure_topic(g.bootstrap(i), g.topic, 2)
+                starts = {i: ({"protocol": {"clock_lead_ms": leads[i]}} if protocol == "clock" and leads[i] else {})
+                          for i in range(n)}
                 for i in range(n):
-                    lead = leads[i] if protocol == "clock" else 0.0
-                    g.start_member(i, **({"protocol": {"clock_lead_ms": lead}} if lead else {}))
+                    g.start_member(i, **starts[i])
                 g.wait_ready(timeout=120)
-                per = max(1, int(round(rate_eps * duration_s / n)))
-                w = PacedWriters([g.bootstrap(i) for i in range(n)], g.topic, per, "p", rate_eps / n)
-                w.warm()
-                w.go()
-                w.join()
-                total = per * n + n  # and the warm-up record of each cluster
-                got = g.wait_for(total, timeout_s, poll=0.1)
-                short = {k: len(v) for k, v in got.items() if len(v) < total}
-                if short:
-                    raise RuntimeError(f"{total} events not ordered in {timeout_s:.0f} s: {short}")
-                lat = [max(0, r.write_ts - r.origin_ts) for v in got.values() for r in v
-                       if (r.key or b"").startswith(b"p")]
-                out.update({"events": per * n, "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
-                            "loadavg_1m": round(os.getloadavg()[0], 2)})
-                if protocol != "mirror":
-                    ok, detail = local.check_global_topics(got, expected=total)
-                    out["agreement"] = ok
-                    out["agreement_detail"] = detail
+                yield g, starts
         finally:
             if proxy is not None:
                 stop_proxies(proxy, out)
+
+
+def real_run(protocol: str, rate_eps: float = RATE_EPS, duration_s: float = DURATION_S,
+             timeout_s: float = 120.0) -> dict:
+    """One real run; latency = global record timestamp - source timestamp, every
+    global topic, records written after every member was ready."""
+    from kdsync.testing import local
+    from kdsync.testing.load import PacedWriters
+
+    out: dict = {"protocol": protocol, "rate_eps": rate_eps, "duration_s": duration_s}
+    with geo_group(protocol, out) as (g, _):
+        n = g.n
+        per = max(1, int(round(rate_eps * duration_s / n)))
+        w = PacedWriters([g.bootstrap(i) for i in range(n)], g.topic, per, "p", rate_eps / n)
+        w.warm()
+        w.go()
+        w.join()
+        total = per * n + n  # and the warm-up record of each cluster
+        got = g.wait_for(total, timeout_s, poll=0.1)
+        short = {k: len(v) for k, v in got.items() if len(v) < total}
+        if short:
+            raise RuntimeError(f"{total} events not ordered in {timeout_s:.0f} s: {short}")
+        lat = [max(0, r.write_ts - r.origin_ts) for v in got.values() for r in v
+               if (r.key or b"").startswith(b"p")]
+        out.update({"events": per * n, "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
+                    "loadavg_1m": round(os.getloadavg()[0], 2)})
+        if protocol != "mirror":
+            ok, detail = local.check_global_topics(got, expected=total)
+            out["agreement"] = ok
+            out["agreement_detail"] = detail
     return out
 
 
-def sim_run(protocol: str, rate_eps: float, duration_s: float, workdir: Path, late_ms: list[float] | None = None,
-            seeds: int = 3) -> dict:
-    """The same in the simulator: the median over `seeds` seeds of the p50 /
-    p99 of records created once every member was in its first view."""
-    from sim.runner import run_scenario
-    from sim.scenario import load_scenario
-
+def sim_scenario(protocol: str, rate_eps: float, duration_s: float, late_ms: list[float] | None = None) -> dict:
+    """The real geo run as a scenario dict: wan-five-regions' delays, the
+    WAN timers, paced writes from 2 s, this machine's broker and member costs
+    (results/calibration.yaml, when `kdsync-sim calibrate` wrote it) and how
+    late the real proxies forwarded (`late_ms`)."""
     s = yaml.safe_load(SCENARIO.read_text())
     s.update(name=f"geo-{protocol}", protocol=protocol, duration_s=duration_s + 2, settle_s=8,
              timing=dict(WAN_TIMING),
@@ -121,8 +135,18 @@ def sim_run(protocol: str, rate_eps: float, duration_s: float, workdir: Path, la
         s["kafka"] = {**s.get("kafka", {}), **kafka_at(profile, rate_eps)}
         if profile.get("member_cost"):
             s["member_cost"] = profile["member_cost"]
+    return s
+
+
+def sim_run(protocol: str, rate_eps: float, duration_s: float, workdir: Path, late_ms: list[float] | None = None,
+            seeds: int = 3) -> dict:
+    """The same in the simulator: the median over `seeds` seeds of the p50 /
+    p99 of records created once every member was in its first view."""
+    from sim.runner import run_scenario
+    from sim.scenario import load_scenario
+
     path = workdir / f"geo-{protocol}.yaml"
-    path.write_text(yaml.safe_dump(s, sort_keys=False))
+    path.write_text(yaml.safe_dump(sim_scenario(protocol, rate_eps, duration_s, late_ms), sort_keys=False))
     sc = load_scenario(path)
     runs = []
     for seed in range(1, seeds + 1):
@@ -187,6 +211,26 @@ def geo_section(progress=lambda: None, runs: int = 1):
         f"real side also queues members and brokers behind each other, which the one-core-per-member model "
         f"does not.")
     sec.tables.append(Table("geo_real_vs_sim", "Five regions, real vs simulated (ms)", rows))
+    from bench import geo_faults
+
+    try:
+        frows = geo_faults.compare("clock", say=lambda m: progress())
+    except Exception as e:  # noqa: BLE001 - the steady run above still stands
+        sec.note_unmeasured([f"geo faults: {type(e).__name__}: {str(e)[:300]}"])
+        frows = []
+    if frows:
+        sec.intro.append(
+            "Faults (`python -m bench.geo_faults`, issue 42): the same five regions, clock, writes for "
+            f"{geo_faults.WRITE_S:g} s; Tokyo's member killed (SIGKILL) at 6 s and restarted at 11 s, Oregon's "
+            "stopped (SIGTERM) at 18 s and restarted at 22 s; then the same schedule in the simulator (3 seeds). "
+            "Worst = the worst latency of the live regions' events created in the 3 s after the fault.")
+        sec.tables.append(Table("geo_faults", "Five regions through a crash and a clean stop, real vs simulated "
+                                "(ms)", frows))
+        for r in frows:
+            sec.headlines.append(Headline(f"geo run, clock, {r['fault']}: live regions' worst, real / sim",
+                                          r["worst real/sim"], "0.8 - 1.2 (issue 42)", "geo_faults.csv"))
+        sec.headlines.append(Headline("geo run, clock, through a crash and a clean stop: every cluster identical, "
+                                      "exactly once", all(r["agreement"] for r in frows), "yes", "geo_faults.csv"))
     clock = next((r for r in rows if r.get("protocol") == "clock" and "real p50" in r), None)
     if clock:
         sec.headlines += [Headline("geo run, clock: real p50 / sim p50", clock["p50 real/sim"], "0.8 - 1.2",

@@ -12,7 +12,7 @@ Sections (each degrades to "not measured: <reason>" when its part is missing):
   real      three embedded Tansu clusters + `kdsync run` members, end to end
   member    one member under paced load (bench.load): CPU per event, latency vs the Kafka floor, drain, idle
   simreal   kdsync-sim calibrate, then real vs simulated p50/p99 at 300 and 1 000 events/s x 10 and 25 ms between members
-  geo       five real regions on loopback (delay proxies with wan-five-regions' delays) vs the simulator, mirror and clock
+  geo       five real regions on loopback (delay proxies with wan-five-regions' delays) vs the simulator, mirror and clock; and clock through a kill -9 and a SIGTERM (bench.geo_faults)
   shards    real drain with [topics] shards = 2: kdsync run --workers 1 vs --workers 2
   topics    many topics per member (bench.topics): start-up and idle cost at 1 000 / 100 / 1 topics, CPU per event spread
   reliability  the nemesis suite on durable clusters
