@@ -106,11 +106,16 @@ def copier(own: str, sources: list[str], topic: str, expect: int, timeout_s: flo
 
 # ------------------------------------------------------------------- bench
 def run_copy_floor(rate_eps: float, duration_s: float, *, clusters: int = 3, partitions: int = 2,
-                   topic: str = "events", timeout_s: float = 120.0) -> dict:
+                   topic: str = "events", timeout_s: float = 120.0, floor_idle_s: float = 0.0,
+                   floor: bool = True) -> dict:
     """One paced run with copiers instead of members; returns cpu_us_per_event
     (mean over copiers), its split (cpu_us_kafka, cpu_us_threads), events,
-    loadavg_1m."""
-    from kdsync.testing.load import PacedWriters
+    loadavg_1m; and bench.load's one-hop probe on cluster 1's broker for
+    `floor_idle_s` before the load and during it (floor_idle_p50_ms, ...,
+    floor_p99_ms): what the load does to the broker's latency when only
+    copiers serve it, the reference for the members' figures."""
+    from kdsync.testing.load import FLOOR_TOPIC, FloorProbe, PacedWriters
+    from kdsync.testing.stats import percentile
     from kdsync.kafka.embedded import EmbeddedCluster
     from kdsync.kafka.topic import ensure_topic
 
@@ -134,14 +139,30 @@ def run_copy_floor(rate_eps: float, duration_s: float, *, clusters: int = 3, par
             for p in procs:
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"a copier did not start (exit {p.poll()})")
+            ensure_topic(boots[0], FLOOR_TOPIC, 1)
+            if floor_idle_s > 0:
+                idle = FloorProbe(boots[0], max(1, int(rate_eps / clusters * floor_idle_s)), rate_eps / clusters)
+                idle.start()
+                idle.join(30 + floor_idle_s)
+                if idle.lat:
+                    out["floor_idle_p50_ms"] = round(percentile(idle.lat, 50), 2)
+                    out["floor_idle_p99_ms"] = round(percentile(idle.lat, 99), 2)
             writers = PacedWriters(boots, topic, per, "p", rate_eps / clusters)
             writers.warm()
+            probe = FloorProbe(boots[0], per, rate_eps / clusters) if floor else None
+            if probe:  # as bench.load runs it beside the members: both sides see the same box
+                probe.start()
             load0 = os.getloadavg()[0]
             for p in procs:
                 p.stdin.write("go\n")
                 p.stdin.flush()
             writers.go()
             writers.join()
+            if probe:
+                probe.join(30)
+            if probe and probe.lat:
+                out["floor_p50_ms"] = round(percentile(probe.lat, 50), 2)
+                out["floor_p99_ms"] = round(percentile(probe.lat, 99), 2)
             res = []
             for p in procs:
                 line = p.stdout.readline()

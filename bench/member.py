@@ -37,6 +37,7 @@ class MemberParams:
     cpu_pairs: int = 3  # rounds of (copy floor, derecho, clock, clock coalesced) at 1 000 events/s for the CPU ratios
     coalesce_us: int = 2000  # [member] coalesce_us of the coalesced clock run
     brokers: tuple[str, ...] = BROKERS  # the 1 000 events/s point once more on each implementation, alternating
+    floor_idle_s: float = 3.0  # at 1 000 events/s: the floor probe alone before the load (issue 43's plain setup)
 
 
 def _cpu_runs(p: MemberParams) -> list[tuple[str, str, dict]]:
@@ -77,7 +78,7 @@ def _cpu_ratios(p: MemberParams, errors: list[str], progress=None) -> list[dict]
         row = {"run": label, "runs": len(rs), "cpu_us_per_event": round(med[label], 1),
                "cpu_us_per_event_runs": "/".join(f"{r['cpu_us_per_event']:.0f}" for r in rs),
                "over_floor": round(med[label] / floor, 2) if floor else None}
-        for key in ("p50_ms", "p99_ms", "frames_out_per_event", "cpu_us_loop"):
+        for key in ("p50_ms", "p99_ms", "frames_out_per_event", "cpu_us_loop", "floor_p99_ms"):
             xs = [r[key] for r in rs if r.get(key) is not None]
             row[key] = round(statistics.median(xs), 3) if xs else None
         out.append(row)
@@ -85,7 +86,8 @@ def _cpu_ratios(p: MemberParams, errors: list[str], progress=None) -> list[dict]
 
 
 def _row(r: dict) -> dict:
-    keys = ("protocol", "rate_eps", "events", "p50_ms", "p99_ms", "floor_p50_ms", "floor_p99_ms", "cpu_us_per_event",
+    keys = ("protocol", "rate_eps", "events", "p50_ms", "p99_ms", "floor_p50_ms", "floor_p99_ms", "floor_idle_p50_ms",
+            "floor_idle_p99_ms", "cpu_us_per_event",
             "cpu_us_loop", "cpu_us_kafka", "cpu_us_threads", "frames_out_per_event", "member_cpu_pct",
             "stage_fetch_ms", "stage_handoff_ms", "stage_sent_ms", "stage_delivered_ms", "stage_produced_ms",
             "stage_report_ms", "drain_eps", "idle_cpu_pct", "broker_cpu_us_per_event", "agreement", "loadavg_1m")
@@ -157,7 +159,8 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     rows, errors = [], []
     for rate in p.rates:
         for proto in PROTOCOLS:  # the protocols back to back: their ratios see the same load
-            kw = dict(backlog=p.backlog_per_cluster, idle_s=p.idle_s) if rate == 1000.0 else {}
+            kw = dict(backlog=p.backlog_per_cluster, idle_s=p.idle_s, floor_idle_s=p.floor_idle_s) \
+                if rate == 1000.0 else {}
             with tempfile.TemporaryDirectory(prefix=f"kdsync-bench-member-{proto}-") as d:
                 try:
                     r = run_load(proto, rate, p.duration_s, workdir=Path(d), **kw)
@@ -181,7 +184,8 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
         f"configuration (only `[protocol] name`), a source topic of 2 partitions, one paced writer per cluster for "
         f"{p.duration_s:g} s. Latency: global record timestamp - `kdsync.origin.ts` (ms resolution) over every "
         f"global topic; floor: a plain producer (`linger.ms=1`) -> consumer (`fetch.wait.max.ms=5`) on cluster 1's "
-        f"broker during the same load. CPU: the member process's CPU time over the load / records it ordered "
+        f"broker during the same load (at 1 000 events/s also for {p.floor_idle_s:g} s before it, members up and "
+        f"idle: floor_idle). CPU: the member process's CPU time over the load / records it ordered "
         f"(loop = main thread, kafka = librdkafka threads, threads = the source consumer and others). Stages: mean "
         f"time per batch (kdsync_stage_seconds). At 1 000 events/s, before the load: {p.backlog_per_cluster} events "
         f"per cluster written while the members were down (drain = all of them / first->last global record; "
@@ -194,7 +198,9 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     sec.intro.append(
         f"CPU ratios (table member_cpu): at 1 000 events/s, {p.cpu_pairs} rounds of the copy floor, derecho, clock "
         f"and clock with `[member] coalesce_us = {p.coalesce_us}` (kdsync/eventloop.py: the loop's wake-ups at "
-        f"least that far apart), in alternation, {p.duration_s:g} s of load each and no drain or idle phase; each "
+        f"least that far apart), in alternation, each beside the same one-hop probe on cluster 1 (the copy floor "
+        f"too, since stop 49: the probe costs a copier ~10 % more CPU per event, so a floor without it was "
+        f"measured on a quieter box than the members), {p.duration_s:g} s of load each and no drain or idle phase; each "
         f"row is the median of its runs and `over_floor` its ratio to the copy floor's median. The single copy-floor "
         f"row of member_load is kept for history; the ratios are the paired ones.")
     sec.intro.append(
@@ -239,6 +245,20 @@ def member_section(p: MemberParams, out: Path, progress=None) -> Section:
     sec.headlines.append(Headline("clock p50 - mirror p50 at 1 000 events/s, LAN (ms)",
                                   round(c - m, 1) if c is not None and m is not None else None, "(report)",
                                   "member_load.csv"))
+    for label in ("derecho", "clock"):  # what the members do to the broker beyond what any copier does
+        rr = ratio(by_run.get(label, {}).get("floor_p99_ms"), by_run.get("copy-floor", {}).get("floor_p99_ms"))
+        sec.headlines.append(Headline(f"plain setup: one-hop probe p99 beside {label} members / beside the copy "
+                                      f"floor's copiers, 1 000 events/s (paired runs)", round(rr, 2) if rr else None,
+                                      "(report)", "member_cpu.csv"))
+    for proto in ("derecho", "clock"):  # issue 43's plain setup: default configs, paced writers, 1 000 events/s
+        rr = ratio(val(proto, 1000.0, "floor_p99_ms"), val(proto, 1000.0, "floor_idle_p99_ms"))
+        sec.headlines.append(Headline(f"plain setup, {proto} run: one-hop probe p99 under the load / the same "
+                                      f"probe's p99 before it (idle), 1 000 events/s", round(rr, 2) if rr else None,
+                                      "<= 2 (issue 43)", "member_load.csv"))
+        rr = ratio(val(proto, 1000.0, "p99_ms"), val(proto, 1000.0, "floor_p99_ms"))
+        sec.headlines.append(Headline(f"plain setup: {proto} p99 / the one-hop probe's p99 under the same load, "
+                                      f"1 000 events/s", round(rr, 2) if rr else None, "<= 2 (issue 43)",
+                                      "member_load.csv"))
     for rate, goal in ((300.0, "<= 3 (issue 9)"), (1000.0, "<= 6 (issue 9)"), (3000.0, "")):
         rr = ratio(val("derecho", rate, "p99_ms"), val("derecho", rate, "floor_p99_ms"))
         sec.headlines.append(Headline(f"derecho p99 / floor p99 at {rate:,.0f} events/s",

@@ -230,9 +230,12 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
              backlog: int = 0, idle_s: float = 0.0, timing: dict | None = None, secret: str | None = None,
              extra: dict[str, dict] | None = None, floor: bool = True, timeout_s: float = 120.0,
              on_group: Callable | None = None, on_done: Callable | None = None, host: str = "127.0.0.1",
-             broker: str | None = None) -> dict:
+             broker: str | None = None, floor_idle_s: float = 0.0) -> dict:
     """One paced-load run (see the module docstring); returns a dict of figures:
     p50_ms/p99_ms (paced events, every global topic), floor_p50_ms/floor_p99_ms,
+    floor_idle_p50_ms/floor_idle_p99_ms (with `floor_idle_s` > 0: the same probe
+    for that long before the load, members up and idle: the broker's own
+    latency without the load, issue 43's "idle p99"),
     cpu_us_per_event (mean over members) and per member, member_cpu_pct (load
     phase), idle_cpu_pct (mean, when idle_s > 0), drain_eps (when backlog > 0),
     frames_out_per_event, events, latency_samples, loadavg.
@@ -294,6 +297,13 @@ def run_load(protocol: str, rate_eps: float, duration_s: float, *, clusters: int
             if on_group is not None:
                 on_group(g)
             per = max(1, int(round(rate_eps * duration_s / clusters)))
+            if floor and floor_idle_s > 0:  # the probe alone first: its latency without the load
+                idle = FloorProbe(g.bootstrap(0), max(1, int(rate_eps / clusters * floor_idle_s)), rate_eps / clusters)
+                idle.start()
+                idle.join(30 + floor_idle_s)
+                if idle.lat:
+                    out["floor_idle_p50_ms"] = round(percentile(idle.lat, 50), 2)
+                    out["floor_idle_p99_ms"] = round(percentile(idle.lat, 99), 2)
             writers = PacedWriters([g.bootstrap(i) for i in range(clusters)], g.topic, per, "p", rate_eps / clusters)
             writers.warm()
             before += clusters  # the warm-up records
