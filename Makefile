@@ -8,6 +8,8 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 SEED    ?= 1
 MINUTES ?= 2
+PROTOCOL ?= derecho
+DELAY_MS ?= 0
 STARTS  ?= 300
 KIND    ?= transport
 
@@ -29,7 +31,8 @@ bench: install
 	$(VPY) -m bench.run
 
 nemesis: install
-	$(VPY) -m kdsync.testing.nemesis --seed $(SEED) --minutes $(MINUTES) --out results/nemesis/seed-$(SEED).json
+	$(VPY) -m kdsync.testing.nemesis --seed $(SEED) --minutes $(MINUTES) --protocol $(PROTOCOL) \
+		--delay-ms $(DELAY_MS) --out results/nemesis/$(if $(filter derecho,$(PROTOCOL)),,$(PROTOCOL)-)seed-$(SEED).json
 
 # the soft-RoCE guest's "ci" suite (every RDMA behaviour once; what make test runs too)
 test-rdma: install

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.simreal import start_proxies, stop_proxies
+from kdsync.testing.delay_proxy import start_proxies, stop_proxies
 from bench.wan import SCENARIOS, delays
 from kdsync.testing.stats import percentile
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import Headline, NotMeasured, Section, Table
+from kdsync.testing.delay_proxy import start_proxies, stop_proxies
 from kdsync.testing.stats import percentile
 
 POINTS = ((300.0, 10.0), (300.0, 25.0), (1000.0, 10.0), (1000.0, 25.0))  # (total events/s, one-way delay ms)
@@ -106,34 +107,6 @@ def real_point(rate_eps: float, delay_ms: float, duration_s: float, protocol: st
             if proxy_proc is not None:
                 stop_proxies(proxy_proc, out)
     return out
-
-
-def start_proxies(delay_ms: float, targets: list[str]):
-    """`python -m kdsync.testing.delay_proxy DELAY_MS TARGET...` in a process of
-    its own (no GIL shared with the writers here); returns (process, the
-    proxies' ports in the order of `targets`)."""
-    import subprocess
-
-    proc = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", str(delay_ms), *targets],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return proc, json.loads(proc.stdout.readline())
-
-
-def stop_proxies(proc, out: dict) -> None:
-    """Stop a `python -m kdsync.testing.delay_proxy` process; its last line
-    (how late it forwarded: delay_proxy.late_quantiles) goes into `out` as
-    proxy_late_quantiles_ms, proxy_late_p50_ms, proxy_late_p99_ms."""
-    import subprocess
-
-    proc.stdin.close()
-    try:
-        late = json.loads(proc.stdout.readline() or "{}")
-        if late.get("late_quantiles_ms"):
-            out["proxy_late_quantiles_ms"] = late["late_quantiles_ms"]
-            out["proxy_late_p50_ms"], out["proxy_late_p99_ms"] = late["late_p50_ms"], late["late_p99_ms"]
-        proc.wait(10)
-    except (subprocess.TimeoutExpired, ValueError):
-        proc.kill()
 
 
 def scenario_for(profile_path: Path, rate_eps: float, delay_ms: float, duration_s: float,

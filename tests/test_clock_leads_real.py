@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.simreal import start_proxies, stop_proxies
+from kdsync.testing.delay_proxy import start_proxies, stop_proxies
 from kdsync.kafka.topic import ensure_topic
 from kdsync.testing.load import PacedWriters
 from kdsync.testing.local import LocalGroup, check_global_topics

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 from collections import deque
 
-__all__ = ["DelayProxy"]
+__all__ = ["DelayProxy", "start_proxies", "stop_proxies"]
 
 
 class DelayProxy:
@@ -165,6 +168,30 @@ def late_quantiles(late_s: list[float], n: int = 41) -> list[float]:
     return [round(xs[min(len(xs) - 1, round(k * (len(xs) - 1) / (n - 1)))] * 1000.0, 3) for k in range(n)]
 
 
+def start_proxies(delay_ms: float, targets: list[str]):
+    """`python -m kdsync.testing.delay_proxy DELAY_MS TARGET...` in a process of
+    its own (no GIL shared with the writers here); returns (process, the
+    proxies' ports in the order of `targets`)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kdsync.testing.delay_proxy", str(delay_ms), *targets],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())
+
+
+def stop_proxies(proc, out: dict) -> None:
+    """Stop a `python -m kdsync.testing.delay_proxy` process; its last line
+    (how late it forwarded: delay_proxy.late_quantiles) goes into `out` as
+    proxy_late_quantiles_ms, proxy_late_p50_ms, proxy_late_p99_ms."""
+    proc.stdin.close()
+    try:
+        late = json.loads(proc.stdout.readline() or "{}")
+        if late.get("late_quantiles_ms"):
+            out["proxy_late_quantiles_ms"] = late["late_quantiles_ms"]
+            out["proxy_late_p50_ms"], out["proxy_late_p99_ms"] = late["late_p50_ms"], late["late_p99_ms"]
+        proc.wait(10)
+    except (subprocess.TimeoutExpired, ValueError):
+        proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m kdsync.testing.delay_proxy DELAY_MS PORT[:DELAY_MS]...`: one
     proxy per target port on 127.0.0.1 (with the first delay, or its own), in
@@ -172,9 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     ports as one JSON list, runs until stdin closes, then prints one JSON
     object: `chunks` forwarded, `late_quantiles_ms` (`late_quantiles`),
     `late_p50_ms`, `late_p99_ms`."""
-    import json
-    import sys
-
     args = sys.argv[1:] if argv is None else argv
     delay = float(args[0])
     targets = [(int(a.split(":")[0]), float(a.split(":")[1]) if ":" in a else delay) for a in args[1:]]

@@ -1,7 +1,8 @@
 """A Jepsen-style nemesis: real clusters and members under a seeded fault schedule.
 
-    make nemesis SEED=3 MINUTES=5
-    python -m kdsync.testing.nemesis --seed 3 --minutes 5 [--workdir DIR] [--out FILE.json]
+    make nemesis SEED=3 MINUTES=5 [PROTOCOL=clock DELAY_MS=20]
+    python -m kdsync.testing.nemesis --seed 3 --minutes 5 [--protocol clock] [--delay-ms 20]
+                                     [--workdir DIR] [--out FILE.json]
 
 Three durable clusters (Tansu on a local S3 store, `LocalGroup(durable=True)`)
 and three `kdsync run` members whose peer links each go through a
@@ -22,6 +23,11 @@ from the global topics or one there that no source holds, a member that
 exited on its own, an acknowledged write missing from its source topic (the
 embedded brokers recover their logs before a restart, as Kafka does:
 kdsync.kafka.tansu_recovery).
+
+`protocol` is the members' ordering protocol (derecho by default; clock, the
+WAN protocol, runs the same schedule); with `delay_ms` every directed peer
+link also goes through a delay proxy (kdsync.testing.delay_proxy) behind its
+fault proxy: regions `delay_ms` apart one way.
 
 Exit 0 with no anomaly, 1 otherwise.  docs/nemesis.md.
 """
@@ -79,6 +85,8 @@ def schedule(seed: int, seconds: float, n: int = 3) -> list[Fault]:
 class Report:
     seed: int
     minutes: float
+    protocol: str = "derecho"
+    delay_ms: float = 0.0
     faults: dict[str, int] = field(default_factory=dict)
     fault_seconds: float = 0.0  # wall time from the first fault to the last heal
     acknowledged: int = 0
@@ -91,7 +99,9 @@ class Report:
     def lines(self) -> list[str]:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
         return [
-            f"nemesis seed {self.seed}: {sum(self.faults.values())} faults in {self.fault_seconds:.0f} s ({kinds})",
+            f"nemesis seed {self.seed} ({self.protocol}" + (f", links {self.delay_ms:g} ms one way" if self.delay_ms
+                                                             else "")
+            + f"): {sum(self.faults.values())} faults in {self.fault_seconds:.0f} s ({kinds})",
             f"events      {self.acknowledged} acknowledged, {self.in_sources} in the source topics"
             + (f" (the brokers lost {self.broker_lost} acknowledged writes)" if self.broker_lost else "")
             + f", ordered {' / '.join(map(str, self.ordered.values()))}",
@@ -166,21 +176,27 @@ def _until(cond, timeout: float) -> bool:
     return False
 
 
-def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print) -> Report:
-    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, Writers, check_global_topics
+def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print, protocol: str = "derecho",
+        delay_ms: float = 0.0) -> Report:
+    from kdsync.testing.delay_proxy import start_proxies, stop_proxies
     from kdsync.testing.fault_proxy import FaultProxy
+    from kdsync.testing.local import DURABLE_LINGER_MS, LocalGroup, Writers, check_global_topics
 
     faults = schedule(seed, minutes * 60)
-    report = Report(seed, minutes, dict(Counter(f.kind for f in faults)))
+    report = Report(seed, minutes, protocol, delay_ms, dict(Counter(f.kind for f in faults)))
     proxies: dict[tuple[int, int], FaultProxy] = {}
+    delays = None  # the delay proxies' process
     g = LocalGroup(3, workdir, durable=True, metrics=True, source_partitions=2, tick_ms=20, heartbeat_ms=60,
-                   suspect_ms=1000, retransmit_ms=100, expect_stalls=True,
+                   suspect_ms=1000, retransmit_ms=100, expect_stalls=True, protocol=protocol,
                    peer_address=lambda i, j: proxies[(i, j)].address)
     try:
-        for i in range(g.n):
-            for j in range(g.n):
-                if i != j:
-                    proxies[(i, j)] = FaultProxy(("127.0.0.1", g.ports[j])).start()
+        links = [(i, j) for i in range(g.n) for j in range(g.n) if i != j]
+        via = {link: g.ports[link[1]] for link in links}  # where each fault proxy forwards to
+        if delay_ms > 0:  # member -> fault proxy -> delay proxy -> member
+            delays, ports = start_proxies(delay_ms, [str(g.ports[j]) for _, j in links])
+            via = dict(zip(links, ports))
+        for link in links:
+            proxies[link] = FaultProxy(("127.0.0.1", via[link])).start()
         g.start_brokers()
         g.start_members()
         g.wait_ready(90)
@@ -230,6 +246,8 @@ def run(seed: int, minutes: float, workdir: Path, rate: float = RATE, log=print)
         g.close()
         for p in proxies.values():
             p.close()
+        if delays is not None:
+            stop_proxies(delays, {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,17 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=2.0, help="minutes of faults (default 2)")
     ap.add_argument("--rate", type=float, default=RATE, help="events/s written into each cluster")
+    ap.add_argument("--protocol", choices=("derecho", "clock"), default="derecho", help="the members' protocol")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay added to every peer link (a delay proxy behind each fault proxy)")
     ap.add_argument("--workdir", type=Path, help="keep configs and logs here (default: a temporary directory)")
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     a = ap.parse_args(argv)
-    if a.minutes <= 0 or a.rate <= 0:
-        ap.error("--minutes and --rate must be > 0")
+    if a.minutes <= 0 or a.rate <= 0 or a.delay_ms < 0:
+        ap.error("--minutes and --rate must be > 0, --delay-ms >= 0")
     stamp = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
     if a.workdir:
-        report = run(a.seed, a.minutes, a.workdir, a.rate, stamp)
+        report = run(a.seed, a.minutes, a.workdir, a.rate, stamp, a.protocol, a.delay_ms)
     else:
         with tempfile.TemporaryDirectory(prefix="kdsync-nemesis-") as d:
-            report = run(a.seed, a.minutes, Path(d), a.rate, stamp)
+            report = run(a.seed, a.minutes, Path(d), a.rate, stamp, a.protocol, a.delay_ms)
     for line in report.lines():
         print(line)
     if a.out:
