@@ -41,12 +41,13 @@ def wall_us() -> int:
 
 
 class TickClock:
-    """`quiet()`: every node is quiet; `on_ticks(n, now)`: tick every node
-    `n` times; `on_error(e)`: `on_ticks` raised (a core bug: the member stops
+    """`quiet()`: every node is quiet; `on_ticks(n, now, late)`: tick every
+    node `n` times, the timer `late` whole periods after its time (the loop
+    was busy or starved); `on_error(e)`: `on_ticks` raised (a core bug: the member stops
     loudly rather than run without a clock); `stopping()`: the member stops."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tick_ms: int, *, quiet: Callable[[], bool],
-                 on_ticks: Callable[[int, float], None], on_error: Callable[[Exception], None],
+                 on_ticks: Callable[[int, float, int], None], on_error: Callable[[Exception], None],
                  stopping: Callable[[], bool]):
         self.loop = loop
         self.period = tick_ms / 1000.0
@@ -115,7 +116,8 @@ class TickClock:
             self.next = now + period
         n = max(n, at_least)
         if n:
-            self._on_ticks(n, now)
+            late = int((now - self._when) / period) if now > self._when else 0
+            self._on_ticks(n, now, late)
 
 
 class Pulse:
@@ -230,21 +232,26 @@ class Sleepers:
         self.views = ViewDigest()  # the member's groups' views (the handshake sets them as installed)
         self._ago = self.live.ago()
 
-    def on_ticks(self, n: int) -> None:
+    def on_ticks(self, n: int, late: int = 0) -> None:
         """The member ticks (before its nodes): pings due go out; a peer
         fallen silent wakes every sleeping node (each then suspects it);
-        nodes that slept long wake for a heartbeat round (Dormancy.wake_due)."""
+        nodes that slept long wake for a heartbeat round (Dormancy.wake_due).
+        `late`: tick periods the timer ran late — the busier the member's
+        box, the longer a peer may be silent (PeerLiveness.late)."""
         live = self.live
         due = False
         for _ in range(n):
             due |= live.tick()
+        if late:
+            live.late(late)
         if due:  # once, however many ticks a late pass runs
             self.ping()
         silent = live.newly_silent()
         if silent:
-            ago = live.ago()
+            ago = live.heard_ago()
             for peer in sorted(silent):
-                log.warning("peer silent", **kv(peer=peer, ticks=ago[peer], asleep=len(self.dorm.asleep)))
+                log.warning("peer silent", **kv(peer=peer, ticks=ago[peer], tolerance=live.tolerance(peer),
+                                                asleep=len(self.dorm.asleep)))
             self.dorm.wake_all()
         self.dorm.wake_due()
         self.refresh(n)
@@ -382,9 +389,9 @@ class GroupTicks:
             return bool(groups)
         return all(groups[t].node.quiet() for t in self.sleepers.awake(groups))
 
-    def __call__(self, n: int, now: float) -> None:
+    def __call__(self, n: int, now: float, late: int = 0) -> None:
         groups, sleepers, forming = self.groups, self.sleepers, self.forming
-        sleepers.on_ticks(n)
+        sleepers.on_ticks(n, late)
         forming.refill()
         asleep = sleepers.dorm.asleep  # not visited: a thousand idle topics cost nothing here
         for t in (sleepers.awake(groups) if len(asleep) < len(groups) else ()):

@@ -63,3 +63,47 @@ def test_a_record_after_a_long_idle_is_as_fast_as_with_groups_that_never_slept(p
 def test_the_swarm_draws_quiesce_for_about_half_its_seeds():
     drawn = [swarm_scenario(seed).quiesce for seed in range(200)]
     assert 60 < sum(drawn) < 140
+
+
+PAUSED = textwrap.dedent("""
+    name: a-peer-that-runs-late
+    seed: 1
+    protocol: {protocol}
+    quiesce: true
+    duration_s: 24
+    settle_s: 5
+    timing: {{tick_ms: 50, heartbeat_ms: 100, suspect_ms: 500}}
+    members: [{{id: dc1}}, {{id: dc2}}, {{id: dc3}}]
+    network:
+      default: {{latency_ms: 5, jitter_ms: 1}}
+    workload:
+      - {{member: all, rate_eps: 20}}
+    faults:
+    {faults}
+    """)
+
+
+def _paused(protocol: str, *faults: str):
+    r = run_scenario(parse_scenario(PAUSED.format(protocol=protocol, faults="\n".join(f"  - {f}" for f in faults))))
+    assert r.failing == [], r.failing
+    s = r.summary
+    assert all(n == s["events_submitted"] for n in s["events_delivered"].values()), s["events_delivered"]
+    return {m: st["views"] for m, st in s["member_state"].items()}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("protocol", ["derecho", "clock"])
+def test_a_peer_whose_pings_came_late_once_is_given_that_time_and_a_crash_is_still_found(protocol):
+    """The member's failure detector learns a peer's near misses (issue 43;
+    kdsync.core.liveness): dc3 stalls 0.8 s (a GC pause, longer than
+    suspect_ms 500) — alone, its peers change view twice (out and back in);
+    after a 0.4 s stall that came back before suspicion, the same 0.8 s costs
+    no view change.  A crash afterwards is still found, and every fault
+    keeps one order, exactly once."""
+    alone = _paused(protocol, "{at_s: 8, clock_pause: dc3, for_s: 0.8}")
+    assert alone["dc1"] > 1 and alone["dc2"] > 1, alone  # what a 0.8 s stall costs without the learning
+    learned = _paused(protocol, "{at_s: 4, clock_pause: dc3, for_s: 0.4}", "{at_s: 8, clock_pause: dc3, for_s: 0.8}")
+    assert learned == {"dc1": 1, "dc2": 1, "dc3": 1}, learned
+    crash = _paused(protocol, "{at_s: 4, clock_pause: dc3, for_s: 0.4}", "{at_s: 8, clock_pause: dc3, for_s: 0.8}",
+                    "{at_s: 14, crash: dc2}", "{at_s: 18, restart: dc2}")
+    assert crash["dc1"] >= 3 and crash["dc3"] >= 3, crash  # dc2 out, and back in

@@ -78,3 +78,66 @@ def test_the_awake_groups_are_every_group_not_asleep_in_order_when_many_are():
     assert set(s.awake(groups)) == {"t098", "t099"}  # few awake: found without walking every group
     s.dorm.asleep.clear()
     assert list(s.awake({})) == []
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_node_suspects_a_late_peer_in_the_pass_where_the_member_does_with_its_tolerance(n):
+    """A peer whose pings once came 7-9 ticks apart (a near miss) gets that
+    many more ticks of silence; the node hears the member's silence as it counts it,
+    so it suspects in the same pass as the member, not at suspect_ticks."""
+    node = _active_node()
+    s = Sleepers(["b", "c"], heartbeat_ticks=2, suspect_ticks=SUSPECT, send=lambda p, f: None, sleep=False)
+    found = None
+    for i in range(120 // n):
+        s.on_ticks(n)
+        assert not s.skip("t", node)
+        for _ in range(n):
+            node.tick()
+        member_silent = s.live.ago()["b"] > SUSPECT
+        assert ("b" in node.suspected) == member_silent, (n, s.live.now, node.suspected)
+        if member_silent:
+            found = s.live.now
+            break
+        s.live.heard("c", ping=True)
+        if s.live.now < 20 or 26 <= s.live.now < 40:  # b: on time, then a gap of 7-9 ticks, then silent
+            s.live.heard("b", ping=True)
+    tol = s.live.tolerance("b")
+    assert 7 <= tol <= 9
+    assert found is not None and found - 40 > SUSPECT + tol - n
+    assert node.suspected == {"b"}
+
+
+def test_the_tick_timer_tells_the_liveness_how_late_the_loop_ran():
+    """On a real event loop: a callback blocks the loop for 30 tick periods;
+    the next tick pass reports it (TickClock -> GroupTicks -> Sleepers), so
+    the member's peers get up to suspect_ticks more silence for a while."""
+    import asyncio
+    import time
+
+    from kdsync.core.liveness import TOLERANCE_SUSPECTS
+    from kdsync.ticks import FormingSlots, GroupTicks, TickClock
+
+    loop = asyncio.new_event_loop()
+    s = Sleepers(["b"], heartbeat_ticks=2, suspect_ticks=SUSPECT, send=lambda p, f: None, sleep=False)
+    ticks = GroupTicks({}, s, FormingSlots(1, 40), lambda p: None, lambda now: None)
+    seen: list[int] = []
+
+    def on_ticks(n, now, late):
+        seen.append(late)
+        ticks(n, now, late)
+
+    errors: list[Exception] = []
+    clock = TickClock(loop, tick_ms=10, quiet=lambda: False, on_ticks=on_ticks, on_error=errors.append,
+                      stopping=lambda: False)
+    try:
+        clock.start()
+        loop.run_until_complete(asyncio.sleep(0.1))
+        assert max(seen) < 5 and s.live.tolerance("b") == max(seen)  # on time: little or nothing
+        loop.call_soon(time.sleep, 0.3)  # the fault: the loop blocked for 30 periods
+        loop.run_until_complete(asyncio.sleep(0.1))
+        assert not errors
+        assert max(seen) >= 25, seen
+        assert s.live.tolerance("b") == min(max(seen), TOLERANCE_SUSPECTS * SUSPECT)  # the lateness, capped
+    finally:
+        clock.stop()
+        loop.close()
