@@ -224,7 +224,7 @@ def measure_member(rates: list[float], duration_s: float, protocol: str = "derec
     from kdsync.testing.load import run_load
     from kdsync.config import ProtocolSection
 
-    tick_s = (tick_ms or ProtocolSection().tick_ms) / 1000.0
+    tick_s = (tick_ms or ProtocolSection(name=protocol).tick_ms) / 1000.0
     fetch_wait = defaults()["fetch_wait_ms"]
     rows, runs = [], []
     for rate in rates:

@@ -71,7 +71,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
     lead_ms = next(m.clock_lead_ms for m in s.members if m.id == member_id)
     lead_us, auto_lead = int((lead_ms or 0) * 1000), lead_ms is None
     if s.timing is not None:  # the real member's timers, counted in its ticks (kdsync/config.py ticks())
-        t = s.timing.resolved()
+        t = s.timing.resolved(s.protocol)
 
         def ticks(ms: float) -> int:
             return max(1, round(ms / t["tick_ms"]))
@@ -239,7 +239,7 @@ class Simulation:
         self.fetch_overhead_s = k.fetch_overhead_ms / 1000.0
         self.fetch_check_s = self.fetch_wait_s if k.fetch_check_ms is None else k.fetch_check_ms / 1000.0
         self.written_until: dict[str, float] = {}  # per cluster: its source topic is written up to then
-        self.tick_s = scenario.timing.resolved()["tick_ms"] / 1000.0 if scenario.timing is not None else TICK_S
+        self.tick_s = scenario.timing.resolved(scenario.protocol)["tick_ms"] / 1000.0 if scenario.timing is not None else TICK_S
         self.node_factory = node_factory or make_node
         self.decodes = DecodeCache()  # a broadcast reaches every node as one object: decoded once
         self.shards = k = scenario.shards

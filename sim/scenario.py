@@ -212,11 +212,11 @@ class TimingSpec(_Strict):
     suspect_ms: float | None = Field(default=None, gt=0, le=600_000)
     retransmit_ms: float | None = Field(default=None, gt=0, le=600_000)
 
-    def resolved(self) -> dict[str, float]:
-        """Every timer in ms, kdsync's defaults for those not given."""
+    def resolved(self, protocol: str = "derecho") -> dict[str, float]:
+        """Every timer in ms, kdsync's defaults for `protocol` for those not given."""
         from kdsync.config import ProtocolSection
 
-        d = ProtocolSection()
+        d = ProtocolSection(name=protocol)
         return {k: (getattr(self, k) if getattr(self, k) is not None else getattr(d, k))
                 for k in ("tick_ms", "heartbeat_ms", "suspect_ms", "retransmit_ms")}
 

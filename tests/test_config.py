@@ -238,3 +238,21 @@ def test_protocol_timing_defaults_keep_an_idle_member_cheap():
     p = ProtocolSection()
     assert (p.tick_ms, p.heartbeat_ms, p.suspect_ms, p.retransmit_ms) == (50, 100, 500, 50)
     assert (p.ticks(p.heartbeat_ms), p.ticks(p.suspect_ms), p.ticks(p.retransmit_ms)) == (2, 10, 1)
+
+
+def test_clock_ticks_every_5_ms_unless_told_otherwise(tmp_path):
+    """Issue 42 (no hand tuning): `clock` reports every tick while a slot
+    waits and acknowledges far slots with the next tick's reports, so its
+    own default tick is 5 ms (docs/wan.md: 12.6 -> 7.3 peer messages per
+    event over five regions); a tick_ms that is set is kept, and the other
+    protocols keep 50 ms."""
+    from kdsync.config import CLOCK_TICK_MS, TICK_MS
+
+    def tick(extra: str) -> float:
+        return load_config(write(tmp_path, MINIMAL + "[protocol]\n" + extra, "p.toml")).protocol.tick_ms
+
+    assert tick('name = "clock"\n') == CLOCK_TICK_MS == 5
+    assert tick('name = "clock"\ntick_ms = 50\n') == 50
+    assert tick('name = "derecho"\n') == tick("") == TICK_MS == 50
+    c = load_config(write(tmp_path, MINIMAL + '[protocol]\nname = "clock"\n', "c.toml")).protocol
+    assert (c.ticks(c.heartbeat_ms), c.ticks(c.suspect_ms)) == (20, 100)  # the same times, in 5 ms ticks

@@ -9,7 +9,7 @@ import pytest
 from kdsync.core import make_node
 from sim.cli import main
 from sim.runner import run_scenario
-from sim.scenario import load_scenario
+from sim.scenario import TimingSpec, load_scenario
 
 from sim_helpers import SCENARIOS, need_protocol
 
@@ -136,3 +136,28 @@ def test_a_far_region_chooses_its_own_lead():
     p50 = {name: r.summary["latency_ms"]["p50"] for name, r in (("auto", auto), ("none", none))}
     print(f"leads {leads}; p50 {p50}")
     assert p50["auto"] < 0.7 * p50["none"], p50
+
+
+def test_clock_defaults_tick_every_5_ms_and_acknowledge_far_slots_per_tick():
+    """Issue 42, message economy with no hand tuning: wan-five-regions with
+    every setting at kdsync run's defaults (`timing: {}`, no lead, no
+    commit quorum).  clock's own default tick (5 ms, kdsync.config) sends far
+    fewer peer messages per event than the 50 ms every other protocol keeps,
+    at the same latency and with every invariant."""
+    base = load_scenario(SCENARIOS / "wan-five-regions.yaml")
+    plain = base.model_copy(update={
+        "members": [m.model_copy(update={"clock_lead_ms": None}) for m in base.members],
+        "commit_quorum": 0, "duration_s": 6.0, "timing": TimingSpec()})
+    runs = {"default": run_scenario(plain),
+            "tick 50": run_scenario(plain.model_copy(update={"timing": TimingSpec(tick_ms=50)}))}
+    per_event = {}
+    for name, r in runs.items():
+        s = r.summary
+        assert r.failing == [] and s["violations"] == [], name
+        assert all(n == s["events_submitted"] for n in s["events_delivered"].values()), name
+        per_event[name] = s["network"]["messages"] / s["events_submitted"]
+    assert runs["default"].summary["tick_ms"] == 5
+    lat = {name: r.summary["latency_ms"] for name, r in runs.items()}
+    print(f"peer messages per event {per_event}; latency {lat}")
+    assert per_event["default"] < 0.7 * per_event["tick 50"], per_event
+    assert lat["default"]["p99"] <= 1.05 * lat["tick 50"]["p99"], lat
