@@ -137,3 +137,40 @@ def test_a_lead_is_a_clock_offset_and_costs_no_safety():
     net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 200)
     assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
 
+
+
+
+def test_far_slots_acknowledged_late_keep_every_invariant_and_are_not_held_by_skew():
+    """Far slots (old on arrival) are acknowledged together, within a
+    quarter of their age counted in ticks (kdsync/core/clock.py,
+    FAR_ACK_AGE_PART; the message economy is measured in
+    tests/test_sim_scenarios.py).  Here c's clock runs 12 ms, then 10 s,
+    ahead, so every slot looks old to it: c acknowledges no slower than
+    every FAR_ACK_MAX_TICKS ticks whatever the skew, through a crash and a
+    restart, with every invariant."""
+    from kdsync.core.clock import FAR_ACK_MAX_TICKS
+
+    for offset_us in (12_000, 10_000_000):
+        net = formed(clocks={"c": ClockFault(offset_us=offset_us)})
+        sent_to_a: list[int] = []
+        enqueue = net._enqueue
+
+        def counted(a, b, data, enqueue=enqueue, net=net, sent_to_a=sent_to_a):
+            if a == "c" and b == "a":
+                sent_to_a.append(net.time // net.TICK_US)
+            enqueue(a, b, data)
+
+        net._enqueue = counted
+        sub = []
+        for t in range(90):
+            sub += net.submit("a", 1) + (net.submit("b", 1) if net.node("b") is not None else [])
+            if t == 40:
+                net.crash("b")
+            if t == 60:
+                net.restart("b")
+            net.tick()
+        net.recover()
+        net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 300)
+        assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
+        gaps = [y - x for x, y in zip(sent_to_a, sent_to_a[1:])]
+        assert max(gaps) <= FAR_ACK_MAX_TICKS, (offset_us, max(gaps))
