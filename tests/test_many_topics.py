@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kdsync.kafka.topic import TopicSpec, ensure_topics
-from kdsync.testing.local import LocalGroup, check_global_topics, read_global
+from kdsync.testing.local import LocalGroup, check_global_topics, read_global, read_globals_of
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +55,18 @@ def _write_round(g: LocalGroup, tag: str) -> None:
 
 
 def _check_every_topic(g: LocalGroup, expected: int, timeout: float = 120.0) -> None:
+    """Every topic's global topic identical in every cluster, `expected`
+    records exactly once (each cluster's 80 global topics read by one
+    consumer: read_globals_of)."""
     deadline = time.monotonic() + timeout
+    names = [t + "-global" for t in TOPICS]
+    while True:
+        read = {g.names[i]: read_globals_of(g.bootstrap(i), names, timeout=30) for i in range(g.n)}
+        if all(len(v) >= expected for recs in read.values() for v in recs.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for t in TOPICS:
-        while True:
-            got = {g.names[i]: read_global(g.bootstrap(i), t + "-global", timeout=10) for i in range(g.n)}
-            if all(len(v) >= expected for v in got.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        got = {name: recs[t + "-global"] for name, recs in read.items()}
         ok, detail = check_global_topics(got, expected=expected)
         assert ok, f"{t}: {detail}\n" + "\n".join(g.log_text(i)[-3000:] for i in range(g.n))
         keys = {r.key for r in got[g.names[0]]}
