@@ -304,7 +304,7 @@ class Member:
         if now - self._last_health >= max(1.0, len(self.pipelines) / SAMPLED_PER_S):
             self._last_health = now
             loop_delay(self.metrics, self.clock.take_delay(), self.pcfg.suspect_ms, len(self.pipelines),
-                       len(self.sleepers.dorm.asleep), self.gc_pauses.take())
+                       len(self.sleepers.dorm.asleep), self.gc_pauses.take(), self.sleepers.live)
             sample_pipelines(self.health, self.metrics, self.pipelines.values(), self.source, now)
 
     def before_input(self, p: TopicPipeline) -> None:

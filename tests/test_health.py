@@ -95,3 +95,29 @@ def test_sample_pipelines_watches_only_topics_that_hold_something():
     ps[7].writer.outstanding = 0
     sample_pipelines(d, m, ps, source, 9.0)
     assert m.set[("t7", "delivery report")] == 0 and set(d._w) == {"t9"}
+
+
+def test_the_health_sample_exports_how_long_each_peer_may_be_silent():
+    """kdsync_peer_suspect_after_seconds: suspect_ms while nothing ran late;
+    then suspect_ms plus what the member's own late loop or a peer's late
+    pings taught it (kdsync.core.liveness), at most 4 x suspect_ms."""
+    from kdsync.core.liveness import PeerLiveness
+    from kdsync.observability.metrics import MemberMetrics
+    from kdsync.observability.stalls import loop_delay
+
+    m = MemberMetrics()
+    live = PeerLiveness(["dc2", "dc3"], heartbeat_ticks=2, suspect_ticks=10)  # tick 50 ms, suspect_ms 500
+    after = lambda peer: m.registry.get_sample_value("kdsync_peer_suspect_after_seconds", {"peer": peer})  # noqa: E731
+    loop_delay(m, 0.0, 500, 1, 0, 0.0, live)
+    assert after("dc2") == after("dc3") == pytest.approx(0.5)
+    for _ in range(3):
+        live.tick()
+    live.heard("dc3", ping=True)
+    for _ in range(7):  # dc3's pings 7 ticks apart: a near miss
+        live.tick()
+    live.heard("dc3", ping=True)
+    loop_delay(m, 0.0, 500, 1, 0, 0.0, live)
+    assert (after("dc2"), after("dc3")) == (pytest.approx(0.5), pytest.approx(0.85))
+    live.late(100)  # the member's own loop, 5 s late: every peer, capped
+    loop_delay(m, 5.0, 500, 1, 0, 0.0, live)
+    assert after("dc2") == after("dc3") == pytest.approx(2.0)

@@ -158,6 +158,9 @@ class MemberMetrics:
                                 "time since the last health sample (a busy or CPU-starved loop)", registry=reg)
         self.gc_pause = Gauge("kdsync_gc_pause_seconds", "the longest garbage collection since the last health "
                               "sample (it holds the member's loop)", registry=reg)
+        self.suspect_after = Gauge("kdsync_peer_suspect_after_seconds", "how long the peer may be silent before "
+                                   "this member suspects it: suspect_ms plus what late loops and late pings taught "
+                                   "it (kdsync.core.liveness)", ["peer"], registry=reg)
         self.groups_asleep = Gauge("kdsync_groups_asleep", "ordering groups asleep (quiescent: no tick, no "
                                    "heartbeat of their own until input wakes them)", registry=reg)
         self.bad_messages = Counter("kdsync_bad_peer_messages", "malformed peer messages dropped", ["peer"], registry=reg)
