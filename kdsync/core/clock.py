@@ -219,8 +219,7 @@ class ClockNode(DerechoNode):
 
     def __init__(self, config, **kw) -> None:
         self._ack_due = False  # a slot arrived since our last acknowledgement
-        self._ack_at_tick = False  # ...from a far sender: acknowledge with the next tick's reports (module doc)
-        self._far_ack_tick = NEVER  # the tick at which the far slots' acknowledgement is due
+        self._far_ack_tick = NEVER  # ...from far senders only: the tick its acknowledgement is due (module doc)
         self._tick_us = 0  # the tick period as measured on the node's clock (0: not known yet)
         self._last_tick_us: int | None = None
         self.leads = Leads(config.member_id)
@@ -271,7 +270,6 @@ class ClockNode(DerechoNode):
             # every far slot that arrives meanwhile, within a quarter of its age; near: at once
             age = self.now_us - msg.slots[-1][0] if msg.slots else 0
             if self._tick_us and age > FAR_TICKS * self._tick_us:
-                self._ack_at_tick = True
                 wait = min(FAR_ACK_MAX_TICKS, -(-age // (FAR_ACK_AGE_PART * self._tick_us)))  # >= 1: age > tick
                 self._far_ack_tick = min(self._far_ack_tick, self.now + wait)
         elif msg.slots:
@@ -364,9 +362,8 @@ class ClockNode(DerechoNode):
         if self.cfg.auto_lead and self.now % self.cfg.heartbeat_ticks == 0 and self._is_member() \
                 and not self.wedged:
             self._gossip_delays()
-        if self._ack_at_tick and self.now >= self._far_ack_tick:
+        if self.now >= self._far_ack_tick:
             # the acknowledgements of far slots that arrived since the last ones (module doc)
-            self._ack_at_tick = False
             self._far_ack_tick = NEVER
             if self._ack_due:
                 self._ack_due = False
@@ -390,7 +387,7 @@ class ClockNode(DerechoNode):
         return bool(self.pending) and not self.wedged and self.stream.may_cut(IN_FLIGHT)
 
     def has_ready(self) -> bool:
-        return (self._ack_due and not self._ack_at_tick) or self._may_cut() or super(DerechoNode, self).has_ready()
+        return (self._ack_due and self._far_ack_tick == NEVER) or self._may_cut() or super(DerechoNode, self).has_ready()
 
     def _before_ready(self) -> None:
         st = self.stream
@@ -403,7 +400,7 @@ class ClockNode(DerechoNode):
                                   self.now_us)
             self._ack_due = False  # that message acknowledges and reports
             self._try_deliver()
-        if self._ack_due and not self._ack_at_tick:
+        if self._ack_due and self._far_ack_tick == NEVER:
             self._ack_due = False
             if self._is_member() and not self.wedged:
                 for p in self.view.members:

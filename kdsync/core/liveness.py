@@ -180,10 +180,9 @@ class PeerLiveness:
         """Ticks of silence that count, for each peer: since it was last
         heard, less its tolerance (never below 0).  A peer is silent once
         this passes suspect_ticks; the nodes hear it (`Dormancy.refresh`)."""
-        now = self.now
         if not self._cur and not self._prev:
-            return {p: now - t for p, t in self.heard_at.items()}
-        tol = self.tolerance
+            return self.heard_ago()
+        now, tol = self.now, self.tolerance
         return {p: max(0, now - t - tol(p)) for p, t in self.heard_at.items()}
 
     def newly_silent(self) -> frozenset[str]:
