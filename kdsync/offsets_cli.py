@@ -8,9 +8,7 @@ Reference: docs/commands.md, fail-over walk-through: docs/operations.md.
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 from typing import Annotated
 
 import typer
@@ -18,6 +16,7 @@ import typer
 from kdsync.cli_style import new_app
 from kdsync.cli_style import run as run_cli
 from kdsync.kafka.offsets import BadInput, ClusterRef, OffsetsError, parse_cluster, sync_offsets, translate
+from kdsync.stopping import StopSignal
 
 offsets_app = new_app(
     "Fail a consumer group over between clusters: kdsync puts every event at the same offset of T-global "
@@ -67,9 +66,8 @@ def sync_cmd(
             _fail(e, 1)
         print(json.dumps(res.as_json()), flush=True)
         return
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
+    stop.install()
     last_error, first = None, True
     while not stop.is_set():
         try:

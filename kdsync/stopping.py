@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 
 from kdsync.observability.logs import kv
 
-__all__ = ["LEAVE_WAIT_S", "SLOW_STEP_S", "StopClock", "leave_groups"]
+__all__ = ["LEAVE_WAIT_S", "SLOW_STEP_S", "StopClock", "StopSignal", "leave_groups"]
 
 log = logging.getLogger("kdsync.member")
 
@@ -68,6 +68,47 @@ async def leave_groups(nodes: Callable[[], list], process: Callable[[object], No
         for item, node in waiting:
             node.tick()
             process(item)
+
+
+class StopSignal:
+    """SIGINT/SIGTERM for a thread-driven main loop (the supervisor of
+    workers, `kdsync offsets sync --follow`): `install()`, then
+    `wait(timeout)` until `signal` is set.
+
+    The handler only stores the signal number.  It must not set a
+    `threading.Event`: a Python signal handler runs in the main thread
+    between two bytecodes, and when that thread is inside `Event.wait` just
+    after taking the event's lock, `Event.set` waits on that same lock for
+    ever.  A supervisor hung that way in CI once: SIGTERM, then nothing,
+    until the caller's SIGKILL.  `wait` sleeps in short slices instead
+    (`time.sleep` holds no lock)."""
+
+    SLICE_S = 0.05
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def handler(self, sig: int, _frame: object = None) -> None:
+        self.signal = sig
+
+    def install(self, sigs: tuple[int, ...] | None = None) -> None:
+        import signal as _signal
+
+        for sig in sigs or (_signal.SIGINT, _signal.SIGTERM):
+            _signal.signal(sig, self.handler)
+
+    def is_set(self) -> bool:
+        return self.signal is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until a signal came or `timeout` passed; True when one came."""
+        end = time.monotonic() + timeout
+        while self.signal is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(self.SLICE_S, left))
+        return self.signal is not None
 
 
 def _hard_exit(code: int) -> None:  # pragma: no cover - replaced in tests

@@ -43,13 +43,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 from kdsync.config import Config
 from kdsync.kafka.embedded import die_with_parent
 from kdsync.observability.logs import kv
+from kdsync.stopping import StopSignal
 
 __all__ = ["MAX_RESTARTS", "RESTART_WINDOW_S", "ShardMetrics", "Supervisor", "assign_shards", "run_shards"]
 
@@ -189,8 +189,7 @@ class Supervisor:
         self.trace_latency = os.path.abspath(trace_latency) if trace_latency else None
         groups = assign_shards(cfg.served_shards(), workers) if cfg.shards() > 1 else [[]]
         self.workers = [_Worker(i, g) for i, g in enumerate(groups)]
-        self._stop = threading.Event()
-        self._signal: int | None = None
+        self._stop = StopSignal()
         self.metrics_listen = None
         if cfg.metrics.listen:
             from kdsync.config import parse_address
@@ -235,10 +234,6 @@ class Supervisor:
         w.backoff = min(w.backoff * 2, BACKOFF_MAX_S)
         return None
 
-    def _on_signal(self, sig, _frame) -> None:
-        self._signal = sig
-        self._stop.set()
-
     # ------------------------------------------------------------ run
     def run(self) -> int:
         """Start the workers, watch them until SIGINT/SIGTERM (exit 0 when
@@ -252,8 +247,7 @@ class Supervisor:
         except FatalError as e:
             print(f"kdsync run: {e}", file=sys.stderr)
             return 1
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self._stop.install()
         restarts = up = server = None
         if self.metrics_listen is not None:
             from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -303,7 +297,7 @@ class Supervisor:
             print(f"kdsync run: {failure}", file=sys.stderr)
             return 1
         log.info("supervisor stopped", **kv(clean=clean,
-                                            signal=signal.Signals(self._signal).name if self._signal else "-"))
+                                            signal=signal.Signals(self._stop.signal).name if self._stop.signal else "-"))
         return 0 if clean else 1
 
     def _stop_workers(self) -> bool:

@@ -6,6 +6,7 @@ tests/test_member_group.py::test_a_stop_stuck_on_a_paused_broker_ends_within_sto
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 
 import pytest
@@ -94,3 +95,54 @@ def test_stop_timeout_ms_defaults_to_45_s_and_out_of_range_is_a_config_error():
     for bad in ("999", "3600001", "\"soon\""):
         with pytest.raises(ConfigError, match="stop_timeout_ms"):
             parse_config(_member_config(f"stop_timeout_ms = {bad}\n"))
+
+
+def test_a_stop_signal_arriving_inside_wait_ends_the_wait_without_taking_a_lock(monkeypatch):
+    """The supervisor's SIGTERM must end its loop whenever it lands.  A signal
+    handler runs in the main thread between two bytecodes; the old handler
+    set a threading.Event, and a signal landing while the main thread held
+    that event's lock inside Event.wait hung the supervisor for ever (seen in
+    CI).  Here the "signal" lands inside wait() itself, at its sleep."""
+    import time as _time
+
+    from kdsync.stopping import StopSignal
+
+    stop = StopSignal()
+    real_sleep = _time.sleep
+    calls = []
+
+    def sleep_then_signal(s):
+        calls.append(s)
+        if len(calls) == 3:
+            stop.handler(signal.SIGTERM)
+        real_sleep(0)
+
+    monkeypatch.setattr("kdsync.stopping.time.sleep", sleep_then_signal)
+    done = []
+    t = threading.Thread(target=lambda: done.append(stop.wait(30.0)), daemon=True)
+    t.start()
+    t.join(5.0)
+    assert done == [True] and len(calls) == 3
+    assert stop.signal == signal.SIGTERM and stop.is_set()
+
+
+def test_a_real_sigterm_ends_a_stop_signal_wait_at_once_and_no_signal_times_out():
+    import os
+    import time as _time
+
+    from kdsync.stopping import StopSignal
+
+    stop = StopSignal()
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        stop.install((signal.SIGTERM,))
+        t0 = _time.monotonic()
+        assert stop.wait(0.1) is False
+        assert _time.monotonic() - t0 >= 0.1
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        assert stop.wait(30.0) is True
+        assert _time.monotonic() - t0 < 5.0
+        assert stop.signal == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old)
