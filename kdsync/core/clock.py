@@ -111,6 +111,19 @@ class ClockViewChange(ViewChange):
         super().reset_view()
         self.fetch_sent: dict[tuple[int, int], int] = {}  # (sender index, first) -> tick asked
         self.fetch_stop: dict[tuple[int, int], int] = {}  # (sender index, first) -> the trim it was asked below
+        self.late: dict[int, dict[int, object]] = {}  # sender index -> {slot index: slot} that came after we wedged
+
+    def keep_late(self, k: int, first: int, slots) -> None:
+        """Slots of this view that arrived after this member wedged: not
+        received (a wedged member counts and acknowledges nothing more), but
+        kept, so that a leader whose trim reaches past what it received takes
+        them from here instead of fetching them a round trip away (`trim`).
+        The slot at an index of one sender in one view is one value, whoever
+        sends it."""
+        if slots:
+            got = self.late.setdefault(k, {})
+            for i, slot in enumerate(slots, first):
+                got[i] = slot
 
     def sure(self, live: list[str], reps: dict[str, Report]) -> list[str]:
         """The reporters that remember this view: the incarnation it names
@@ -139,19 +152,35 @@ class ClockViewChange(ViewChange):
         senders = range(len(self.n.view.senders))
         trim = [max(reps[m].recv[k] for m in sure) for k in senders]
         low = [min(reps[m].recv[k] for m in holders) for k in senders]
-        st = self.n.stream
         extra = []
         missing = False
         for k in senders:
             if trim[k] <= low[k]:
                 continue
-            run = st.held_run(k, low[k], trim[k])
+            run = self.held_run(k, low[k], trim[k])
             if len(run) < trim[k] - low[k]:
                 missing = True
                 self.fetch(k, low[k] + len(run), trim[k], sure, reps)
             else:
                 extra.append((k, low[k], tuple(run)))
         return None if missing else (trim, tuple(extra))
+
+    def held_run(self, k: int, start: int, stop: int) -> list:
+        """Sender k's slots start.. below `stop` held here, contiguous: in the
+        stream, or kept after we wedged (`keep_late`)."""
+        late = self.late.get(k)
+        if not late:
+            return self.n.stream.held_run(k, start, stop)
+        store = self.n.stream.slots[k]
+        out: list = []
+        for i in range(start, stop):
+            s = store.get(i)
+            if s is None:
+                s = late.get(i)
+                if s is None:
+                    break
+            out.append(s)
+        return out
 
     def fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Report]) -> None:
         """Ask a reporter holding sender k's slots first..stop-1 for them
@@ -260,7 +289,11 @@ class ClockNode(DerechoNode):
         s = msg.sender
         self._on_ack_vector(s, msg.recv)
         senders = self.view.senders
-        if self.wedged or s not in senders:
+        if s not in senders:
+            return
+        if self.wedged:
+            if self.state is self.State.WEDGED:
+                self.vc.keep_late(senders.index(s), msg.first, msg.slots)
             return
         st = self.stream
         k = senders.index(s)

@@ -188,6 +188,9 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
             self._enter(State.WEDGED)
         elif self.state is State.CATCHING_UP:
             self._enter(State.CATCHING_UP_WEDGED)
+        else:
+            return
+        self.vc.on_wedged()
 
     _wedge = _become_wedged
 

@@ -17,6 +17,14 @@ decided history once a newer view exists and never enters a later instance
 (it would be re-proposed for the wrong view and refused by every acceptor:
 swarm seed 102261).
 
+Two shortcuts save a round trip each without changing what is chosen.  A
+member that wedges on its own (a suspicion, a leave, a peer's wedge) reports
+at once to the leader it sees, for the ballot that leader would start next
+(`on_wedged`); the leader starts its round at that ballot when it never used
+it, and the reports it holds count (`eager`).  Every voter sends ACCEPTED to
+every member, and a voter installs once a majority voted for its ballot
+(`learn`); the leader's INSTALL still goes to everyone.
+
 The proposal carries the ragged trim: per sender, the minimum received
 count over the reporters that hold the view's data.  Anything delivered
 anywhere was stable, hence received by every reporter, hence inside the
@@ -124,6 +132,10 @@ class ViewChange(Joining):
         self.rejoined: dict[str, int] = {}  # view member -> its new incarnation
         self.round: LeaderRound | None = None  # the round this member leads
         self.patience = 1  # x the round's timeouts: doubles with each round that timed out in this view
+        self.round_seen = False  # a COLLECT or ACCEPT of this view came: no report of our own ballot choice
+        self.eager_sent = False  # our own report went to the leader on wedging (on_wedged)
+        self.eager: dict[str, Report] = {}  # leader side: reports that came before our round (member -> report)
+        self.learned: dict[Ballot, set[str]] = {}  # ballot -> members that sent ACCEPTED for it in this view
 
     # ------------------------------------------------------------ leadership
     def leader(self) -> str | None:
@@ -203,10 +215,24 @@ class ViewChange(Joining):
         n = self.n
         old = self.round
         rnd = max(self.max_round, self.promised[0], old.ballot[0] if old else 0) + 1
-        self.max_round = rnd
+        # a ballot of ours that members reported for already (on_wedged),
+        # when we never used it (every ballot we used is at most our promise)
+        # and no round above it was heard of but theirs (their promises raise
+        # max_round through their acknowledgements: that one does not count)
+        me = n.rank_of[n.me]
+        ahead = [r.ballot[0] for r in self.eager.values()
+                 if (r.ballot[0], me) > self.promised and r.ballot[0] >= self.max_round
+                 and (old is None or r.ballot[0] > old.ballot[0])]
+        if ahead:
+            rnd = max(ahead, key=lambda r: (ahead.count(r), r))
+        self.max_round = max(self.max_round, rnd)
         lr = self.round = LeaderRound((rnd, n.rank_of[n.me]), n.now)
         self.promise(lr.ballot)
         self.unresponsive.clear()  # everyone gets another chance with each ballot
+        live = set(self.live())
+        for m, r in self.eager.items():
+            if r.ballot == lr.ballot and m in live:
+                lr.reports[m] = r
         self.broadcast()
 
     def broadcast(self) -> None:
@@ -244,15 +270,26 @@ class ViewChange(Joining):
 
     def on_report(self, msg: Report) -> None:
         n = self.n
-        lr = self.collecting(msg)
         v = n.view
-        if lr is None or msg.ballot != lr.ballot or msg.sender not in v.members:
+        if msg.view != v.view_id or msg.sender not in v.members:
             return
         if len(msg.recv) != len(v.senders):
             raise RemoteProtocolError("received vector of the wrong length")
         if msg.accepted is not None and msg.accepted.old_view != v.view_id:  # decided already (see accepted_here)
             msg = Report(msg.sender, msg.inc, msg.view, msg.ballot, msg.has_data, msg.recv, msg.durable, msg.next,
                          NO_BALLOT, None)
+        lr = self.round
+        if msg.ballot[1] == n.rank_of[n.me] and (lr is None or msg.ballot > lr.ballot):
+            # a member that wedged reported for a ballot of ours we have not
+            # started yet (on_wedged): kept for that round; a round of ours
+            # below it would be refused by that member, so it starts again
+            self.eager[msg.sender] = msg
+            if lr is not None and n.wedged and self.leader() == n.me:
+                self.start_collect()
+            return
+        lr = self.collecting(msg)
+        if lr is None or msg.ballot != lr.ballot:
+            return
         n.last_heard[msg.sender] = n.now
         self.unresponsive.discard(msg.sender)
         lr.reports[msg.sender] = msg
@@ -344,12 +381,33 @@ class ViewChange(Joining):
 
     def on_accepted(self, msg: Accepted) -> None:
         n = self.n
-        lr = self.round
-        if msg.view != n.view.view_id or lr is None or lr.phase != LeaderRound.ACCEPT:
+        if msg.view != n.view.view_id or msg.sender not in n.view.members:
             return
-        if msg.ballot == lr.ballot and msg.sender in n.view.members:
+        lr = self.round
+        if lr is not None and lr.phase == LeaderRound.ACCEPT and msg.ballot == lr.ballot:
             lr.accepts.add(msg.sender)
             self.leader_accept_progress()
+            return
+        self.learned.setdefault(msg.ballot, set()).add(msg.sender)
+        self.learn(msg.ballot)
+
+    def learn(self, b: Ballot) -> None:
+        """An acceptor that voted for ballot `b` of this view installs the
+        proposal once a majority of the view voted for `b`: a value accepted
+        by a majority at one ballot is chosen (every vote at `b` is for the
+        one proposal its leader made)."""
+        n = self.n
+        if n.state is not n.State.WEDGED or self.round is not None:
+            return  # a leader learns from its own round; others wait for the INSTALL
+        acc = self.accepted
+        if acc is None or acc[0] != b or acc[1].old_view != n.view.view_id:
+            return
+        votes = self.learned.get(b, set()) | {n.me}
+        if not self.majority(len(votes & set(n.view.members))):
+            return
+        prop = acc[1]
+        self.last_install[prop.old_view] = Install(n.me, n.incarnation, prop.old_view, prop).encode()
+        self.install(prop)
 
     def leader_accept_progress(self) -> None:
         n = self.n
@@ -365,6 +423,30 @@ class ViewChange(Joining):
         self.install(prop)
 
     # ------------------------------------------------------- acceptor side
+    def on_wedged(self) -> None:
+        """This member just wedged on its own (a suspicion, a peer's wedge, a
+        leave): report at once to the leader it sees, for the ballot that
+        leader would start next, as if its COLLECT had arrived this instant,
+        instead of waiting a round trip for it.  Paxos does not care who
+        chose the ballot: the promise is ours and on disk before the report
+        leaves (the Ready contract), and the leader uses a ballot of its own
+        only once.  A leader whose round differs asks again (COLLECT): the
+        report is an offer, never needed."""
+        n = self.n
+        if self.eager_sent or self.round_seen or getattr(n, "leaving", False) or not n._is_member():
+            return
+        lead = self.leader()
+        if lead is None or lead == n.me:
+            return
+        self.eager_sent = True
+        b = (max(self.max_round, self.promised[0]) + 1, n.rank_of[lead])
+        if not self.promise(b):
+            return
+        v = n.view
+        acc_b, acc = self.accepted_here()
+        n._send(lead, Report(n.me, n.incarnation, v.view_id, b, n._holds_view_data(),
+                             tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc).encode())
+
     def of_this_view(self, msg: Collect | Accept) -> bool:
         """A leader's message about the current view from one of its members
         (a leader of an older view is told of the current one)."""
@@ -385,6 +467,7 @@ class ViewChange(Joining):
         self.max_round = max(self.max_round, b[0])
         if not self.promise(b):
             return
+        self.round_seen = True
         n._wedge()
         # joining members report too: no data, but a vote
         acc_b, acc = self.accepted_here()
@@ -401,11 +484,19 @@ class ViewChange(Joining):
             raise RemoteProtocolError("proposal for another view")
         b = msg.ballot
         if b >= self.promised:
+            self.round_seen = True
             n._wedge()
             self.promise(b)
             self.accepted = (b, msg.proposal)
             n._hard_dirty = True
-            n._send(s, Accepted(n.me, n.incarnation, v.view_id, b).encode())
+            # the vote goes to every member, not only the leader: each learns
+            # the choice from a majority of votes (on_accepted) half a round
+            # trip before the leader's INSTALL would reach it
+            data = Accepted(n.me, n.incarnation, v.view_id, b).encode()
+            for m in v.members:
+                if m != n.me and m not in n.suspected:
+                    n._send(m, data)
+            self.learn(b)
 
     def on_install(self, msg: Install) -> None:
         n = self.n

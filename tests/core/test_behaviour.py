@@ -457,3 +457,31 @@ def test_a_leaving_member_never_leads_nor_rejoins_and_a_lone_one_leaves_at_once(
     solo.run_until(lambda: solo.node("x").status == "active", 100)
     solo.node("x").leave()
     assert solo.node("x").left
+
+
+def test_members_report_on_wedging_and_learn_the_next_view_from_the_votes():
+    """A clean stop: every member that wedges reports to the leader at once,
+    for the ballot that leader starts next (no COLLECT goes out), and every
+    acceptor installs once a majority voted, without the leader's INSTALL
+    (each one is lost here, and none is sent again).  Events submitted
+    around the stop are all delivered, once, everywhere."""
+    from kdsync.core.messages import Collect, Install
+
+    ids = ["a", "b", "c", "d", "e"]
+    net = formed(ids)
+    sub = keys(net.submit("b", 3)) | keys(net.submit("e", 2))
+    net.stabilize()
+    net.tick(2)  # a view change of the past raises every max_round (their acknowledgements carry it)
+    sent = dict(net.sent_by_type)
+    lost = {m: net.lose_next("a", m, Install.TYPE) for m in ("b", "c", "d")}
+    sub |= keys(net.submit("c", 4))
+    net.stop("e")
+    live = ("a", "b", "c", "d")
+    net.run_until(lambda: all(net.node(m).status == "active" and net.node(m).view.members == live for m in live),
+                  200)
+    new = {k: v - sent.get(k, 0) for k, v in net.sent_by_type.items()}
+    assert new.get(Collect.TYPE, 0) == 0
+    assert new.get(Install.TYPE, 0) == 3 and all(x == [1] for x in lost.values())  # sent once, all lost
+    sub |= keys(net.submit("d", 3))
+    net.tick(10)
+    assert not check_invariants(net, submitted=sub, live=live)
