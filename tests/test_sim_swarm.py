@@ -51,6 +51,10 @@ REGRESSION_SCENARIOS = {
                                 "member paused in the old view, which delivered them: agreement violation",
     "swarm-clock-910121.yaml": "a restart asked while a clean stop waited out the member's clock pause was ignored "
                                "(the simulator's member was not yet leaving): down for good, its events never ordered",
+    "swarm-clock-6000376.yaml": "the view change's leader took slots kept after it wedged only after its received "
+                                "ones, and fetched the rest again for ever (the fetched ones filled its stream, "
+                                "not the kept run): wedged",
+    "swarm-clock-6000063.yaml": "the same livelock, with a restarted member joining",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",

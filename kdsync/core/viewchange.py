@@ -25,6 +25,9 @@ it, and the reports it holds count (`eager`).  Every voter sends ACCEPTED to
 every member, and a voter installs once a majority voted for its ballot
 (`learn`); the leader's INSTALL still goes to everyone.
 
+The leader's round lives in kdsync.core.leading (`Leading`, a mixin of
+ViewChange); the joining rules in kdsync.core.joining.
+
 The proposal carries the ragged trim: per sender, the minimum received
 count over the reporters that hold the view's data.  Anything delivered
 anywhere was stable, hence received by every reporter, hence inside the
@@ -72,38 +75,14 @@ from kdsync.core.messages import (
     unpack_raw,
 )
 from kdsync.core.joining import Joining
-from kdsync.core.stream import ragged_trim
+from kdsync.core.leading import NO_BALLOT, Ballot, LeaderRound, Leading
 from kdsync.core.types import LocalProtocolError, RemoteProtocolError, View
-
-Ballot = tuple[int, int]
-NO_BALLOT: Ballot = (0, -1)
 
 
 MAX_PATIENCE = 8  # a view change's rounds wait at most 8x suspect_ticks (ViewChange.step)
 
 
-class LeaderRound:
-    """The leader's side of one ballot: COLLECT, then ACCEPT (exists only while
-    this member leads a view change)."""
-
-    __slots__ = ("ballot", "phase", "reports", "accepts", "proposal", "acceptors", "started", "sent", "gap")
-
-    COLLECT = "collect"
-    ACCEPT = "accept"
-
-    def __init__(self, ballot: Ballot, now: int) -> None:
-        self.ballot = ballot
-        self.phase = LeaderRound.COLLECT
-        self.reports: dict[str, Report] = {}  # member -> its REPORT (ours too), votes of older instances dropped
-        self.accepts: set[str] = set()
-        self.proposal: Proposal | None = None
-        self.acceptors: tuple[str, ...] = ()
-        self.started = now
-        self.sent = -10**9
-        self.gap = 0  # ticks from the last send to the next retransmission (0: retransmit_ticks)
-
-
-class ViewChange(Joining):
+class ViewChange(Leading, Joining):
     """The view change of one DerechoNode (module docstring): the Paxos state
     (promise, vote, highest round seen, the round this member leads), the
     joiners waiting, the INSTALLs seen, and the handlers of the view-change
@@ -210,175 +189,6 @@ class ViewChange(Joining):
                 return True
         return False
 
-    # --------------------------------------------------------- leader side
-    def start_collect(self) -> None:
-        n = self.n
-        old = self.round
-        rnd = max(self.max_round, self.promised[0], old.ballot[0] if old else 0) + 1
-        # a ballot of ours that members reported for already (on_wedged),
-        # when we never used it (every ballot we used is at most our promise)
-        # and no round above it was heard of but theirs (their promises raise
-        # max_round through their acknowledgements: that one does not count)
-        me = n.rank_of[n.me]
-        ahead = [r.ballot[0] for r in self.eager.values()
-                 if (r.ballot[0], me) > self.promised and r.ballot[0] >= self.max_round
-                 and (old is None or r.ballot[0] > old.ballot[0])]
-        if ahead:
-            rnd = max(ahead, key=lambda r: (ahead.count(r), r))
-        self.max_round = max(self.max_round, rnd)
-        lr = self.round = LeaderRound((rnd, n.rank_of[n.me]), n.now)
-        self.promise(lr.ballot)
-        self.unresponsive.clear()  # everyone gets another chance with each ballot
-        live = set(self.live())
-        for m, r in self.eager.items():
-            if r.ballot == lr.ballot and m in live:
-                lr.reports[m] = r
-        self.broadcast()
-
-    def broadcast(self) -> None:
-        n = self.n
-        lr = self.round
-        lr.sent = n.now
-        v = n.view
-        if lr.phase == LeaderRound.COLLECT:
-            for m in self.live():
-                if m == n.me:
-                    if m not in lr.reports:
-                        lr.reports[m] = self.own_report()
-                elif m not in lr.reports:
-                    n._send(m, Collect(n.me, n.incarnation, v.view_id, lr.ballot).encode())
-            self.leader_progress()
-        else:
-            data = Accept(n.me, n.incarnation, v.view_id, lr.ballot, lr.proposal).encode()
-            for m in lr.acceptors:
-                if m not in lr.accepts and m != n.me:
-                    n._send(m, data)
-
-    def own_report(self) -> Report:
-        n = self.n
-        acc_b, acc = self.accepted_here()
-        return Report(n.me, n.incarnation, n.view.view_id, self.round.ballot, n._holds_view_data(),
-                      tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc)
-
-    def collecting(self, msg) -> LeaderRound | None:
-        """The round this member leads, if it collects reports and `msg`
-        speaks of the current view."""
-        lr = self.round
-        if msg.view != self.n.view.view_id or lr is None or lr.phase != LeaderRound.COLLECT:
-            return None
-        return lr
-
-    def on_report(self, msg: Report) -> None:
-        n = self.n
-        v = n.view
-        if msg.view != v.view_id or msg.sender not in v.members:
-            return
-        if len(msg.recv) != len(v.senders):
-            raise RemoteProtocolError("received vector of the wrong length")
-        if msg.accepted is not None and msg.accepted.old_view != v.view_id:  # decided already (see accepted_here)
-            msg = Report(msg.sender, msg.inc, msg.view, msg.ballot, msg.has_data, msg.recv, msg.durable, msg.next,
-                         NO_BALLOT, None)
-        lr = self.round
-        if msg.ballot[1] == n.rank_of[n.me] and (lr is None or msg.ballot > lr.ballot):
-            # a member that wedged reported for a ballot of ours we have not
-            # started yet (on_wedged): kept for that round; a round of ours
-            # below it would be refused by that member, so it starts again
-            self.eager[msg.sender] = msg
-            if lr is not None and n.wedged and self.leader() == n.me:
-                self.start_collect()
-            return
-        lr = self.collecting(msg)
-        if lr is None or msg.ballot != lr.ballot:
-            return
-        n.last_heard[msg.sender] = n.now
-        self.unresponsive.discard(msg.sender)
-        lr.reports[msg.sender] = msg
-        self.leader_progress()
-
-    def leader_progress(self) -> None:
-        lr = self.round
-        if lr is None or lr.phase != LeaderRound.COLLECT:
-            return
-        live = self.live()
-        if not self.majority(len(live)) or any(m not in lr.reports for m in live):
-            return
-        reps = {m: lr.reports[m] for m in live}
-        best = None
-        for r in reps.values():
-            if r.accepted is not None and (best is None or r.acc_ballot > best[0]):
-                best = (r.acc_ballot, r.accepted)
-        if best is not None:
-            prop = best[1]
-        else:
-            prop = self.new_proposal(live, reps)
-            if prop is None:
-                return
-        lr.proposal = prop
-        lr.acceptors = tuple(live)
-        lr.phase = LeaderRound.ACCEPT
-        lr.accepts = set()
-        lr.gap = 0
-        self.accept_local(lr.ballot, prop)
-        self.broadcast()
-        self.leader_accept_progress()
-
-    def new_proposal(self, live: list[str], reps: dict[str, Report]) -> Proposal | None:
-        """The next view from the reports (see module docstring), or None when
-        nobody holds the old view's data and some member of it, or some cluster
-        of the configuration, has not reported or asked to join."""
-        n = self.n
-        v = n.view
-        holders = self.trim_holders(live, reps)
-        if not holders:
-            # every durable prefix must be known before a start is chosen: those of
-            # the old view's members, and of every cluster, since a member excluded
-            # from the old view may hold positions that no member of it made durable
-            # (swarm seed 8935: the old view's only cluster never finished catching
-            # up; its start was durable only at the excluded member)
-            needed = set(v.members) | set(n.sender_ids)
-            if any(m not in reps and m not in self.joiners for m in needed):
-                return None
-        members = sorted(set(live) | set(self.joiners), key=n.rank_of.__getitem__)
-        incs = [reps[m].inc if m in reps else self.joiners[m][0] for m in members]
-        extra: tuple = ()
-        if holders:
-            got = self.trim(live, holders, reps)
-            if got is None:
-                return None  # the leader is still fetching slots of the trim
-            trim, extra = got
-            # catch-up is served best by a holder with a global topic (a witness
-            # holds only what it ordered since its own last catch-up)
-            keepers = [m for m in holders if n.cfg.roles.get(m, "member") == "member"] or holders
-            source = n.me if n.me in keepers else keepers[0]
-            base = -1
-        else:
-            trim = [0] * len(v.senders)
-            # where each member's delivered prefix ends (`next`, not `durable`: see module docstring)
-            nexts = {m: reps[m].next for m in live}
-            nexts.update({m: j[2] for m, j in self.joiners.items() if m not in nexts})
-            base = max(nexts.values())
-            source = min((m for m in members if nexts.get(m, -1) == base), key=n.rank_of.__getitem__)
-        return Proposal(v.view_id, v.view_id + 1, members, incs, trim, source, base, extra)
-
-    def trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
-        """The reporters whose data the trim is taken from (none: the new view
-        starts at a base position instead)."""
-        return [m for m in live if reps[m].has_data]
-
-    def trim(self, live: list[str], holders: list[str], reps: dict[str, Report]) -> tuple[list[int], tuple] | None:
-        """(ragged trim, proposal extras), or None while not known yet.
-        Derecho: the element-wise min over the holders (see module docstring)."""
-        return ragged_trim(reps[m].recv for m in holders), ()
-
-    def accept_local(self, b: Ballot, prop: Proposal) -> None:
-        n = self.n
-        if self.promise(b):
-            self.accepted = (b, prop)
-            n._hard_dirty = True
-            lr = self.round
-            if lr is not None and lr.phase == LeaderRound.ACCEPT and b == lr.ballot:
-                lr.accepts.add(n.me)
-
     def on_accepted(self, msg: Accepted) -> None:
         n = self.n
         if msg.view != n.view.view_id or msg.sender not in n.view.members:
@@ -407,19 +217,6 @@ class ViewChange(Joining):
             return
         prop = acc[1]
         self.last_install[prop.old_view] = Install(n.me, n.incarnation, prop.old_view, prop).encode()
-        self.install(prop)
-
-    def leader_accept_progress(self) -> None:
-        n = self.n
-        lr = self.round
-        if lr is None or lr.phase != LeaderRound.ACCEPT or not self.majority(len(lr.accepts)):
-            return
-        prop = lr.proposal
-        inst = Install(n.me, n.incarnation, prop.old_view, prop).encode()
-        self.last_install[prop.old_view] = inst
-        for m in sorted(set(prop.members) | set(lr.acceptors)):
-            if m != n.me:
-                n._send(m, inst)
         self.install(prop)
 
     # ------------------------------------------------------- acceptor side
@@ -494,7 +291,7 @@ class ViewChange(Joining):
             # trip before the leader's INSTALL would reach it
             data = Accepted(n.me, n.incarnation, v.view_id, b).encode()
             for m in v.members:
-                if m != n.me and m not in n.suspected:
+                if m == s or (m != n.me and m not in n.suspected):  # the leader always, even when suspected
                     n._send(m, data)
             self.learn(b)
 
