@@ -157,30 +157,13 @@ class ClockViewChange(ViewChange):
         for k in senders:
             if trim[k] <= low[k]:
                 continue
-            run = self.held_run(k, low[k], trim[k])
+            run = self.n.stream.held_run(k, low[k], trim[k], self.late.get(k))
             if len(run) < trim[k] - low[k]:
                 missing = True
                 self.fetch(k, low[k] + len(run), trim[k], sure, reps)
             else:
                 extra.append((k, low[k], tuple(run)))
         return None if missing else (trim, tuple(extra))
-
-    def held_run(self, k: int, start: int, stop: int) -> list:
-        """Sender k's slots start.. below `stop` held here, contiguous: in the
-        stream, or kept after we wedged (`keep_late`)."""
-        late = self.late.get(k)
-        if not late:
-            return self.n.stream.held_run(k, start, stop)
-        store = self.n.stream.slots[k]
-        out: list = []
-        for i in range(start, stop):
-            s = store.get(i)
-            if s is None:
-                s = late.get(i)
-                if s is None:
-                    break
-            out.append(s)
-        return out
 
     def fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Report]) -> None:
         """Ask a reporter holding sender k's slots first..stop-1 for them

@@ -156,13 +156,17 @@ class ClockStream:
         """Own slots start..stop-1 still held (a retransmission)."""
         return self.held_run(self.my_k, start, stop)
 
-    def held_run(self, k: int, start: int, stop: int) -> list[Stamped]:
+    def held_run(self, k: int, start: int, stop: int, kept: dict | None = None) -> list[Stamped]:
         """Sender k's slots start.. held here, contiguous, below `stop`
-        (delivered slots are held until every member holds them)."""
+        (delivered slots are held until every member holds them); `kept`:
+        more of sender k's slots by index, not received (a view change's
+        leader: ClockViewChange.keep_late)."""
         store = self.slots[k]
         out: list[Stamped] = []
         for i in range(start, stop):
             s = store.get(i)
+            if s is None and kept:
+                s = kept.get(i)
             if s is None:
                 break
             out.append(s)
