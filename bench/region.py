@@ -11,6 +11,11 @@ all injected at FAULT_S and undone at RETURN_S:
 - isolate: Tokyo is cut off from the four others, then the partition heals;
 - two crash: Tokyo and Oregon crash at once (a minority of two), then restart.
 
+The faults a member must detect (crash, isolate, two crash) run twice: with
+suspect_ms as the fixed timeout and with `adaptive_suspect` (suspect_ms the
+ceiling, a silent peer suspected after a few of its longest ping gaps:
+kdsync.core.liveness).
+
 Per run, over the events of the regions that stay up (origin and receiver
 both live for the whole run): their steady p99 (created in STEADY), and the
 p99 and worst latency of those created in the AFTER_FAULT_S after the fault
@@ -46,13 +51,21 @@ FAULTS = {  # name -> (regions down or cut off, the faults)
                                   {"at_s": RETURN_S, "restart": "tyo"}, {"at_s": RETURN_S, "restart": "or"}]),
 }
 GOAL = 2.0  # worst / steady p99 (issue 42)
+ADAPTIVE_FAULTS = ("crash", "isolate", "two crash")  # detected by silence: run with adaptive suspicion too
+SUSPICION = ("fixed", "adaptive")
 TIMING = {"tick_ms": 5, "heartbeat_ms": 100, "suspect_ms": 3000, "retransmit_ms": 250}  # docs/wan.md's WAN settings
 
 
-def _scenario(base: dict, protocol: str, fault: str) -> dict:
+def _key(protocol: str, fault: str, suspicion: str) -> str:
+    return f"{protocol}-{fault.replace(' ', '-')}" + ("-adaptive" if suspicion == "adaptive" else "")
+
+
+def _scenario(base: dict, protocol: str, fault: str, suspicion: str = "fixed") -> dict:
     _, faults = FAULTS[fault]
-    s = dict(base, name=f"{FIVE}-{protocol}-{fault.replace(' ', '-')}", protocol=protocol, duration_s=DURATION_S,
+    s = dict(base, name=f"{FIVE}-{_key(protocol, fault, suspicion)}", protocol=protocol, duration_s=DURATION_S,
              faults=faults, timing=dict(TIMING))
+    if suspicion == "adaptive":
+        s["adaptive_suspect"] = True
     if protocol != "clock":
         s.pop("commit_quorum", None)
         s["members"] = [{"id": m["id"]} for m in base["members"]]  # no clock lead
@@ -91,9 +104,9 @@ def _plot(curves: dict[str, list[tuple[float, float, float]]], out: Path) -> lis
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for proto, pts in curves.items():
         xs = [p[0] for p in pts]
-        color = COLORS.get(proto)
-        ax.plot(xs, [p[2] for p in pts], color=color, alpha=0.45, linewidth=0.8, label=f"{proto}: worst")
-        ax.plot(xs, [p[1] for p in pts], color=color, linewidth=1.4, label=f"{proto}: median")
+        color, style = COLORS.get(proto.split(",")[0]), "--" if "adaptive" in proto else "-"
+        ax.plot(xs, [p[2] for p in pts], style, color=color, alpha=0.45, linewidth=0.8, label=f"{proto}: worst")
+        ax.plot(xs, [p[1] for p in pts], style, color=color, linewidth=1.4, label=f"{proto}: median")
     ax.axvspan(FAULT_S, RETURN_S, color="#d62728", alpha=0.08, label="Tokyo down")
     ax.set_yscale("log")
     ax.set_xlabel("event created at (s, simulated)")
@@ -116,18 +129,19 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
     runs = {}
     for proto in PROTOCOLS:
         for fault in FAULTS:
-            key = f"{proto}-{fault.replace(' ', '-')}"
-            path = d / f"{key}.yaml"
-            path.write_text(yaml.safe_dump(_scenario(base, proto, fault), sort_keys=False))
-            runs[(proto, fault)] = (str(path), str(d / key))
+            for suspicion in SUSPICION if fault in ADAPTIVE_FAULTS else SUSPICION[:1]:
+                key = _key(proto, fault, suspicion)
+                path = d / f"{key}.yaml"
+                path.write_text(yaml.safe_dump(_scenario(base, proto, fault, suspicion), sort_keys=False))
+                runs[(proto, fault, suspicion)] = (str(path), str(d / key))
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
         results = dict(zip(runs, ex.map(_run, runs.values())))
     progress()
     rows, errors, curves = [], [], {}
-    for (proto, fault), (_, run_dir) in runs.items():
-        res = results[(proto, fault)]
+    for (proto, fault, suspicion), (_, run_dir) in runs.items():
+        res = results[(proto, fault, suspicion)]
         if res["exit"] not in (0, 1):
-            errors.append(f"{proto} {fault}: {' / '.join(res['output'])}")
+            errors.append(f"{proto} {fault} ({suspicion}): {' / '.join(res['output'])}")
             continue
         down, _ = FAULTS[fault]
         lat = _live_latencies(_trace(Path(run_dir)), down)
@@ -135,10 +149,11 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
         after_fault = _window(lat, FAULT_S, FAULT_S + AFTER_FAULT_S)
         after_return = _window(lat, RETURN_S, RETURN_S + AFTER_RETURN_S)
         if not (steady and after_fault and after_return):
-            errors.append(f"{proto} {fault}: a window holds no event")
+            errors.append(f"{proto} {fault} ({suspicion}): a window holds no event")
             continue
         p99 = percentile(steady, 99)
-        row = {"protocol": proto, "fault": fault, "down": ",".join(down), "violations": _violations(Path(run_dir)),
+        row = {"protocol": proto, "fault": fault, "suspicion": suspicion, "down": ",".join(down),
+               "violations": _violations(Path(run_dir)),
                "steady_p99_ms": round(p99, 1),
                "fault_p99_ms": round(percentile(after_fault, 99), 1), "fault_worst_ms": round(max(after_fault), 1),
                "return_p99_ms": round(percentile(after_return, 99), 1),
@@ -147,10 +162,11 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
         row["return_worst_over_steady_p99"] = round(ratio(row["return_worst_ms"], p99) or 0, 2)
         rows.append(row)
         if fault == "crash":
-            curves[proto] = _curve(lat)
+            curves[proto if suspicion == "fixed" else f"{proto}, adaptive"] = _curve(lat)
         for when in ("fault", "return"):
             sec.headlines.append(Headline(
-                f"{proto}, {fault} of {' and '.join(down)}: live regions' worst latency / steady p99, "
+                f"{proto}, {fault} of {' and '.join(down)}"
+                f"{', adaptive suspicion' if suspicion == 'adaptive' else ''}: live regions' worst latency / steady p99, "
                 f"events created in the {AFTER_FAULT_S if when == 'fault' else AFTER_RETURN_S:g} s after the "
                 f"{'fault' if when == 'fault' else 'return'}",
                 row[f"{when}_worst_over_steady_p99"], f"<= {GOAL:g} (issue 42)", "region_failure.csv"))

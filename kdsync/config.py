@@ -320,6 +320,9 @@ class ProtocolSection(_Model):
     clock_lead_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None  # unset: chosen from measured delays
     commit_quorum: Annotated[int, Field(ge=0, le=1000)] = 0
     quiesce: bool = True  # an idle topic's group sleeps: no ticks, no heartbeats (kdsync.core.liveness)
+    # suspect_ms becomes a ceiling: a peer whose pings came regularly is
+    # suspected after a few of its longest ping gaps (kdsync.core.liveness)
+    adaptive_suspect: bool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -183,7 +183,8 @@ class Member:
         pc = self.pcfg
         self.forming = FormingSlots(FORMING_SLOTS, 4 * pc.ticks(pc.suspect_ms))
         self.sleepers = Sleepers([m for m in self.cfg.member_ids() if m != self.me], pc.ticks(pc.heartbeat_ms),
-                                 pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce)
+                                 pc.ticks(pc.suspect_ms), self.transport.send, sleep=pc.quiesce,
+                                 adaptive=pc.adaptive_suspect)
         self.transport.on_heard = self.sleepers.live.heard  # bytes arrived: alive, before its messages are read
         self.ticks = GroupTicks(self.pipelines, self.sleepers, self.forming, self.process, self._after_ticks)
         self.clock = TickClock(self.loop, pc.tick_ms, quiet=self.ticks.quiet, on_ticks=self.ticks,

@@ -150,7 +150,8 @@ def node_config(cfg: Config) -> NodeConfig:
                       retransmit_ticks=p.ticks(p.retransmit_ms), max_batch=p.max_batch,
                       log_retention=p.log_retention, catchup_chunk=p.catchup_chunk,
                       clock_lead_us=int((p.clock_lead_ms or 0) * 1000),
-                      auto_lead=p.clock_lead_ms is None, commit_quorum=p.commit_quorum)
+                      auto_lead=p.clock_lead_ms is None, commit_quorum=p.commit_quorum,
+                      adaptive_suspect=p.adaptive_suspect)
 
 
 class ReadHost(Protocol):

@@ -224,8 +224,8 @@ class Sleepers:
     are never suspected by this member's awake nodes."""
 
     def __init__(self, peers, heartbeat_ticks: int, suspect_ticks: int, send: Callable[[str, bytes], None],
-                 sleep: bool = True):
-        self.live = PeerLiveness(peers, heartbeat_ticks, suspect_ticks)
+                 sleep: bool = True, adaptive: bool = False):
+        self.live = PeerLiveness(peers, heartbeat_ticks, suspect_ticks, adaptive)
         self.dorm = Dormancy(self.live)
         self.sleep = sleep
         self._send = send
@@ -285,6 +285,8 @@ class Sleepers:
         if self.sleep and self.dorm.try_sleep(topic, node):
             return True
         node.heard(self._ago)  # Dormancy.refresh, with the pass's one reading of the liveness
+        if self.live.adaptive:
+            node.silent(self.live.silent)
         return False
 
     def heard(self, peer: str, channel: str, body: bytes = b"") -> bool:

@@ -181,9 +181,10 @@ class SimMember:
             kwargs["hard_state"] = host.witness_disk(self.id, self.shard)
         self.starts += 1
         self.node = host.make_node(self.config, **kwargs)
-        if host.quiesce:  # a new process: its liveness starts afresh
-            cfg = self.config
-            self.dorm = Dormancy(PeerLiveness(host.peers[self.id], cfg.heartbeat_ticks, cfg.suspect_ticks))
+        cfg = self.config
+        if host.quiesce or cfg.adaptive_suspect:  # a new process: its liveness starts afresh
+            self.dorm = Dormancy(PeerLiveness(host.peers[self.id], cfg.heartbeat_ticks, cfg.suspect_ticks,
+                                              cfg.adaptive_suspect))
         self.up = True
         self.paused_until = -1.0
         self._buffer.clear()
@@ -330,7 +331,7 @@ class SimMember:
             if live.newly_silent():
                 d.wake_all()
             d.wake_due()
-            if d.try_sleep(0, self.node):
+            if self.host.quiesce and d.try_sleep(0, self.node):
                 return
             d.refresh(self.node)
         self._clock()

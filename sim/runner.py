@@ -80,7 +80,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
                           roles={m.id: m.role for m in s.members if m.role == "witness"}, protocol=s.protocol,
                           suspect_ticks=ticks(t["suspect_ms"]), heartbeat_ticks=ticks(t["heartbeat_ms"]),
                           retransmit_ticks=ticks(t["retransmit_ms"]), clock_lead_us=lead_us, auto_lead=auto_lead,
-                          commit_quorum=s.commit_quorum)
+                          commit_quorum=s.commit_quorum, adaptive_suspect=s.adaptive_suspect)
     worst_ms = s.network.default.latency_ms or 1.0
     worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
     for o in s.network.links:
@@ -99,11 +99,13 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         roles={m.id: m.role for m in s.members if m.role == "witness"},
         protocol=s.protocol,
         suspect_ticks=suspect,
-        heartbeat_ticks=max(base.heartbeat_ticks, suspect // 4),
+        # adaptive suspicion needs pings well inside the ceiling to suspect sooner than it
+        heartbeat_ticks=max(base.heartbeat_ticks, suspect // (10 if s.adaptive_suspect else 4)),
         retransmit_ticks=max(base.retransmit_ticks, int(rtt_ticks + 0.999) + 1),
         clock_lead_us=lead_us,
         auto_lead=auto_lead,
         commit_quorum=s.commit_quorum,
+        adaptive_suspect=s.adaptive_suspect,
     )
 
 

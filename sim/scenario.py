@@ -267,6 +267,9 @@ class Scenario(_Strict):
     clocks: list[ClockSpec] = []  # extension: members' faulty wall clocks (default: every clock exact)
     commit_quorum: int = Field(default=0, ge=0, le=1000)  # extension: kdsync run's protocol.commit_quorum
     quiesce: bool = False  # extension: kdsync run's protocol.quiesce (idle nodes sleep; members ping each other)
+    # extension: kdsync run's protocol.adaptive_suspect (members ping each other; a peer whose
+    # pings came regularly is suspected after a few ping gaps, suspect_ms is the ceiling)
+    adaptive_suspect: bool = False
 
     @property
     def member_ids(self) -> tuple[str, ...]:

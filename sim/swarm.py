@@ -261,6 +261,8 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
     quorum = random.Random(f"swarm2/{seed}/quorum").choice([0, 0, 1, 2]) if protocol == "clock" else 0
     quiesce = random.Random(f"swarm2/{seed}/quiesce").random() < 0.5  # its own stream: the other draws stay as they were
     kinds += ["quiesce"] if quiesce else []
+    adaptive = random.Random(f"swarm2/{seed}/adaptive").random() < 0.5  # its own stream, as quiesce's
+    kinds += ["adaptive-suspect"] if adaptive else []
     return (
         {
             "name": f"swarm-{seed}",
@@ -281,6 +283,7 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
             **({"clocks": clocks} if clocks else {}),
             **({"commit_quorum": quorum} if quorum else {}),
             **({"quiesce": True} if quiesce else {}),
+            **({"adaptive_suspect": True} if adaptive else {}),
         },
         kinds,
     )

@@ -21,17 +21,35 @@ def _ts(line: str) -> float:
     return float(re.search(r"ts=([0-9.]+)", line).group(1))
 
 
+def _ordering(g: LocalGroup) -> None:
+    """Start the group and order 50 events from each of its three clusters."""
+    g.start_brokers()
+    g.start_members()
+    g.wait_ready(90)
+    for i in range(3):
+        write_events(g.bootstrap(i), g.topic, 50, f"a{i}")
+    got = g.wait_for(150, 60)
+    assert all(len(v) == 150 for v in got.values()), member_logs(g)
+
+
+def _order_on_and_take_dc3_back(g: LocalGroup) -> None:
+    """dc3 is gone: the two others order on, dc3 restarts and is taken back;
+    every cluster then holds the same 300 events exactly once."""
+    for i in range(2):
+        write_events(g.bootstrap(i), g.topic, 50, f"b{i}")
+    g.start_member(2)
+    g.wait_ready(60, members=[2])
+    write_events(g.bootstrap(2), g.topic, 50, "c2")
+    got = g.wait_for(300, 90)
+    ok, detail = check_global_topics(got, expected=300)
+    assert ok, detail + "\n" + member_logs(g)
+
+
 @pytest.mark.parametrize("protocol", ["derecho", "clock"])
 def test_sigterm_leaves_the_group_at_once_and_the_restart_is_taken_back(tmp_path, protocol):
     g = LocalGroup(3, tmp_path, protocol=protocol, suspect_ms=SUSPECT_MS, metrics=True)
     with g:
-        g.start_brokers()
-        g.start_members()
-        g.wait_ready(90)
-        for i in range(3):
-            write_events(g.bootstrap(i), g.topic, 50, f"a{i}")
-        got = g.wait_for(150, 60)
-        assert all(len(v) == 150 for v in got.values()), member_logs(g)
+        _ordering(g)
         g.signal_member(2, signal.SIGTERM)
         assert g.wait_member(2, 30) == 0
         stopping = next(ln for ln in g.log_text(2).splitlines() if 'msg=stopping' in ln)
@@ -43,11 +61,28 @@ def test_sigterm_leaves_the_group_at_once_and_the_restart_is_taken_back(tmp_path
         print(f"{protocol}: SIGTERM to the next view {took * 1000:.0f} ms (suspect_ms {SUSPECT_MS})")
         assert took < SUSPECT_MS / 1000 / 2, took  # announced, not noticed by silence
         assert "peer silent" not in g.log_text(0)
-        for i in range(2):
-            write_events(g.bootstrap(i), g.topic, 50, f"b{i}")
-        g.start_member(2)
-        g.wait_ready(60, members=[2])
-        write_events(g.bootstrap(2), g.topic, 50, "c2")
-        got = g.wait_for(300, 90)
-        ok, detail = check_global_topics(got, expected=300)
-        assert ok, detail + "\n" + member_logs(g)
+        _order_on_and_take_dc3_back(g)
+
+
+@pytest.mark.parametrize("protocol", ["clock"])
+def test_kill9_with_adaptive_suspicion_is_found_in_a_few_heartbeats_not_suspect_ms(tmp_path, protocol):
+    """Real processes: with `protocol.adaptive_suspect` a member killed with
+    SIGKILL (nothing announced) is suspected after a few of its ping gaps,
+    well before suspect_ms; the others order on, its restart is taken back,
+    nothing lost or doubled."""
+    import time
+
+    g = LocalGroup(3, tmp_path, protocol=protocol, suspect_ms=SUSPECT_MS, heartbeat_ms=100, metrics=True,
+                   extra={"protocol": {"adaptive_suspect": True}})
+    with g:
+        _ordering(g)
+        killed = time.time()
+        g.signal_member(2, signal.SIGKILL)
+        g.wait_member(2, 30)
+        wait_until(lambda: "members=dc1,dc2 " in g.log_text(0) and "members=dc1,dc2 " in g.log_text(1), 30,
+                   "the next view without dc3")
+        installed = next(ln for ln in g.log_text(0).splitlines() if "view installed" in ln and "members=dc1,dc2 " in ln)
+        took = _ts(installed) - killed
+        print(f"{protocol}: SIGKILL to the next view {took * 1000:.0f} ms (suspect_ms {SUSPECT_MS}, adaptive)")
+        assert took < SUSPECT_MS / 1000 / 2, took  # found by its ping gaps, not by suspect_ms
+        _order_on_and_take_dc3_back(g)

@@ -168,6 +168,12 @@ class NodeBase:
         """The member heard peer p `heard_ago[p]` ticks ago (any frame): a
         protocol that suspects silent peers counts from there too."""
 
+    def silent(self, peers: frozenset[str]) -> None:
+        """The member's liveness judged `peers` silent now (adaptive
+        suspicion, kdsync.core.liveness), sooner than this node's own
+        suspect_ticks would: a protocol that suspects silent peers suspects
+        them too."""
+
     def durable(self, seq_end: int) -> None:
         """Positions below `seq_end` are durable in this member's global topic."""
         if seq_end > self.durable_seq:

@@ -265,6 +265,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         self.acked_sent: dict[str, tuple | None] = {m: None for m in v.members}  # what we last told each peer
         self.suspected: set[str] = set()
         self.departed: set[str] = set()  # peers that left this view cleanly (Leave): suspected for good
+        self.silenced: frozenset[str] = frozenset()  # the member's liveness found them silent (adaptive suspicion)
         self._lagging: dict[str, tuple[tuple, int]] = {}  # peer -> (our received vector it lags, since when)
         self._mine_acked: dict[str, int] = {}  # peer -> how many of our slots it acknowledged
         self._ack_round = -1  # round of the earliest data slot received and not yet acknowledged
@@ -372,6 +373,8 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
             # failure suspicion
             silent = {m for m in v.members if m != self.me and now - self.last_heard[m] > cfg.suspect_ticks}
             silent |= self.departed.difference(self.vc.rejoined)  # a new incarnation of a leaver votes again
+            if self.silenced:
+                silent |= self.silenced.intersection(v.members).difference((self.me,))
             if state is not State.ACTIVE and state is not State.CATCHING_UP:
                 # the view is over anyway: suspicion is just a timeout, not sticky, so
                 # members that hear each other again after a partition heals can form

@@ -34,6 +34,19 @@ hibernate regions):
   brokers and three members with a thousand topics, a burst into every
   topic stalled loops for 1-1.8 s and made peers look dead (see
   docs/design/many-topics.md).
+* Adaptive suspicion (`adaptive`, `[protocol] adaptive_suspect`, issue
+  42): `suspect_ticks` becomes the ceiling.  A peer whose pings came
+  regularly is silent sooner: once unheard for more than ADAPT_GAPS x the
+  longest gap between two of its pings in the window (never less than
+  ADAPT_FLOOR_HEARTBEATS heartbeats), plus the member's own lateness.
+  Across regions `suspect_ms` must stay above the worst round trip and its
+  jitter (3 000 ms in docs/wan.md), yet pings arrive every heartbeat on
+  every healthy link: a crashed region is then found in a few heartbeats,
+  not in `suspect_ms`.  A link that loses pings or runs late widens its own
+  gap, and so its limit, at once; until ADAPT_SAMPLES pings of a peer were
+  seen in the window its limit is the ceiling.  Silent peers are handed to
+  the awake nodes (`Dormancy.refresh` -> `node.silent`), which suspect
+  them as if they had left.
 * `ViewDigest` sums up the views of a member's groups in 8 bytes, carried by
   every ping (`Ping`).  While every peer's digest equals the member's, every
   group is in the same view at every member and sleeping nodes need no idle
@@ -104,12 +117,19 @@ WINDOW_SUSPECTS = 20  # lateness and near misses count for 10 to 20 suspect inte
 # brokers and three members with a thousand topics stalled loops for 1-1.8 s
 # with suspect_ms 500, and a cap of one interval still let one through
 TOLERANCE_SUSPECTS = 3
+# adaptive suspicion: silent after this many times the longest ping gap seen,
+# never sooner than this many heartbeats, and only once this many pings of
+# the peer were seen in the window (a lost ping doubles a gap: with 3 gaps of
+# a clean link, a single loss widens the limit before it could mislead)
+ADAPT_GAPS = 3
+ADAPT_FLOOR_HEARTBEATS = 4
+ADAPT_SAMPLES = 8
 
 
 class PeerLiveness:
     """A member's liveness of its peers, in the member's ticks (module doc)."""
 
-    def __init__(self, peers: Iterable[str], heartbeat_ticks: int, suspect_ticks: int):
+    def __init__(self, peers: Iterable[str], heartbeat_ticks: int, suspect_ticks: int, adaptive: bool = False):
         if heartbeat_ticks < 1 or suspect_ticks < 1:
             raise ValueError("heartbeat_ticks and suspect_ticks must be >= 1")
         self.peers = tuple(peers)
@@ -131,12 +151,20 @@ class PeerLiveness:
         self.peer_views: dict[str, bytes] = {}  # each peer's, from its last ping
         self._pinged = -heartbeat_ticks
         self._silent: frozenset[str] = frozenset()
+        self.adaptive = adaptive
+        # adaptive suspicion's memory, in the same two halves: per peer the
+        # longest ping gap and the number of pings
+        self._gap_cur: dict[str, int] = {}
+        self._gap_prev: dict[str, int] = {}
+        self._n_cur: dict[str, int] = {}
+        self._n_prev: dict[str, int] = {}
 
     def tick(self) -> bool:
         """One tick of the member; True when a ping to every peer is due now."""
         self.now += 1
         if self.now - self._half_start >= self._half:
             self._prev, self._cur, self._half_start = self._cur, {}, self.now
+            self._gap_prev, self._gap_cur, self._n_prev, self._n_cur = self._gap_cur, {}, self._n_cur, {}
         if self.now - self._pinged >= self.heartbeat_ticks:
             self._pinged = self.now
             return True
@@ -150,6 +178,10 @@ class PeerLiveness:
             if ping:
                 last = self._pinged_at.get(peer)
                 self._pinged_at[peer] = now
+                if self.adaptive and last is not None:
+                    self._n_cur[peer] = self._n_cur.get(peer, 0) + 1
+                    if now - last > self._gap_cur.get(peer, 0):
+                        self._gap_cur[peer] = now - last
                 if last is not None and now - last > self._near:
                     gap = now - last  # late: a near miss if it ended before suspicion (`tolerance` then)
                     if gap <= self.suspect_ticks + self.tolerance(peer) and gap > self._cur.get(peer, 0):
@@ -171,6 +203,22 @@ class PeerLiveness:
         cur, prev = self._cur, self._prev
         return max(cur.get(None, 0), prev.get(None, 0), cur.get(peer, 0), prev.get(peer, 0))
 
+    def limit(self, peer: str) -> int:
+        """Ticks of silence after which `peer` is silent: suspect_ticks plus
+        its tolerance; with `adaptive`, sooner when its pings came regularly
+        (module doc)."""
+        ceiling = self.suspect_ticks + self.tolerance(peer)
+        if not self.adaptive or self._n_cur.get(peer, 0) + self._n_prev.get(peer, 0) < ADAPT_SAMPLES:
+            return ceiling
+        gap = max(self._gap_cur.get(peer, 0), self._gap_prev.get(peer, 0))
+        own = max(self._cur.get(None, 0), self._prev.get(None, 0))
+        return min(ceiling, max(ADAPT_GAPS * gap, ADAPT_FLOOR_HEARTBEATS * self.heartbeat_ticks) + own)
+
+    @property
+    def silent(self) -> frozenset[str]:
+        """The peers silent at the last `newly_silent` call."""
+        return self._silent
+
     def heard_ago(self) -> dict[str, int]:
         """Ticks since each peer was last heard (as they passed)."""
         now = self.now
@@ -186,10 +234,10 @@ class PeerLiveness:
         return {p: max(0, now - t - tol(p)) for p, t in self.heard_at.items()}
 
     def newly_silent(self) -> frozenset[str]:
-        """Peers silent for more than suspect_ticks (plus their tolerance)
-        that were not at the last call."""
-        limit = self.suspect_ticks
-        silent = frozenset(p for p, a in self.ago().items() if a > limit)
+        """Peers silent for more than their `limit` (suspect_ticks plus their
+        tolerance, or sooner with `adaptive`) that were not at the last call."""
+        now, limit = self.now, self.limit
+        silent = frozenset(p for p, t in self.heard_at.items() if now - t > limit(p))
         new = silent - self._silent
         self._silent = silent
         return new
@@ -278,5 +326,10 @@ class Dormancy:
             budget -= 1
 
     def refresh(self, node) -> None:
-        """An awake node hears the member's liveness (before its tick)."""
-        node.heard(self.liveness.ago())
+        """An awake node hears the member's liveness (before its tick), and
+        with adaptive suspicion the peers found silent sooner than its own
+        suspect_ticks."""
+        live = self.liveness
+        node.heard(live.ago())
+        if live.adaptive:
+            node.silent(live.silent)

@@ -60,6 +60,9 @@ class PeerTalk:
             if t is not None and now - ago > t:
                 last[p] = now - ago
 
+    def silent(self, peers: frozenset[str]) -> None:
+        self.silenced = peers  # the tick suspects them (with those silent for suspect_ticks)
+
     def _send_ack(self, p: str) -> None:
         self.last_sent[p] = self.now
         cur = tuple(self.stream.received)

@@ -164,3 +164,4 @@ class NodeConfig:
     clock_lead_us: int = 0  # clock protocol: own stamps run this far ahead of the clock (a far member's lead)
     auto_lead: bool = False  # clock protocol: choose the lead from measured delays instead (kdsync.core.leads)
     commit_quorum: int = 0  # clock protocol: members that must hold a slot before delivery (0: a majority)
+    adaptive_suspect: bool = False  # suspect_ticks is a ceiling: a peer whose pings came regularly is suspected sooner (kdsync.core.liveness)

@@ -132,14 +132,15 @@ def loop_delay(metrics, delay: float, suspect_ms: float, groups: int, asleep: in
     member silent), with the longest garbage collection in that time.  With
     the member's `liveness` (kdsync.core.liveness.PeerLiveness): how long
     each peer may now be silent before it is suspected (suspect_ms plus the
-    tolerance learned from late loops and late pings)."""
+    tolerance learned from late loops and late pings; with adaptive
+    suspicion, sooner for a peer whose pings came regularly)."""
     metrics.loop_delay.set(delay)
     metrics.groups_asleep.set(asleep)
     metrics.gc_pause.set(gc_pause)
     if liveness is not None:
         per_tick = suspect_ms / 1000.0 / liveness.suspect_ticks
         for peer in liveness.peers:
-            metrics.suspect_after.labels(peer).set(per_tick * (liveness.suspect_ticks + liveness.tolerance(peer)))
+            metrics.suspect_after.labels(peer).set(per_tick * liveness.limit(peer))
     if delay * 2000 >= suspect_ms:
         log.warning("loop late", **kv(delay_ms=round(delay * 1000), groups=groups, asleep=asleep,
                                       gc_ms=round(gc_pause * 1000)))

@@ -108,7 +108,8 @@ class InMemoryNetwork:
         m.up = True
         if self.dormancy:  # a new process: its liveness starts afresh
             cfg = m.node.cfg
-            self.live[i] = PeerLiveness([j for j in self.ids if j != i], cfg.heartbeat_ticks, cfg.suspect_ticks)
+            self.live[i] = PeerLiveness([j for j in self.ids if j != i], cfg.heartbeat_ticks, cfg.suspect_ticks,
+                                        cfg.adaptive_suspect)
             self.dorm[i] = Dormancy(self.live[i])
         self._clock(i)
 

@@ -42,8 +42,8 @@ clock_op = st.one_of(
 def run_schedule(n, witness, seed, ops, protocol="derecho", **cfg):
     ids = [f"m{i}" for i in range(n)]
     wit = (ids[-1],) if witness else ()
-    net = InMemoryNetwork(ids, protocol=protocol, seed=seed, witnesses=wit, suspect_ticks=8, heartbeat_ticks=2,
-                          retransmit_ticks=3, **cfg)
+    net = InMemoryNetwork(ids, protocol=protocol, seed=seed, witnesses=wit,
+                          **{"suspect_ticks": 8, "heartbeat_ticks": 2, "retransmit_ticks": 3, **cfg})
     members = [i for i in ids if i not in wit]
     submitted = set()
     down = set()
