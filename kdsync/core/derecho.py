@@ -116,6 +116,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         self.joined_views = 0
         self._minority = False
         self._heard_shared = False  # the driver shares the member's liveness (`heard`)
+        self.left_incs: dict[str, int] = {}  # peer -> the incarnation of it that announced its leave (departure.py)
         self._reset_view_state()
         if kw.get("hard_state") is not None:
             self.state = State.REJOINING  # a restart: ask to be taken back
@@ -264,7 +265,10 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         self.last_sent = {m: -10**9 for m in v.members}
         self.acked_sent: dict[str, tuple | None] = {m: None for m in v.members}  # what we last told each peer
         self.suspected: set[str] = set()
-        self.departed: set[str] = set()  # peers that left this view cleanly (Leave): suspected for good
+        # peers that left this view cleanly (Leave): suspected for good; also those
+        # that left during the view change that made this view, which names them still
+        self.departed: set[str] = {m for m, inc in self.left_incs.items()
+                                   if m in v.members and v.incarnations[v.members.index(m)] == inc}
         self.silenced: frozenset[str] = frozenset()  # the member's liveness found them silent (adaptive suspicion)
         self._lagging: dict[str, tuple[tuple, int]] = {}  # peer -> (our received vector it lags, since when)
         self._mine_acked: dict[str, int] = {}  # peer -> how many of our slots it acknowledged
