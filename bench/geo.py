@@ -15,6 +15,7 @@ region by default) and each figure is the median of a few runs."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = SCENARIOS / "wan-five-regions.yaml"
 # the WAN settings of docs/wan.md
 WAN_TIMING = dict(tick_ms=5, heartbeat_ms=100, suspect_ms=3000, retransmit_ms=250)
+WAN_ADAPTIVE = True  # and adaptive_suspect = true (kdsync.core.liveness), real and simulated alike
 RATE_EPS = 250.0
 DURATION_S = 8.0
 
@@ -51,7 +53,8 @@ def geo_group(protocol: str, out: dict):
     n = len(ids)
     leads = {i: m.get("clock_lead_ms", 0.0) for i, m in enumerate(s["members"])}
     proxies: dict[tuple[int, int], str] = {}
-    extra = {"protocol": {"commit_quorum": s.get("commit_quorum", 0)}} if protocol == "clock" else {}
+    extra = {"protocol": {"adaptive_suspect": WAN_ADAPTIVE,
+                          **({"commit_quorum": s.get("commit_quorum", 0)} if protocol == "clock" else {})}}
     with tempfile.TemporaryDirectory(prefix="kdsync-geo-") as tmp:
         g = local.LocalGroup(n, Path(tmp), protocol=protocol, names=ids, metrics=True,
                              peer_address=lambda i, j: proxies[(i, j)],
@@ -116,7 +119,7 @@ def sim_scenario(protocol: str, rate_eps: float, duration_s: float, late_ms: lis
     late the real proxies forwarded (`late_ms`)."""
     s = yaml.safe_load(SCENARIO.read_text())
     s.update(name=f"geo-{protocol}", protocol=protocol, duration_s=duration_s + 2, settle_s=8,
-             timing=dict(WAN_TIMING),
+             timing=dict(WAN_TIMING), adaptive_suspect=WAN_ADAPTIVE,
              workload=[{"member": "all", "rate_eps": rate_eps / len(s["members"]), "partitions": 2,
                         "payload_bytes": 40, "arrivals": "paced", "start_s": 2}])
     if protocol != "clock":
@@ -203,7 +206,7 @@ def geo_section(progress=lambda: None, runs: int = 1):
         raise NotMeasured("no real run finished: " + "; ".join(r.get("error", "") for r in rows))
     sec.intro.append(
         f"`python -m bench.geo`: five embedded Tansu clusters and five `kdsync run` members (the WAN timers of "
-        f"docs/wan.md; clock with wan-five-regions' lead and commit quorum), every member link through a delay "
+        f"docs/wan.md, adaptive_suspect {str(WAN_ADAPTIVE).lower()}; clock with wan-five-regions' lead and commit quorum), every member link through a delay "
         f"proxy with that link's one-way delay in sim/scenarios/wan-five-regions.yaml, {RATE_EPS:g} events/s in "
         f"all (paced), {DURATION_S:g} s, {runs} run(s) per protocol; then the same in the simulator (3 seeds, the "
         f"broker and member costs of results/calibration.yaml — measured on this machine by `kdsync-sim calibrate`, "
@@ -221,9 +224,13 @@ def geo_section(progress=lambda: None, runs: int = 1):
     if frows:
         sec.intro.append(
             "Faults (`python -m bench.geo_faults`, issue 42): the same five regions, clock, writes for "
-            f"{geo_faults.WRITE_S:g} s; Tokyo's member killed (SIGKILL) at 6 s and restarted at 11 s, Oregon's "
-            "stopped (SIGTERM) at 18 s and restarted at 22 s; then the same schedule in the simulator (3 seeds). "
-            "Worst = the worst latency of the live regions' events created in the 3 s after the fault.")
+            f"{geo_faults.WRITE_S:g} s; " + "; ".join(
+                f"{ {'tyo': 'Tokyo', 'or': 'Oregon'}.get(who, who)}'s member {'killed' if sig == signal.SIGKILL else 'stopped'} "
+                f"({signal.Signals(sig).name}) at {at:g} s and restarted at {back:g} s"
+                for _, who, sig, at, back in geo_faults.FAULTS) +
+            "; then the same schedule in the simulator (3 seeds). Worst = the worst latency of the live regions' "
+            f"events created in the {geo_faults.AFTER_S:g} s after the fault; steady = created "
+            f"{geo_faults.STEADY[0]:g}-{geo_faults.STEADY[1]:g} s (before the first fault's in-flight events).")
         sec.tables.append(Table("geo_faults", "Five regions through a crash and a clean stop, real vs simulated "
                                 "(ms)", frows))
         for r in frows:

@@ -30,13 +30,19 @@ import yaml
 from bench.geo import RATE_EPS, geo_group, sim_scenario
 from kdsync.testing.stats import percentile
 
-# seconds after the writers start
-STEADY = (1.0, 6.0)
+# seconds after the writers start.  The steady window ends a second before
+# the kill: the killed region's events of its last ~second are still in its
+# member's source then and are ordered after its return (re-consumed) — they
+# belong to the fault (with them the steady p99 read 13 s).  The stop comes
+# 9 s after the restart: a restarted member on this loaded box takes ~6 s
+# from exec to its first view, and a stop inside that view change measured
+# the collision, not the stop.
+STEADY = (1.0, 5.0)
 FAULTS = (  # (name, member, signal, at, restart at)
     ("crash", "tyo", signal.SIGKILL, 6.0, 11.0),
-    ("stop", "or", signal.SIGTERM, 18.0, 22.0),
+    ("stop", "or", signal.SIGTERM, 20.0, 24.0),
 )
-WRITE_S = 26.0
+WRITE_S = 28.0
 AFTER_S = 3.0  # the window after a fault (issue 42: the 3 s after it)
 SIM_START_S = 2.0  # the simulated workload's start
 
