@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kdsync.core.leads import NEAR_FRACTION
 from kdsync.testing.delay_proxy import start_proxies, stop_proxies
 from kdsync.kafka.topic import ensure_topic
 from kdsync.testing.load import PacedWriters
@@ -68,10 +69,13 @@ def test_a_far_member_chooses_its_lead_and_status_shows_it(tmp_path: Path):
             assert ok, detail
             leads = [lead_ms(g, i) for i in range(3)]
             assert leads[0] < 5 and leads[1] < 5, leads  # near members: none (the rule's gap is ~0)
-            assert 20 <= leads[2] <= 0.75 * FAR_MS + 5, leads  # 3/4 of its nearest delay, at most
             far = status(g, 2)
             one_way = {p["peer"]: p["one_way_ms"] for p in far["peers"]}
             assert all(FAR_MS - 5 <= one_way[p] <= FAR_MS + 30 for p in ("dc1", "dc2")), one_way
+            # 3/4 of its nearest delay at most: the delay it measured (a loaded box measures 40 ms as up to
+            # 47: CI chose 35.1 once), never less than the proxies' own
+            cap = NEAR_FRACTION * max(FAR_MS, min(one_way[p] for p in ("dc1", "dc2")))
+            assert 20 <= leads[2] <= cap + 5, (leads, one_way)
             text = subprocess.run([sys.executable, "-m", "kdsync.cli", "status", "--config", str(g.config_path(2))],
                                   capture_output=True, text=True, timeout=60).stdout
             print(f"leads {leads}; dc3 one-way {one_way}\n{text}")

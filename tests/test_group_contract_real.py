@@ -203,10 +203,12 @@ def test_odd_members_are_refused_by_name_and_the_group_orders_on(tmp_path):
             print(f"{name}: p99 {percentile(part, 99)} ms, max {max(part)} ms ({len(part)} events)")
         print(f"control (wrong secret) p99 {p99s} ms ({len(steady)} events), odd members p99 {p99f} ms ({len(fault)})")
         assert len(steady) > 150 and len(fault) > 800
-        # within 2x the control's p99 on a quiet box; a busy box's noise (two cores, three brokers) can pass
-        # that, so the floor is what any pause would exceed: a view change costs suspect_ms (300 ms) and more,
-        # and at 200 events/s one pause alone puts >1 % of the window's events above it
-        assert p99f <= max(2 * p99s, 250), (p99s, p99f)
+        # within 2x the control's p99 on a quiet box; a busy box's noise (two cores, three brokers, seven
+        # member processes starting and a dozen kdsync commands in this window) can pass that (CI: 78 ->
+        # 560 ms with the view unchanged), so the floor is what any pause would exceed: a suspicion costs
+        # suspect_ms (3 000 ms here) and a view change more, and at 200 events/s one pause alone puts
+        # >1 % of the window's events above it
+        assert p99f <= max(2 * p99s, 1000), (p99s, p99f)
         # the operator's view of a member killed and of a broker down
         wait_until(lambda: kdsync("status", "--config", str(g.config_path(0))).returncode == 0, 30,
                    "dc1's status healthy once the copy of dc2 is gone")
