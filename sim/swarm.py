@@ -313,7 +313,7 @@ def _draw_clocks(seed: int, ids: list[str], duration: float, members: list[dict]
 
 
 def swarm_episodes(seed: int) -> list[str]:
-    """The fault episodes seed `seed` draws, in drawing order (and "quiesce" when its groups may sleep)."""
+    """The fault episodes seed `seed` draws, in drawing order (and "quiesce" when its groups may sleep, "adaptive-suspect" when its members suspect early)."""
     return _draw(seed, "derecho")[1]
 
 

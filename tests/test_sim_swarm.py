@@ -202,7 +202,8 @@ def test_swarm_draws_hard_schedules():
     assert any(s.witnesses for s in scenarios.values())
     assert {f.action for s in scenarios.values() for f in s.faults} >= {"crash", "restart", "partition", "link", "clock_pause"}
     # every fault episode, plus "quiesce" (sleeping groups, drawn for about half the seeds: test_sim_quiesce)
-    assert {k for seed in scenarios for k in swarm_episodes(seed)} == {k for k, _ in EPISODES} | {"quiesce", "clean-stop"}
+    # and "adaptive-suspect" (early suspicion, drawn for about half the seeds: tests/core/test_adaptive_suspect.py)
+    assert {k for seed in scenarios for k in swarm_episodes(seed)} == {k for k, _ in EPISODES} | {"quiesce", "clean-stop", "adaptive-suspect"}
     assert any(s.network.default.loss for s in scenarios.values())
     assert {s.duration_s for s in scenarios.values()} > {3.5} and max(w.rate_eps or 0 for s in scenarios.values() for w in s.workload) >= 200
     overlap = majority_lost = total = 0
