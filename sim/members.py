@@ -159,6 +159,7 @@ class SimMember:
         self._sink_batch: list | None = None
         self.clock_fault = host.clock_fault(member_id)
         self.uses_clock = config.protocol == "clock"
+        self._clock_at, self._clock_node = -1.0, None  # the instant and node the clock was last given (_clock)
         self.dorm: Dormancy | None = None  # quiesce: this process's liveness and sleeping node
         self.stages: dict | None = None  # (partition, first offset) -> [fetched, handed] of own batches (bench)  # the member's producer batch while it lingers: [(deliveries, handed)]
 
@@ -299,7 +300,11 @@ class SimMember:
         """The node's wall clock reading now (before every input; only the
         clock protocol reads it)."""
         if self.uses_clock:
-            self.node.clock(self.clock_fault.read(int(self.host.now * 1e6)))
+            now = self.host.now
+            node = self.node
+            if now != self._clock_at or node is not self._clock_node:  # once per instant and node
+                self._clock_at, self._clock_node = now, node
+                node.clock(self.clock_fault.read(int(now * 1e6)))
 
     def _receive(self, src: str, data: bytes) -> None:
         self._wake()

@@ -56,7 +56,7 @@ class ClockStream:
     """The ordering state of one view at one member (see module docstring)."""
 
     __slots__ = ("n", "my_k", "senders", "quorum", "received", "slots", "acks", "next", "reports", "promised", "last_ts",
-                 "clock", "inflight", "cut_upto", "low")
+                 "clock", "inflight", "cut_upto", "low", "changed")
 
     def __init__(self, view: View, me: str, clock: int = 0, quorum: int = 0) -> None:
         n = self.n = len(view.senders)
@@ -74,6 +74,10 @@ class ClockStream:
         self.inflight: deque[int] = deque()  # own slot indices some peer has not acknowledged
         self.cut_upto = 0
         self.low = [0] * n  # per sender: slots below it are forgotten (delivered and held by every member)
+        # something `deliverable` reads may have changed since it last ran (slots, received counts,
+        # acknowledgements, reports, positions): it is a function of these alone, so unchanged, it
+        # would find nothing again (a message that only repeats what is known costs no scan)
+        self.changed = True
 
     # ------------------------------------------------------------- the clock
     def report(self, now: int) -> tuple[int, int]:
@@ -91,6 +95,7 @@ class ClockStream:
 
     def on_report(self, k: int, cut: int, clock: int) -> None:
         """Sender k's clock report arrived."""
+        self.changed = True
         q = self.reports[k]
         if clock <= (q[-1][1] if q else self.promised[k]):
             return  # an older report (links reorder)
@@ -105,6 +110,7 @@ class ClockStream:
         """Sender k's slots first.. arrived.  Returns True when received[k] grew.
         `limit`: received[k] grows to it at most (a view change's leader filling
         the trim must not count slots it held beyond it: ClockViewChange.on_slot_data)."""
+        self.changed = True
         own = self.acks.get(self.senders[k])  # the sender holds what it sent
         if own is not None and first + len(slots) > own[k]:
             own[k] = first + len(slots)
@@ -124,7 +130,10 @@ class ClockStream:
 
     def ack(self, peer: str, recv: Iterable[int]) -> bool:
         """A peer's received vector.  Returns True when any count grew."""
-        return merge_ack(self.acks, peer, recv, self.inflight, self.my_k)
+        if merge_ack(self.acks, peer, recv, self.inflight, self.my_k):
+            self.changed = True
+            return True
+        return False
 
     # -------------------------------------------------------------- cutting
     def may_cut(self, window: int) -> bool:
@@ -135,6 +144,7 @@ class ClockStream:
         """Cut own slots from `pending` while the window has room, each
         stamped above the clock.  Consumes what it cuts; returns (first index,
         slots)."""
+        self.changed = True
         k = self.my_k
         first = count = self.received[k]
         store = self.slots[k]
@@ -179,22 +189,25 @@ class ClockStream:
     def deliverable(self) -> list[Slot]:
         """Pop the slots that can be delivered now, in (ts, rank) order."""
         out: list[Slot] = []
-        n = self.n
+        if not self.changed:
+            return out  # nothing it reads changed since it last ran to the end
+        self.changed = False
+        n, me, slots, nxt, rcv = self.n, self.my_k, self.slots, self.next, self.received
         while True:
             head, hk = None, -1
             for k in range(n):
-                s = self.slots[k].get(self.next[k])
+                s = slots[k].get(nxt[k])
                 if s is not None and (head is None or s[0] < head[0]):
                     head, hk = s, k
             if head is None:
                 return out
             ts = head[0]
             for j in range(n):
-                if j != hk and j != self.my_k and self.next[j] >= self.received[j] and self.promise(j) < ts:
+                if j != hk and j != me and nxt[j] >= rcv[j] and self.promise(j) < ts:
                     return out  # C2: j may still send something before it
-            if self._holders(hk, self.next[hk]) < self.quorum:
+            if self._holders(hk, nxt[hk]) < self.quorum:
                 return out  # C1
-            self.next[hk] += 1
+            nxt[hk] += 1
             if head[1] is not NULL:
                 out.append(head[1])
 
@@ -223,6 +236,7 @@ class ClockStream:
             return None
         if any(nx > t for nx, t in zip(self.next, trim)):
             return None  # delivered past the trim: cannot happen (C1); never deliver twice
+        self.changed = True
         keyed: list[tuple[int, int, Slot]] = []
         for k in range(self.n):
             store = self.slots[k]
@@ -240,6 +254,7 @@ class ClockStream:
         k = self.my_k
         if k < 0:
             return []
+        self.changed = True
         store = self.slots[k]
         done = [i for i in store if i < self.next[k]]
         for i in done:
