@@ -21,7 +21,9 @@ def test_the_schedule_is_drawn_from_the_seed_alone():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed,minutes,protocol,delay_ms,faults", [
-    (3, 1.5, "derecho", 0.0, 8),
+    # every kind of fault in one minute, one rolling restart (seed 3's 1.5 minutes drew three and no cut link:
+    # 340-380 s of CI for fewer kinds)
+    (937, 1.0, "derecho", 0.0, 10),
     # the WAN protocol with regions 20 ms apart (a delay proxy behind every fault proxy): kill -9 (twice),
     # a black-holed member and link, a paused member, a broker killed and restarted
     (2, 0.67, "clock", 20.0, 6),
