@@ -42,8 +42,14 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     returns at 10 s.  The others' view change runs on the members' own
     reports (no COLLECT round) and the voters install on a majority of votes:
     the live regions' worst latency for events created in the 3 s after the
-    stop stays within 3x their steady p99 (6.2x before those changes), with
-    every invariant kept and every event delivered."""
+    stop is ~2.5x their steady p99 — or ~4x when the leader (Frankfurt)
+    starts a round on the others' early reports just before Tokyo's LEAVE
+    reaches it (118 ms away), and that round COLLECTs once more (a round trip
+    to Oregon).  Seeds 25-36 on f0d05ce: 7 of 12 at 2.4-2.6x, 5 at 3.2-4.1x;
+    so the bound is 4.5x (it was 3x on seed 25 alone, which the code before
+    this bound fails on those 5 seeds).  Unannounced, the stop costs suspect_ms
+    (3 s: ~30x); before stop 51's changes it was 6.2x.  Every invariant kept,
+    every event delivered."""
     import json
 
     from kdsync.testing.stats import percentile
@@ -61,4 +67,4 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     lat = _live_latencies(_trace(tmp_path / "out"), ("tyo",))
     steady = percentile(_window(lat, 3.0, 5.5), 99)
     worst = max(_window(lat, 6.0, 9.0))
-    assert worst <= 3 * steady, (worst, steady)
+    assert worst <= 4.5 * steady, (worst, steady)
