@@ -3,6 +3,7 @@ valid and inject what they say; its windows keep only the live regions."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from bench.region import FAULT_S, FAULTS, FIVE, PROTOCOLS, RETURN_S, TIMING, _curve, _live_latencies, _scenario, _window
@@ -37,19 +38,21 @@ def test_windows_keep_the_live_regions_events_by_creation_time():
                                                                              (21.0, 200, 200)]
 
 
-def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(tmp_path):
+@pytest.mark.parametrize("seed", [25, 32])
+def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(tmp_path, seed):
     """Five regions, clock, the far region (Tokyo) stops cleanly at 6 s and
     returns at 10 s.  The others' view change runs on the members' own
     reports (no COLLECT round) and the voters install on a majority of votes:
     the live regions' worst latency for events created in the 3 s after the
-    stop is ~2.5x their steady p99 — or ~4x when the leader (Frankfurt)
-    starts a round on the others' early reports just before Tokyo's LEAVE
-    reaches it (118 ms away), and that round COLLECTs once more (a round trip
-    to Oregon).  Seeds 25-36 on f0d05ce: 7 of 12 at 2.4-2.6x, 5 at 3.2-4.1x;
-    so the bound is 4.5x (it was 3x on seed 25 alone, which the code before
-    this bound fails on those 5 seeds).  Unannounced, the stop costs suspect_ms
-    (3 s: ~30x); before stop 51's changes it was 6.2x.  Every invariant kept,
-    every event delivered."""
+    stop stays within 3.5x their steady p99 (6.2x before stop 51), with every
+    invariant kept and every event delivered.
+
+    Seed 32: the members that wedge first offer the leader ballot round 2;
+    one that wedges later has heard of their promise through their
+    acknowledgements and used to offer round 3, so the leader started at 3
+    and COLLECTed again from the others (4.1x).  A member now offers a round
+    above the rounds of peers that acknowledged awake (ViewChange.awake_round):
+    2.7x.  Seeds 25-36: 2.4-2.8x on 9, 3.3-3.4x on 3 (before: 3.2-4.1x on 5)."""
     import json
 
     from kdsync.testing.stats import percentile
@@ -58,7 +61,7 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
 
     base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
     s = _scenario(base, "clock", "stop")
-    s.update(duration_s=14.0, faults=[{"at_s": 6.0, "stop": "tyo"}, {"at_s": 10.0, "restart": "tyo"}])
+    s.update(seed=seed, duration_s=14.0, faults=[{"at_s": 6.0, "stop": "tyo"}, {"at_s": 10.0, "restart": "tyo"}])
     path = tmp_path / "stop.yaml"
     path.write_text(yaml.safe_dump(s))
     assert sim_main(["run", str(path), "--out", str(tmp_path / "out")]) == 0
@@ -67,4 +70,4 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     lat = _live_latencies(_trace(tmp_path / "out"), ("tyo",))
     steady = percentile(_window(lat, 3.0, 5.5), 99)
     worst = max(_window(lat, 6.0, 9.0))
-    assert worst <= 4.5 * steady, (worst, steady)
+    assert worst <= 3.5 * steady, (worst, steady)

@@ -331,7 +331,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
 
     def _take_ack(self, msg) -> None:
         """An ACK of the current view: acknowledgements, ballot round, suspicions."""
-        self.vc.max_round = max(self.vc.max_round, msg.round)
+        self.vc.heard_round(msg.round, msg.wedged)
         self._on_ack_vector(msg.sender, msg.recv)
         if (msg.suspected or msg.wedged) and msg.sender not in self.suspected and not self.wedged:
             new = {m for m in msg.suspected if m in self.view.members and m != self.me} - self.suspected

@@ -99,11 +99,22 @@ class ViewChange(Leading, Joining):
         self.promised: Ballot = promised
         self.accepted = accepted  # (ballot, proposal): the vote, persisted until a newer one replaces it
         self.max_round = promised[0]
+        # the highest round heard of but from the acknowledgements of wedged peers: an early
+        # report's ballot (on_wedged) is chosen from it, so that members wedging one after
+        # another offer the same ballot (a wedged peer's round may be its own early offer)
+        self.awake_round = promised[0]
         self.joiners: dict[str, tuple[int, int, int]] = {}  # id -> (incarnation, durable, next)
         self.last_install: dict[int, bytes] = {}  # old view id -> the INSTALL message we saw
         self.hint_sent: dict[str, int] = {}  # peer -> tick of the last helping reply
         self.join_sent = -10**9
         self.reset_view()
+
+    def heard_round(self, rnd: int, wedged: bool) -> None:
+        """A peer's acknowledgement named its promised round (`wedged`: made wedged)."""
+        if rnd > self.max_round:
+            self.max_round = rnd
+        if not wedged and rnd > self.awake_round:
+            self.awake_round = rnd
 
     def reset_view(self) -> None:
         """A new view: no round led, nobody unresponsive or restarted in it."""
@@ -228,7 +239,10 @@ class ViewChange(Leading, Joining):
         chose the ballot: the promise is ours and on disk before the report
         leaves (the Ready contract), and the leader uses a ballot of its own
         only once.  A leader whose round differs asks again (COLLECT): the
-        report is an offer, never needed."""
+        report is an offer, never needed.  The round offered is above
+        `awake_round`, so that members wedging one after another offer the
+        same ballot (the first ones' early promises reach the later ones in
+        their acknowledgements, marked wedged)."""
         n = self.n
         if self.eager_sent or self.round_seen or getattr(n, "leaving", False) or not n._is_member():
             return
@@ -236,7 +250,7 @@ class ViewChange(Leading, Joining):
         if lead is None or lead == n.me:
             return
         self.eager_sent = True
-        b = (max(self.max_round, self.promised[0]) + 1, n.rank_of[lead])
+        b = (max(self.awake_round, self.promised[0]) + 1, n.rank_of[lead])
         if not self.promise(b):
             return
         v = n.view
@@ -262,6 +276,7 @@ class ViewChange(Leading, Joining):
         n.last_heard[s] = n.now
         b = msg.ballot
         self.max_round = max(self.max_round, b[0])
+        self.awake_round = max(self.awake_round, b[0])
         if not self.promise(b):
             return
         self.round_seen = True
