@@ -138,6 +138,18 @@ def test_a_far_region_chooses_its_own_lead():
     assert p50["auto"] < 0.7 * p50["none"], p50
 
 
+def _messages_per_event(runs: dict) -> dict:
+    """Peer messages per event of each run, after checking it kept every
+    invariant and delivered every event everywhere."""
+    per_event = {}
+    for name, r in runs.items():
+        s = r.summary
+        assert r.failing == [] and s["violations"] == [], name
+        assert all(n == s["events_submitted"] for n in s["events_delivered"].values()), name
+        per_event[name] = s["network"]["messages"] / s["events_submitted"]
+    return per_event
+
+
 def test_clock_defaults_tick_every_5_ms_and_acknowledge_far_slots_together(monkeypatch):
     """Issue 42, message economy with no hand tuning: wan-five-regions with
     every setting at kdsync run's defaults (`timing: {}`, no lead, no
@@ -157,12 +169,7 @@ def test_clock_defaults_tick_every_5_ms_and_acknowledge_far_slots_together(monke
     with monkeypatch.context() as mp:
         mp.setattr(clock_mod, "FAR_ACK_AGE_PART", 10**9)  # far slots acknowledged at the next tick
         runs["every tick"] = run_scenario(plain)
-    per_event = {}
-    for name, r in runs.items():
-        s = r.summary
-        assert r.failing == [] and s["violations"] == [], name
-        assert all(n == s["events_submitted"] for n in s["events_delivered"].values()), name
-        per_event[name] = s["network"]["messages"] / s["events_submitted"]
+    per_event = _messages_per_event(runs)
     assert runs["default"].summary["tick_ms"] == 5
     lat = {name: r.summary["latency_ms"] for name, r in runs.items()}
     print(f"peer messages per event {per_event}; latency {lat}")
@@ -184,11 +191,6 @@ def test_with_a_commit_quorum_of_2_far_slots_are_acknowledged_to_their_senders()
     base = load_scenario(SCENARIOS / "wan-five-regions.yaml").model_copy(update={"duration_s": 6.0})
     assert base.commit_quorum == 2
     runs = {"q2": run_scenario(base), "majority": run_scenario(base.model_copy(update={"commit_quorum": 0}))}
-    per_event = {}
-    for name, r in runs.items():
-        s = r.summary
-        assert r.failing == [] and s["violations"] == [], name
-        assert all(n == s["events_submitted"] for n in s["events_delivered"].values()), name
-        per_event[name] = s["network"]["messages"] / s["events_submitted"]
+    per_event = _messages_per_event(runs)
     print(f"peer messages per event {per_event}")
     assert per_event["q2"] < 0.97 * per_event["majority"], per_event
