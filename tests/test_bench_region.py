@@ -45,7 +45,11 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     reports (no COLLECT round) and the voters install on a majority of votes:
     the live regions' worst latency for events created in the 3 s after the
     stop stays within 3.5x their steady p99 (6.2x before stop 51), with every
-    invariant kept and every event delivered.
+    invariant kept and every event delivered.  The same for the 3 s after the
+    return: the members wedge on Tokyo's first JOIN and report at once, and
+    Tokyo's clock reports while it asks to be taken in are its promise in the
+    view that takes it in (kdsync.core.clock: promises outlive views) — 4.7x
+    before, 2.8x since.
 
     Seed 32: the members that wedge first offer the leader ballot round 2;
     one that wedges later has heard of their promise through their
@@ -71,3 +75,5 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     steady = percentile(_window(lat, 3.0, 5.5), 99)
     worst = max(_window(lat, 6.0, 9.0))
     assert worst <= 3.5 * steady, (worst, steady)
+    back = max(_window(lat, 10.0, 13.0))
+    assert back <= 3.5 * steady, (back, steady)

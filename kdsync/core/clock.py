@@ -74,6 +74,14 @@ rules of the trim changed (see ClockViewChange `trim_holders`, `trim`):
   member and cluster reports its next position; the view starts after the
   highest).
 
+*Promises outlive views* (`_note_clock`).  A report binds every slot its
+sender cuts later, in any view of that incarnation (the hybrid clock never
+goes back; a message naming an older view was sent before any slot of a
+newer one was cut), so a view's stream starts from the highest report
+heard from each sender's incarnation in older views.  A member asking to
+be taken in reports to every peer each tick for suspect_ticks: the view
+that takes it in need not wait for it to hear of the install and report.
+
 Delivered slots stay held until every member of the view holds them
 (`ClockStream.forget_stable`): the trim's extras start at the holders'
 smallest received count, so a slot any reporter may be asked for is never
@@ -238,6 +246,9 @@ class ClockNode(DerechoNode):
         self._tick_us = 0  # the tick period as measured on the node's clock (0: not known yet)
         self._last_tick_us: int | None = None
         self.leads = Leads(config.member_id)
+        # sender -> (incarnation, view, clock): its highest clock report heard from a view no newer than ours
+        self._clocks: dict[str, tuple[int, int, int]] = {}
+        self._joining_since = NEVER  # the tick this member started asking to be taken in
         super().__init__(config, **kw)
         h = self._handlers
         del h[Append], h[Ack]  # not in this protocol's codec
@@ -260,7 +271,32 @@ class ClockNode(DerechoNode):
     def _new_stream(self, view: View) -> ClockStream:
         old = getattr(self, "stream", None)
         clock = old.clock if isinstance(old, ClockStream) else 0
-        return ClockStream(view, self.me, clock, self._quorum(view))  # the hybrid clock never goes back
+        st = ClockStream(view, self.me, clock, self._quorum(view))  # the hybrid clock never goes back
+        for s, (inc, vid, c) in self._clocks.items():  # promises outlive views (module doc)
+            self._seed(st, view, s, inc, vid, c)
+        return st
+
+    def _seed(self, st: ClockStream, view: View, s: str, inc: int, vid: int, clock: int) -> None:
+        """Sender s's report of `clock`, from incarnation `inc` in view `vid`,
+        is its promise in `view` too when `vid` is older and `inc` is its
+        incarnation there (module doc: promises outlive views)."""
+        if vid < view.view_id and s != self.me and s in view.senders \
+                and inc == view.incarnations[view.members.index(s)] != 0:
+            st.seed_promise(view.senders.index(s), clock)
+
+    def _note_clock(self, msg) -> None:
+        """Remember msg's clock report for the views to come, and take it as
+        a promise in ours if it names an older one (module doc); one naming a
+        view newer than ours is left out, since its sender may have cut slots
+        of the views in between."""
+        vid = msg.view
+        if vid > self.view.view_id:
+            return
+        heard = self._clocks.get(msg.sender)
+        if heard is None or heard[0] != msg.inc or msg.clock > heard[2]:
+            self._clocks[msg.sender] = (msg.inc, vid, msg.clock)
+        if vid < self.view.view_id:
+            self._seed(self.stream, self.view, msg.sender, msg.inc, vid, msg.clock)
 
     def _quorum(self, view: View) -> int:
         """C1's commit quorum in `view`: the configured one, at most a majority."""
@@ -270,6 +306,7 @@ class ClockNode(DerechoNode):
 
     # ------------------------------------------------------------- stream
     def _on_clock_append(self, msg: ClockAppend) -> None:
+        self._note_clock(msg)
         if not self._in_current_view(msg):
             return
         s = msg.sender
@@ -298,6 +335,7 @@ class ClockNode(DerechoNode):
         self._try_deliver()
 
     def _on_clock_ack(self, msg: ClockAck) -> None:
+        self._note_clock(msg)
         if not self._in_current_view(msg):
             return
         senders = self.view.senders
@@ -393,6 +431,22 @@ class ClockNode(DerechoNode):
             for p in self.view.members:
                 if p != self.me and p not in self.suspected and self.last_sent[p] < last:
                     self._send_ack(p)
+        self._report_while_joining()
+
+    def _report_while_joining(self) -> None:
+        """Asking to be taken in: a clock report to every peer each tick for
+        suspect_ticks, then each heartbeat (module doc: promises outlive views)."""
+        if self.state not in (self.State.JOINING, self.State.REJOINING) or self.leaving:
+            self._joining_since = NEVER
+            return
+        now = self.now
+        self._joining_since = min(self._joining_since, now)
+        cfg = self.cfg
+        if now - self._joining_since > cfg.suspect_ticks and now % cfg.heartbeat_ticks:
+            return
+        data = self._ack_message(tuple(self.stream.received))
+        for p in self.peers:
+            self._send(p, data)
 
     def quiet(self) -> bool:
         return not self._ack_due and not self.stream.waiting() and super().quiet()

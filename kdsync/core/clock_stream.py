@@ -93,6 +93,13 @@ class ClockStream:
             self.promised[k] = q.popleft()[1]
         return max(self.promised[k], self.last_ts[k])
 
+    def seed_promise(self, k: int, clock: int) -> None:
+        """Sender k promised `clock` before this view began: every slot of it
+        in this view is stamped above it (ClockNode's promises outlive views)."""
+        if clock > self.promised[k]:
+            self.promised[k] = clock
+            self.changed = True
+
     def on_report(self, k: int, cut: int, clock: int) -> None:
         """Sender k's clock report arrived."""
         self.changed = True

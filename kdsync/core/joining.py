@@ -1,7 +1,9 @@
 """Joining, mixed into ViewChange: a restarted (amnesiac) or excluded member
 asks to be taken back (JOIN, repeated by the node's tick); a member that
-hears JOIN records the joiner for the leader's next view change and tells
-the joiner which view it asks to join; a peer that speaks of an older view
+hears JOIN records the joiner for the leader's next view change, wedges
+on the first JOIN of that incarnation (its report then reaches the leader
+without a COLLECT round trip: ViewChange.on_wedged) and tells the joiner
+which view it asks to join; a peer that speaks of an older view
 gets the INSTALL of the view after it, or a HINT naming the current one
 (`stale_reply`), and a HINT moves its receiver to rejoin or join that view.
 Each rule here was forced by a swarm seed named where it applies.  Needs
@@ -45,6 +47,13 @@ class Joining:
         if s in v.members:
             self.rejoined[s] = inc
             n.last_heard[s] = n.now
+        elif self.join_wedged.get(s) != inc and n.state is n.State.ACTIVE and self.leader() not in (None, n.me):
+            # the leader takes it in at once (its tick): wedge and report now
+            # (on_wedged) rather than a round trip later, on its COLLECT.  Once
+            # per joiner incarnation: a leader that never hears it would install
+            # a view without it, and the JOIN repeats
+            self.join_wedged[s] = inc
+            n._wedge()
         if n._is_member() and (self.leader() != n.me or s in v.members):
             # tell it which view it is asking to join; the leader too when the view
             # names it: it does not know it is a member (it restarted from an older

@@ -104,6 +104,7 @@ class ViewChange(Leading, Joining):
         # another offer the same ballot (a wedged peer's round may be its own early offer)
         self.awake_round = promised[0]
         self.joiners: dict[str, tuple[int, int, int]] = {}  # id -> (incarnation, durable, next)
+        self.join_wedged: dict[str, int] = {}  # joiner -> the incarnation whose first JOIN wedged us (joining.py)
         self.last_install: dict[int, bytes] = {}  # old view id -> the INSTALL message we saw
         self.hint_sent: dict[str, int] = {}  # peer -> tick of the last helping reply
         self.join_sent = -10**9

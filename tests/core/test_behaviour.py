@@ -526,3 +526,50 @@ def test_members_report_on_wedging_and_learn_the_next_view_from_the_votes():
     sub |= keys(net.submit("d", 3))
     net.tick(10)
     assert not check_invariants(net, submitted=sub, live=live)
+
+
+def test_members_wedge_on_a_joiners_first_join_and_report_without_a_collect():
+    """A restarted member asks to be taken in: every member that hears its
+    first JOIN wedges and reports to the leader at once (a round trip
+    sooner than the leader's COLLECT), and the view that takes it in is the
+    next one.  Events submitted around the return are all delivered, once,
+    everywhere."""
+    from kdsync.core.messages import Collect
+
+    ids = ["a", "b", "c", "d", "e"]
+    net = formed(ids)
+    sub = keys(net.submit("b", 3))
+    net.crash("e")
+    net.run_until(lambda: all(net.node(m).status == "active" and len(net.node(m).view.members) == 4
+                              for m in ids[:4]), 200)
+    net.stabilize()
+    net.tick(2)
+    sent, views = dict(net.sent_by_type), len(net.views["b"])
+    net.restart("e")
+    sub |= keys(net.submit("c", 4))
+    net.run_until(converged(net, 5), 200)
+    assert net.sent_by_type.get(Collect.TYPE, 0) == sent.get(Collect.TYPE, 0)
+    assert len(net.views["b"]) == views + 1
+    sub |= keys(net.submit("e", 2))
+    net.tick(10)
+    assert not check_invariants(net, submitted=sub)
+
+
+def test_a_join_the_leader_never_hears_wedges_each_member_once_per_incarnation():
+    """c, restarted, can reach b but not the leader (a), and repeats its
+    JOIN: b wedges on the first one only — the view change that follows is
+    led by a, which never heard c, and does not take it in; the JOINs that
+    incarnation repeats do not start one view change after another."""
+    net = formed(("a", "b", "c"))
+    net.crash("c")
+    net.run_until(lambda: all(net.node(m).status == "active" and len(net.node(m).view.members) == 2
+                              for m in ("a", "b")), 200)
+    net.cut("c", "a")
+    views = len(net.views["b"])
+    net.restart("c")
+    net.tick(150)  # JOIN every 4 x retransmit_ticks: a dozen of them
+    assert len(net.views["b"]) <= views + 1
+    assert net.node("a").status == "active" and net.node("b").status == "active"
+    net.recover()
+    net.run_until(converged(net, 3), 300)
+    assert not check_invariants(net)

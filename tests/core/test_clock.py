@@ -174,3 +174,48 @@ def test_far_slots_acknowledged_late_keep_every_invariant_and_are_not_held_by_sk
         assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
         gaps = [y - x for x, y in zip(sent_to_a, sent_to_a[1:])]
         assert max(gaps) <= FAR_ACK_MAX_TICKS, (offset_us, max(gaps))
+
+
+def test_a_joiners_reports_while_it_asks_to_be_taken_in_are_its_promise_in_the_view_that_takes_it_in():
+    # c restarts and asks to be taken in, its clock 1 s ahead; a (the leader) hears
+    # its JOIN and its clock reports, then nothing more from it; b never hears it (so
+    # b's clock stays behind c's).  In the view that takes c in, a delivers b's
+    # events at once: c promised past them before that view began (its hybrid clock
+    # never goes back).  The code before waited for c's first report of the new
+    # view, which never comes, until a suspected c (another view change).
+    net = formed(clocks={"c": ClockFault(offset_us=1_000_000)})
+    net.crash("c")
+    net.run_until(all_active(net, ("a", "b"), 2), 100)
+    net.cut_one_way("c", "b")
+    net.restart("c")
+    net.tick(1)  # c's JOIN and a report reach a
+    net.cut_one_way("c", "a")
+    net.run_until(all_active(net, ("a", "b"), 3), 100)
+    views_a = len(net.views["a"])
+    base = len(net.topic("a"))
+    sub = net.submit("b", 3)
+    net.run_until(lambda: len(net.topic("a")) == base + 3, 4)  # suspect_ticks is 8
+    assert len(net.views["a"]) == views_a and "c" in net.node("a").view.members  # no view change since
+    net.recover()
+    net.run_until(lambda: all(len(net.topic(i)) == len(net.topic("a")) for i in net.ids), 200)
+    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
+
+
+def test_a_report_naming_a_newer_view_or_another_incarnation_promises_nothing_in_ours():
+    # the promise of a report carries into later views of the same incarnation only:
+    # one from a view newer than the receiver's (its sender may have cut slots of the
+    # views between) or from another incarnation of the sender is no promise here
+    from kdsync.core.messages import ClockAck
+
+    net = formed()
+    a = net.node("a")
+    v = a.view
+    k = v.senders.index("b")
+    inc_b = v.incarnations[v.members.index("b")]
+    before = a.stream.promise(k)
+    far = before + 10**9
+    for view, inc in ((v.view_id + 1, inc_b), (v.view_id - 1, inc_b + 1)):
+        a._note_clock(ClockAck("b", inc, view, (0, 0, 0), (), 0, False, 0, far))
+        assert a.stream.promise(k) == before
+    a._note_clock(ClockAck("b", inc_b, v.view_id - 1, (0, 0, 0), (), 0, False, 0, far))
+    assert a.stream.promise(k) == far  # an older view of the same incarnation: a promise here
