@@ -38,13 +38,13 @@ def test_windows_keep_the_live_regions_events_by_creation_time():
                                                                              (21.0, 200, 200)]
 
 
-@pytest.mark.parametrize("seed", [25, 32])
+@pytest.mark.parametrize("seed", [25, 29, 32])
 def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(tmp_path, seed):
     """Five regions, clock, the far region (Tokyo) stops cleanly at 6 s and
     returns at 10 s.  The others' view change runs on the members' own
     reports (no COLLECT round) and the voters install on a majority of votes:
     the live regions' worst latency for events created in the 3 s after the
-    stop stays within 3.5x their steady p99 (6.2x before stop 51), with every
+    stop stays within 3x their steady p99 (6.2x before stop 51), with every
     invariant kept and every event delivered.  The same for the 3 s after the
     return: the members wedge on Tokyo's first JOIN and report at once, and
     Tokyo's clock reports while it asks to be taken in are its promise in the
@@ -56,7 +56,13 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     acknowledgements and used to offer round 3, so the leader started at 3
     and COLLECTed again from the others (4.1x).  A member now offers a round
     above the rounds of peers that acknowledged awake (ViewChange.awake_round):
-    2.7x.  Seeds 25-36: 2.4-2.8x on 9, 3.3-3.4x on 3 (before: 3.2-4.1x on 5)."""
+    2.7x.  Seeds 25-36: 2.4-2.8x on 9, 3.3-3.4x on 3 (before: 3.2-4.1x on 5).
+
+    Seed 29: every report had reached the leader before Tokyo's LEAVE did,
+    and the leader proposed only when one more report came (an answer to its
+    COLLECT, a round trip to Oregon later): 3.4x.  The leader now checks its
+    reports each tick (ViewChange.step): 2.6x.  Seeds 25-32: 2.5-2.75x, so
+    the bound is 3x."""
     import json
 
     from kdsync.testing.stats import percentile
@@ -74,6 +80,6 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     lat = _live_latencies(_trace(tmp_path / "out"), ("tyo",))
     steady = percentile(_window(lat, 3.0, 5.5), 99)
     worst = max(_window(lat, 6.0, 9.0))
-    assert worst <= 3.5 * steady, (worst, steady)
+    assert worst <= 3.0 * steady, (worst, steady)
     back = max(_window(lat, 10.0, 13.0))
     assert back <= 3.5 * steady, (back, steady)

@@ -190,6 +190,9 @@ class ViewChange(Leading, Joining):
             elif now - lr.sent >= (lr.gap or cfg.retransmit_ticks):
                 lr.gap = min(2 * (lr.gap or cfg.retransmit_ticks), max(cfg.suspect_ticks, cfg.retransmit_ticks))
                 self.broadcast()
+            # the reports may be complete without a new one: a member left or was
+            # suspected since the last report, or every report came early (on_wedged)
+            self.leader_progress()
         elif lr is not None:
             self.round = None
 
