@@ -1,8 +1,9 @@
 """Joining, mixed into ViewChange: a restarted (amnesiac) or excluded member
 asks to be taken back (JOIN, repeated by the node's tick); a member that
 hears JOIN records the joiner for the leader's next view change, wedges
-on the first JOIN of that incarnation (its report then reaches the leader
-without a COLLECT round trip: ViewChange.on_wedged) and tells the joiner
+on the first JOIN of that incarnation when the joiner is the one member
+missing from the view (its report then reaches the leader without a
+COLLECT round trip: ViewChange.on_wedged) and tells the joiner
 which view it asks to join; a peer that speaks of an older view
 gets the INSTALL of the view after it, or a HINT naming the current one
 (`stale_reply`), and a HINT moves its receiver to rejoin or join that view.
@@ -47,7 +48,8 @@ class Joining:
         if s in v.members:
             self.rejoined[s] = inc
             n.last_heard[s] = n.now
-        elif self.join_wedged.get(s) != inc and n.state is n.State.ACTIVE and self.leader() not in (None, n.me):
+        elif (self.join_wedged.get(s) != inc and n.state is n.State.ACTIVE
+              and self.leader() not in (None, n.me) and self._only_absent(s)):
             # the leader takes it in at once (its tick): wedge and report now
             # (on_wedged) rather than a round trip later, on its COLLECT.  Once
             # per joiner incarnation: a leader that never hears it would install
@@ -60,6 +62,15 @@ class Joining:
             # view) and would never report, while the view cannot change without it
             # (swarm seeds 2719, 8295: a restarted leader waited for it forever)
             self.stale_reply(s, -1)
+
+    def _only_absent(self, joiner: str) -> bool:
+        """Whether `joiner` is the one configured member missing from the view.
+        Only then do the others wedge on its JOIN: with two or more away (two
+        regions restarting together) the leader, fed early reports, would take
+        the first JOIN it hears alone, and the second would cost a second view
+        change; the COLLECT's round trip lets the other JOINs arrive first."""
+        members = self.n.view.members
+        return all(p == joiner or p in members for p in self.n.peers)
 
     def stale_reply(self, peer: str, view_id: int) -> None:
         """`peer` speaks of an older view (or asks to join): help it forward."""
