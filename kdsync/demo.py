@@ -28,6 +28,8 @@ from kdsync.testing.stats import percentile
 
 __all__ = ["main", "run_demo"]
 
+FLOOR_RATE = 50.0  # the floor probe's records/s: a few % of a core beside the writes
+
 
 def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: float, rate: float | None,
              out=print, shards: int = 1, workers: int | None = None, durable: bool = False,
@@ -66,6 +68,7 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
                 warm.abort()
                 errors.append(str(e))
 
+        probe = _floor_probe(g, events / rate if rate else 0.0)
         with console.status(f"writing {events} events concurrently into {clusters} clusters"):
             threads = [threading.Thread(target=writer, args=(i,)) for i in range(clusters)]
             for t in threads:
@@ -79,6 +82,8 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
                 _crash_a_broker(g, console, t0, events / rate / 3 if rate else 1.0)
             for t in threads:
                 t.join()
+            if probe is not None:
+                probe.join(30)
         if errors:
             out(f"demo: writing failed: {errors[0]}")
             return 1
@@ -102,12 +107,35 @@ def run_demo(clusters: int, events: int, protocol: str, workdir: Path, timeout: 
         out(f"agreement   {'YES' if ok else 'NO'}: {detail}")
         out(f"latency     p50 {percentile(lat, 50):.1f} ms, p99 {percentile(lat, 99):.1f} ms "
             f"(source timestamp -> global topic)")
+        if probe is not None and probe.lat:
+            f99 = percentile(probe.lat, 99)
+            out(f"floor       p50 {percentile(probe.lat, 50):.1f} ms, p99 {f99:.1f} ms (one hop, produce -> consume, "
+                f"on {g.names[0]}'s broker during the writes; kdsync p99 / floor p99 = "
+                f"{percentile(lat, 99) / max(f99, 1.0):.1f})")
         out(f"throughput  {events / span:.0f} events/s end to end ({span:.2f} s)")
         if dead:
             out(f"members exited early: {', '.join(dead)} (logs in {workdir})")
         if not ok:
             out(f"logs: {workdir}")
         return 0 if ok else 1
+
+
+def _floor_probe(g: LocalGroup, duration_s: float):
+    """A plain producer -> consumer on the first cluster's broker at
+    FLOOR_RATE records/s for the paced writes' `duration_s` (none for a
+    burst): what one hop through a broker costs on this box under the same
+    load, the floor under the ordering's latency.  Started (its consumer
+    assigned) before the writers."""
+    from kdsync.kafka.topic import ensure_topic
+    from kdsync.testing.load import FLOOR_TOPIC, FloorProbe
+
+    n = int(duration_s * FLOOR_RATE)
+    if n < 10:
+        return None
+    ensure_topic(g.bootstrap(0), FLOOR_TOPIC, 1)
+    probe = FloorProbe(g.bootstrap(0), n, FLOOR_RATE)
+    probe.start()
+    return probe
 
 
 def _crash_a_broker(g: LocalGroup, console, t0: float, after_s: float, down_s: float = 2.0) -> None:

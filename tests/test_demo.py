@@ -56,6 +56,7 @@ def test_demo_agrees_and_cleans_up(broker):
     assert f"brokers     3 embedded {broker}\n" in out
     assert "agreement   YES: 900 records identical in 3 clusters" in out
     assert "latency     p50" in out and "throughput" in out
+    assert "floor       p50" in out and "kdsync p99 / floor p99 = " in out  # the box's one hop beside it
     assert not _children(p.pid)
 
 
