@@ -79,8 +79,9 @@ sender cuts later, in any view of that incarnation (the hybrid clock never
 goes back; a message naming an older view was sent before any slot of a
 newer one was cut), so a view's stream starts from the highest report
 heard from each sender's incarnation in older views.  A member asking to
-be taken in reports to every peer each tick for suspect_ticks: the view
-that takes it in need not wait for it to hear of the install and report.
+be taken in reports to every peer each heartbeat, a heartbeat and a tick
+ahead of its clock (its own later stamps are above it too): the view that
+takes it in need not wait for it to hear of the install and report.
 
 Delivered slots stay held until every member of the view holds them
 (`ClockStream.forget_stable`): the trim's extras start at the holders'
@@ -398,8 +399,8 @@ class ClockNode(DerechoNode):
             self._deliver(slots[0] if len(slots) == 1 else [b for s in slots for b in s])
             st.forget_stable()  # lazily: a slot acknowledged later goes with the next delivery
 
-    def _ack_message(self, cur: tuple) -> bytes:
-        cut, clock = self.stream.report(self._stamp_now)
+    def _ack_message(self, cur: tuple, ahead_us: int = 0) -> bytes:
+        cut, clock = self.stream.report(self._stamp_now + ahead_us)  # ahead: own later stamps above it too
         return ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
                         self.vc.promised[0], self.wedged, cut, clock).encode()
 
@@ -434,17 +435,17 @@ class ClockNode(DerechoNode):
         self._report_while_joining()
 
     def _report_while_joining(self) -> None:
-        """Asking to be taken in: a clock report to every peer each tick for
-        suspect_ticks, then each heartbeat (module doc: promises outlive views)."""
+        """Asking to be taken in: a clock report to every peer each heartbeat,
+        promising a heartbeat and a tick ahead of the clock (each tick until
+        the tick's length is known); module doc: promises outlive views."""
         if self.state not in (self.State.JOINING, self.State.REJOINING) or self.leaving:
             self._joining_since = NEVER
             return
-        now = self.now
+        now, hb, tick_us = self.now, self.cfg.heartbeat_ticks, self._tick_us
         self._joining_since = min(self._joining_since, now)
-        cfg = self.cfg
-        if now - self._joining_since > cfg.suspect_ticks and now % cfg.heartbeat_ticks:
+        if tick_us and (now - self._joining_since) % hb:
             return
-        data = self._ack_message(tuple(self.stream.received))
+        data = self._ack_message(tuple(self.stream.received), (hb + 1) * tick_us)
         for p in self.peers:
             self._send(p, data)
 

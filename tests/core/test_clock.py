@@ -219,3 +219,46 @@ def test_a_report_naming_a_newer_view_or_another_incarnation_promises_nothing_in
         assert a.stream.promise(k) == before
     a._note_clock(ClockAck("b", inc_b, v.view_id - 1, (0, 0, 0), (), 0, False, 0, far))
     assert a.stream.promise(k) == far  # an older view of the same incarnation: a promise here
+
+
+def test_a_joiner_reports_each_heartbeat_a_heartbeat_ahead_and_stamps_above_it():
+    # c restarts and asks to be taken in while the leader (a) cannot hear it: it
+    # sends b a clock report each heartbeat, not each tick (a restarted member of a
+    # thousand groups would send one per group per tick), each promising a
+    # heartbeat and a tick ahead of its clock so that the promise holds until the
+    # next one arrives; once taken in, its own slots are stamped above every clock
+    # it reported (the hybrid clock carries the promise)
+    from kdsync.core.messages import ClockAck, ClockAppend
+
+    hb = 5
+    net = formed(heartbeat_ticks=hb, suspect_ticks=20)
+    net.crash("c")
+    net.run_until(all_active(net, ("a", "b"), 2), 200)
+    net.cut("c", "a")
+    net.restart("c")
+    c = net.node("c")
+    reports, stamps = [], []
+    send = c._send
+
+    def spy(to, data):
+        if to == "b" and data[1] == ClockAck.TYPE:
+            reports.append((c.now_us + c.lead_us, c.codec.decode(bytes(data), "c")))
+        elif data[1] == ClockAppend.TYPE:
+            stamps.extend(ts for ts, _ in c.codec.decode(bytes(data), "c").slots)
+        send(to, data)
+
+    c._send = spy
+    ticks = 8 * hb
+    net.tick(ticks)
+    assert c.status != "active"
+    assert 6 <= len(reports) <= ticks // hb + 2, len(reports)  # each tick before: 24 in these 40 ticks
+    tick_us = InMemoryNetwork.TICK_US
+    ahead = [r.clock - at for at, r in reports]  # 0 while the tick's length is not measured yet
+    assert ahead[-1] == (hb + 1) * tick_us and all(a in (0, (hb + 1) * tick_us) for a in ahead), ahead
+    net.recover()
+    net.run_until(all_active(net, ("a", "b", "c"), 3), 300)
+    sub = net.submit("c", 2)
+    net.stabilize()
+    assert stamps and min(stamps) > max(r.clock for _, r in reports)
+    net.run_until(lambda: all(len(net.topic(i)) == len(net.topic("a")) for i in net.ids), 200)
+    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
