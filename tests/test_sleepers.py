@@ -56,14 +56,20 @@ def test_a_silent_peer_is_suspected_in_the_pass_where_the_member_finds_it_silent
         s.live.heard("b")
         if i < 20:  # c speaks for a while, then falls silent
             s.live.heard("c")
-        assert not s.skip("t", node)
-        for _ in range(n):
-            node.tick()
-        member_silent = s.live.ago()["c"] > SUSPECT
-        assert ("c" in node.suspected) == member_silent, (n, s.live.now, node.suspected)
-        if member_silent:
+        if _pass_finds_silent(s, node, n, "c"):
             break
     assert node.suspected == {"c"}
+
+
+def _pass_finds_silent(s, node, n, peer) -> bool:
+    """The node runs a pass of n ticks; whether the member now finds `peer`
+    silent — and the node suspects it exactly then."""
+    assert not s.skip("t", node)
+    for _ in range(n):
+        node.tick()
+    member_silent = s.live.ago()[peer] > SUSPECT
+    assert (peer in node.suspected) == member_silent, (n, s.live.now, node.suspected)
+    return member_silent
 
 
 def test_the_awake_groups_are_every_group_not_asleep_in_order_when_many_are():
@@ -90,12 +96,7 @@ def test_a_node_suspects_a_late_peer_in_the_pass_where_the_member_does_with_its_
     found = None
     for i in range(120 // n):
         s.on_ticks(n)
-        assert not s.skip("t", node)
-        for _ in range(n):
-            node.tick()
-        member_silent = s.live.ago()["b"] > SUSPECT
-        assert ("b" in node.suspected) == member_silent, (n, s.live.now, node.suspected)
-        if member_silent:
+        if _pass_finds_silent(s, node, n, "b"):
             found = s.live.now
             break
         s.live.heard("c", ping=True)

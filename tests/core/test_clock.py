@@ -22,6 +22,23 @@ def all_active(net, ids, n):
                        and len(net.node(i).view.members) == n for i in ids)
 
 
+def run_through_a_restart(net, ticks, submit, who, crash_at, restart_at):
+    """Tick `ticks` times, submitting `submit(t)` at each tick, `who` crashed
+    at tick crash_at and restarted at restart_at; then heal, converge and
+    check every invariant over what was submitted."""
+    sub = []
+    for t in range(ticks):
+        sub += submit(t)
+        if t == crash_at:
+            net.crash(who)
+        if t == restart_at:
+            net.restart(who)
+        net.tick()
+    net.recover()
+    net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 300)
+    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
+
+
 def test_a_slot_held_by_a_minority_is_not_delivered():
     net = formed(("a", "b", "c", "d", "e"))
     for p in ("c", "d", "e"):
@@ -84,19 +101,8 @@ def test_skewed_drifting_jumping_clocks_cost_no_safety():
     net.run_until(all_active(net, net.ids, 3), 100)
     net.reorder = True
     net.dup_prob = 0.1
-    sub = []
-    for t in range(120):
-        for m in net.ids:
-            if (t + ord(m)) % 3 == 0 and net.node(m) is not None:
-                sub += net.submit(m, 2)
-        if t == 50:
-            net.crash("c")
-        if t == 80:
-            net.restart("c")
-        net.tick()
-    net.recover()
-    net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 300)
-    assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
+    run_through_a_restart(net, 120, lambda t: [e for m in net.ids if (t + ord(m)) % 3 == 0 and net.node(m) is not None
+                                               for e in net.submit(m, 2)], "c", 50, 80)
 
 
 def test_a_smaller_commit_quorum_makes_the_view_change_wait_for_more_reports():
@@ -161,17 +167,8 @@ def test_far_slots_acknowledged_late_keep_every_invariant_and_are_not_held_by_sk
             enqueue(a, b, data)
 
         net._enqueue = counted
-        sub = []
-        for t in range(90):
-            sub += net.submit("a", 1) + (net.submit("b", 1) if net.node("b") is not None else [])
-            if t == 40:
-                net.crash("b")
-            if t == 60:
-                net.restart("b")
-            net.tick()
-        net.recover()
-        net.run_until(lambda: all(len(net.topic(i)) == len(sub) for i in net.ids), 300)
-        assert not check_invariants(net, submitted={(e.origin, e.partition, e.offset) for e in sub})
+        run_through_a_restart(net, 90, lambda t, net=net: net.submit("a", 1) + (
+            net.submit("b", 1) if net.node("b") is not None else []), "b", 40, 60)
         gaps = [y - x for x, y in zip(sent_to_a, sent_to_a[1:])]
         assert max(gaps) <= FAR_ACK_MAX_TICKS, (offset_us, max(gaps))
 
