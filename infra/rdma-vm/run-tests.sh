@@ -17,7 +17,8 @@
 #        KDSYNC_VM_CMD      a shell command to run in the guest instead of pytest
 #        KDSYNC_VM_CACHE    image cache directory (see build-image.sh)
 #        KDSYNC_VM_KERNEL_ARGS  extra kernel arguments (default "quiet"; "" shows boot messages)
-# Exit:  0 tests passed, 1 tests failed or the guest did not finish,
+# Exit:  0 tests passed, 1 tests failed, the guest did not finish or the
+#        project has no virtualenv (make install: the guest imports from it),
 #        3 skipped: the environment cannot run the VM (reason on stderr,
 #        also written to OUT_DIR/skip_reason).
 set -euo pipefail
@@ -62,6 +63,15 @@ skip() {
     exit 3
 }
 log() { echo "[rdma-vm] $*" >&2; }
+
+# the guest imports confluent-kafka (and runs Tansu) from the project's own
+# virtualenv over the read-only share (guest-init.sh): without it every test
+# module fails to import after the VM's boot
+SITE="$PROJECT/.venv/lib/python3.11/site-packages"
+if [ ! -d "$SITE/confluent_kafka" ]; then
+    echo "run-tests.sh: the guest needs the project's virtualenv: $SITE has no confluent_kafka (run: make install)" >&2
+    exit 1
+fi
 
 if ! command -v qemu-system-x86_64 >/dev/null; then
     [ "$(id -u)" = 0 ] || skip "qemu-system-x86_64 is not installed and we are not root to apt-get install it"
