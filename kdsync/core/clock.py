@@ -20,15 +20,19 @@ from a far sender (its age on arrival, skew included, above FAR_TICKS ticks
 as measured on the node's clock) with the acknowledgements of every far slot
 that arrived meanwhile, one message per peer, within a quarter of its age
 counted in ticks (FAR_ACK_AGE_PART; at most FAR_ACK_MAX_TICKS, so skew
-cannot hold it) — to every peer when a commit quorum above 2 counts third
-members' acknowledgements, else to those slots' senders and to the peers
-that got nothing from this member since the previous tick (`_send_acks`).
-With kdsync run's defaults for clock (5 ms ticks) the
-five-region scenario then sends 4.7 peer messages per event instead of 7.1
-(far slots acknowledged every tick) or 12.3 (50 ms ticks: every slot
-acknowledged at once), at the same p50/p99 within 1 % (docs/wan.md) —
-across regions the tick is a few ms and the delay tens, so waiting a
-quarter of it costs little.
+cannot hold it).  To every peer when a commit quorum above 2 counts third
+members' acknowledgements; else to the slots' senders, and to a third member
+only when it may lack our clock past them (`_send_acks`): for near slots,
+when our last message to it reported a clock below their newest timestamp;
+for far slots, when it got nothing from us in the last REPORT_GAP ticks.
+While a slot waits here, every peer that got nothing from us in the last
+REPORT_GAP ticks gets a clock report each tick.  With kdsync run's defaults
+for clock (5 ms ticks) the five-region scenario then sends 4.3 peer
+messages per event instead of 7.1 (far slots acknowledged every tick) or
+12.3 (50 ms ticks: every slot acknowledged at once), 3.7 with a commit
+quorum of 2, at the same p50/p99 within 1 % (docs/wan.md) — across regions
+the tick is a few ms and the delay tens, so waiting a quarter of it costs
+little.
 
 *Repair.*  A receiver that learns of slots it lacks — a later message's
 slots arrived first, or the sender's report counts more than it holds — asks
@@ -83,6 +87,18 @@ be taken in reports to every peer each heartbeat, a heartbeat and a tick
 ahead of its clock (its own later stamps are above it too): the view that
 takes it in need not wait for it to hear of the install and report.
 
+*Crash* (kdsync.core.crash_fence, `crash_fence`).  A sender the order waits
+for that falls silent for longer than usual is capped by the member that
+notices (it takes none of its slots past those it holds) and by every
+member that hears so while it too finds the sender silent; once every other
+member's cap is known, the sender is fenced at the largest, as a leaver is.
+
+*Clean stop* (kdsync.core.fence).  A leaver cuts nothing more, so it
+promises the end of time: its peers fence it (C2 skips it once its slots
+are held, its acknowledgements count no more) and keep their view, where
+the group keeps its fault tolerance by it; the next view change leaves it
+out.
+
 Delivered slots stay held until every member of the view holds them
 (`ClockStream.forget_stable`): the trim's extras start at the holders'
 smallest received count, so a slot any reporter may be asked for is never
@@ -92,151 +108,30 @@ forgotten.
 from __future__ import annotations
 
 from kdsync.core.clock_stream import ClockStream
+from kdsync.core.crash_fence import CrashFencing
 from kdsync.core.derecho import DerechoNode
+from kdsync.core.fence import Fencing
 from kdsync.core.leads import Leads
-from kdsync.core.messages import (CLOCK_MESSAGES, Ack, Append, ClockAck, ClockAppend, Delays, Report, SlotData,
+from kdsync.core.clock_viewchange import ClockViewChange
+from kdsync.core.messages import (CLOCK_MESSAGES, Ack, Append, Cap, ClockAck, ClockAppend, Delays, Fence, NoCap, SlotData,
                                   SlotReq)
 from kdsync.core.types import RemoteProtocolError, View
-from kdsync.core.viewchange import ViewChange
 
 __all__ = ["ClockNode"]
 
 # own slots some peer has not acknowledged, at most: across a WAN an
 # acknowledgement takes a round trip, and a small window would cost one per slot
 IN_FLIGHT = 64
-FETCH_CHUNK = 64  # slots per SlotReq
 FAR_TICKS = 4  # a slot older than this many ticks on arrival is far: acknowledged together (below)
 # a far slot's acknowledgement waits at most this part of its age, counted in
 # ticks and at most FAR_ACK_MAX_TICKS of them (so skew cannot hold it long)
 FAR_ACK_AGE_PART = 4
 FAR_ACK_MAX_TICKS = 8
 NEVER = 1 << 62
-REPORT_GAP = 1  # a clock report goes to a peer that got nothing from us in the last REPORT_GAP ticks
+REPORT_GAP = 2  # a clock report goes to a peer that got nothing from us in the last REPORT_GAP ticks
 
 
-class ClockViewChange(ViewChange):
-    """The clock protocol's view change: its trim rule (the highest received
-    count over the reporters that remember the view, the slots the leader
-    lacks fetched first) and the slots a proposal carries (module docstring)."""
-
-    def reset_view(self) -> None:
-        super().reset_view()
-        self.fetch_sent: dict[tuple[int, int], int] = {}  # (sender index, first) -> tick asked
-        self.fetch_stop: dict[tuple[int, int], int] = {}  # (sender index, first) -> the trim it was asked below
-        self.late: dict[int, dict[int, object]] = {}  # sender index -> {slot index: slot} that came after we wedged
-
-    def keep_late(self, k: int, first: int, slots) -> None:
-        """Slots of this view that arrived after this member wedged: not
-        received (a wedged member counts and acknowledges nothing more), but
-        kept, so that a leader whose trim reaches past what it received takes
-        them from here instead of fetching them a round trip away (`trim`).
-        The slot at an index of one sender in one view is one value, whoever
-        sends it."""
-        if slots:
-            got = self.late.setdefault(k, {})
-            for i, slot in enumerate(slots, first):
-                got[i] = slot
-
-    def sure(self, live: list[str], reps: dict[str, Report]) -> list[str]:
-        """The reporters that remember this view: the incarnation it names
-        (0 is unknown: a view read from disk)."""
-        n = self.n
-        v = n.view
-        incs = dict(zip(v.members, v.incarnations))
-        return [m for m in live if incs[m] != 0 and reps[m].inc == incs[m]]
-
-    def trim_holders(self, live: list[str], reps: dict[str, Report]) -> list[str]:
-        """Holders, when the reporters that remember this view meet every
-        commit quorum that may have held a delivered slot (n - q + 1 of them);
-        else none: the base path."""
-        n = self.n
-        sure = self.sure(live, reps)
-        v = n.view
-        if len(sure) < len(v.members) - n._quorum(v) + 1:
-            return []
-        return [m for m in sure if reps[m].has_data]
-
-    def trim(self, live: list[str], holders: list[str], reps: dict[str, Report]):
-        """The maximum received count over the reporters that remember the
-        view, and the slots from the holders' minimum up to it (fetched first
-        when the leader lacks some)."""
-        sure = self.sure(live, reps)
-        senders = range(len(self.n.view.senders))
-        trim = [max(reps[m].recv[k] for m in sure) for k in senders]
-        low = [min(reps[m].recv[k] for m in holders) for k in senders]
-        extra = []
-        missing = False
-        for k in senders:
-            if trim[k] <= low[k]:
-                continue
-            run = self.n.stream.held_run(k, low[k], trim[k], self.late.get(k))
-            if len(run) < trim[k] - low[k]:
-                missing = True
-                self.fetch(k, low[k] + len(run), trim[k], sure, reps)
-            else:
-                extra.append((k, low[k], tuple(run)))
-        return None if missing else (trim, tuple(extra))
-
-    def fetch(self, k: int, first: int, stop: int, sure: list[str], reps: dict[str, Report]) -> None:
-        """Ask a reporter holding sender k's slots first..stop-1 for them
-        (at most once per retransmission period)."""
-        n = self.n
-        key = (k, first)
-        if n.now - self.fetch_sent.get(key, -10**9) < n.cfg.retransmit_ticks:
-            return
-        self.fetch_sent[key] = n.now
-        self.fetch_stop[key] = stop
-        have = [m for m in sure if m != n.me and reps[m].recv[k] >= stop] or \
-               [m for m in sure if m != n.me and reps[m].recv[k] > first]
-        if not have:
-            return
-        to = min(have, key=n.rank_of.__getitem__)
-        n._send(to, SlotReq(n.me, n.incarnation, n.view.view_id, k, first, min(stop, first + FETCH_CHUNK)).encode())
-
-    def on_slot_req(self, msg: SlotReq) -> None:
-        n = self.n
-        v = n.view
-        if msg.view != v.view_id or msg.sender not in v.members:
-            return
-        st = n.stream
-        if msg.k >= st.n or msg.stop <= msg.first:
-            raise RemoteProtocolError("bad slot request")
-        run = st.held_run(msg.k, msg.first, min(msg.stop, msg.first + FETCH_CHUNK))
-        if run:
-            n._send(msg.sender, SlotData(n.me, n.incarnation, v.view_id, msg.k, msg.first, tuple(run)).encode())
-
-    def on_slot_data(self, msg: SlotData) -> None:
-        """Slots this round asked for (`fetch`), counted up to the trim they
-        were asked below and no further — also when they fill a hole below
-        slots the leader already held past it: the leader's heartbeats carry its
-        received vector, and a member still in the old view (a paused one) that
-        took a count past the trim for an acknowledgement would deliver slots
-        the next view trims away (swarm clock seed 1001180).  Slot data the
-        round did not ask for (an answer to a hole asked before this member
-        wedged) is dropped."""
-        if self.collecting(msg) is None:
-            return
-        st = self.n.stream
-        if msg.k >= st.n:
-            raise RemoteProtocolError("slot data names no sender")
-        stop = self.fetch_stop.pop((msg.k, msg.first), None)
-        if stop is None:
-            return
-        st.add(msg.k, msg.first, msg.slots[:max(0, stop - msg.first)], limit=stop)
-        self.fetch_sent.pop((msg.k, msg.first), None)
-        self.leader_progress()
-
-    def install(self, prop) -> None:
-        n = self.n
-        if prop.extra and prop.base_seq < 0 and prop.old_view == n.view.view_id and n._holds_view_data():
-            st = n.stream
-            for k, first, slots in prop.extra:
-                if k < st.n:
-                    st.add(k, first, slots)
-        super().install(prop)
-
-
-class ClockNode(DerechoNode):
+class ClockNode(CrashFencing, Fencing, DerechoNode):
     protocol = "clock"
     MESSAGES = CLOCK_MESSAGES
     VIEW_CHANGE = ClockViewChange
@@ -244,6 +139,9 @@ class ClockNode(DerechoNode):
     def __init__(self, config, **kw) -> None:
         self._ack_due: set[str] = set()  # senders whose slots arrived since our last acknowledgement
         self._far_ack_tick = NEVER  # ...from far senders only: the tick its acknowledgement is due (module doc)
+        self._due_stamp = -1  # the newest timestamp among those slots
+        self._built_clock = -1  # the clock report of the last stream message built
+        self._promised: dict[str, tuple[int, int]] = {}  # peer -> (view, clock report of our last message to it)
         self._tick_us = 0  # the tick period as measured on the node's clock (0: not known yet)
         self._last_tick_us: int | None = None
         self.leads = Leads(config.member_id)
@@ -258,6 +156,9 @@ class ClockNode(DerechoNode):
         h[SlotReq] = self.vc.on_slot_req
         h[SlotData] = self._on_slot_data
         h[Delays] = self._on_delays
+        h[Fence] = self._on_fence
+        h[Cap] = self._on_cap
+        h[NoCap] = self._on_nocap
 
     @property
     def lead_us(self) -> int:
@@ -323,6 +224,7 @@ class ClockNode(DerechoNode):
         k = senders.index(s)
         if st.add(k, msg.first, msg.slots):
             self._ack_due.add(s)
+            self._due_stamp = max(self._due_stamp, msg.slots[-1][0])
             # far (the slot's age, skew included, is more than FAR_TICKS ticks): acknowledged with
             # every far slot that arrives meanwhile, within a quarter of its age; near: at once
             age = self.now_us - msg.slots[-1][0] if msg.slots else 0
@@ -388,6 +290,7 @@ class ClockNode(DerechoNode):
             raise RemoteProtocolError("slot data names no sender")
         if st.add(msg.k, msg.first, msg.slots):
             self._ack_due.add(self.view.senders[msg.k])  # acknowledged at once: a repair, not a far slot's first arrival
+            self._due_stamp = max(self._due_stamp, msg.slots[-1][0])
         self._try_deliver()
 
     def _try_deliver(self) -> None:
@@ -395,26 +298,35 @@ class ClockNode(DerechoNode):
             return
         st = self.stream
         slots = st.deliverable()
+        if self.cfg.crash_fence:
+            self._note_wait()
         if slots:
             self._deliver(slots[0] if len(slots) == 1 else [b for s in slots for b in s])
             st.forget_stable()  # lazily: a slot acknowledged later goes with the next delivery
 
     def _ack_message(self, cur: tuple, ahead_us: int = 0) -> bytes:
         cut, clock = self.stream.report(self._stamp_now + ahead_us)  # ahead: own later stamps above it too
+        self._built_clock = clock
         return ClockAck(self.me, self.incarnation, self.view.view_id, cur, tuple(sorted(self.suspected)),
                         self.vc.promised[0], self.wedged, cut, clock).encode()
 
     def _slots_message(self, first: int, slots, cur: tuple) -> bytes:
         cut, clock = self.stream.report(self._stamp_now)
+        self._built_clock = clock
         return ClockAppend(self.me, self.incarnation, self.view.view_id, first, tuple(slots), cur, cut,
                            clock).encode()
 
     # ------------------------------------------------------------- ticks
     def tick(self) -> None:
+        self._fence_tick()
+        self._crash_fence_tick()
         now_us = self.now_us
         if self._last_tick_us is not None and now_us > self._last_tick_us:
             gap = now_us - self._last_tick_us
-            self._tick_us = gap if not self._tick_us else (3 * self._tick_us + gap) // 4
+            if not self._tick_us:
+                self._tick_us = gap
+            elif gap <= 4 * self._tick_us:  # a longer one was a sleep (a dormant node is not ticked), not a tick
+                self._tick_us = (3 * self._tick_us + gap) // 4
         self._last_tick_us = now_us
         super().tick()
         if self.cfg.auto_lead and self.now % self.cfg.heartbeat_ticks == 0 and self._is_member() \
@@ -469,32 +381,44 @@ class ClockNode(DerechoNode):
                 self.leads.on_cut(first, (p for p in self.view.members if p != self.me and p not in self.suspected),
                                   self.now_us)
             self._ack_due.clear()  # that message acknowledges and reports
+            self._due_stamp = -1
             self._try_deliver()
         if self._ack_due and self._far_ack_tick == NEVER:
             self._send_acks(far=False)
 
     def _send_acks(self, far: bool) -> None:
         """Acknowledge the slots that arrived since the last acknowledgement,
-        with a clock report.  At once (`far` False): to every peer, the
-        report lets their C2 pass these slots now.  Far slots' batched
-        acknowledgement: to every peer when a third member's acknowledgement
-        counts toward C1 (a commit quorum above 2); else to the slots' senders,
-        and to the others only when they got nothing from us since the
-        previous tick — at them the sender and the receiver are the quorum
-        already, and any message of the last tick reports a clock past a far
-        slot's timestamp (it is more than FAR_TICKS ticks old)."""
-        due = self._ack_due
-        self._ack_due = set()
+        with a clock report.  To every peer when a third member's
+        acknowledgement counts toward C1 (a commit quorum above 2).  Else to
+        the slots' senders, and to a third member only when it may lack our
+        clock past them: at it the sender and the receiver are the quorum
+        already, so our report matters only to its C2.  At once (`far`
+        False): to those whose last message from us in this view reported a
+        clock below the newest of these slots' timestamps.  Far slots'
+        batched acknowledgement: to those that got nothing from us since
+        the previous tick, as any message of the last tick reports a clock
+        past a far slot's timestamp (it is more than FAR_TICKS ticks old)."""
+        due, stamp = self._ack_due, self._due_stamp
+        self._ack_due, self._due_stamp = set(), -1
         if self._is_member() and not self.wedged:
-            every = not far or self._quorum(self.view) > 2
+            every = self._quorum(self.view) > 2
             last = self.now - REPORT_GAP
+            view, promised = self.view.view_id, self._promised
             for p in self.view.members:
-                if p != self.me and p not in self.suspected and (every or p in due or self.last_sent[p] < last):
+                if p == self.me or p in self.suspected:
+                    continue
+                if every or p in due or (self.last_sent[p] < last if far else
+                                         promised.get(p, (-1, -1)) < (view, stamp)):
                     self._send_ack(p)
+
+    def _sent(self, p: str, cur: tuple) -> None:
+        super()._sent(p, cur)
+        self._promised[p] = (self.view.view_id, self._built_clock)
 
     def snapshot(self) -> dict:
         snap = super().snapshot()
         snap["clock"] = self.stream.clock
         snap["lead_us"] = self.lead_us
+        snap["fenced"] = sorted(self.fenced)
         return snap
 

@@ -47,16 +47,17 @@ from kdsync.core.batch import Batch
 from kdsync.core.stream import NULL, Slot, _take, hold, merge_ack, pop_own
 from kdsync.core.types import View
 
-__all__ = ["ClockStream", "Stamped"]
+__all__ = ["FENCED", "ClockStream", "Stamped"]
 
 Stamped = tuple[int, Slot]  # (timestamp, batches)
+FENCED = 1 << 62  # a fenced sender's promise: every slot of it not held is stamped above this (none is)
 
 
 class ClockStream:
     """The ordering state of one view at one member (see module docstring)."""
 
     __slots__ = ("n", "my_k", "senders", "quorum", "received", "slots", "acks", "next", "reports", "promised", "last_ts",
-                 "clock", "inflight", "cut_upto", "low", "changed")
+                 "clock", "inflight", "cut_upto", "low", "changed", "caps", "blocked", "blocked_ts")
 
     def __init__(self, view: View, me: str, clock: int = 0, quorum: int = 0) -> None:
         n = self.n = len(view.senders)
@@ -78,6 +79,9 @@ class ClockStream:
         # acknowledgements, reports, positions): it is a function of these alone, so unchanged, it
         # would find nothing again (a message that only repeats what is known costs no scan)
         self.changed = True
+        self.caps: list[int] | None = None  # per sender: slots at or past it are not taken (kdsync.core.crash_fence)
+        self.blocked = -1  # the sender whose promise C2 waited for when `deliverable` last stopped (-1: none)
+        self.blocked_ts = 0  # ...at the head slot of this timestamp
 
     # ------------------------------------------------------------- the clock
     def report(self, now: int) -> tuple[int, int]:
@@ -112,12 +116,49 @@ class ClockStream:
         if clock > self.clock:
             self.clock = clock
 
+    def fence(self, k: int, cut: int) -> None:
+        """Sender k stopped for good after cutting `cut` slots (kdsync.core.fence):
+        once its first `cut` are held its promise is the end of time, and its
+        acknowledgements count no more (C1, the window and forgetting go by
+        the others').  Its clock is not taken: nothing else will be stamped."""
+        self.changed = True
+        q = self.reports[k]
+        while q and q[-1][0] >= cut:
+            q.pop()
+        q.append((cut, FENCED))
+        self.acks.pop(self.senders[k], None)
+        acks, inflight = self.acks.values(), self.inflight
+        low = min((a[self.my_k] for a in acks), default=self.cut_upto) if self.my_k >= 0 else 0
+        while inflight and inflight[0] < low:
+            inflight.popleft()
+
+    def cap(self, k: int, upto: int | None) -> None:
+        """Take no slot of sender k at index `upto` or past it (its received
+        count stays at most `upto`): a crash fence's promise
+        (kdsync.core.crash_fence); None lifts it.  Slots held out of order
+        past it are dropped (asked for again once it is lifted)."""
+        if upto is None:
+            if self.caps is not None:
+                self.caps[k] = 1 << 62
+            return
+        if self.caps is None:
+            self.caps = [1 << 62] * self.n
+        self.caps[k] = upto
+        store = self.slots[k]
+        for i in [i for i in store if i >= upto]:
+            del store[i]
+        self.changed = True
+
     # ------------------------------------------------------------- receiving
     def add(self, k: int, first: int, slots: Sequence[Stamped], limit: int | None = None) -> bool:
         """Sender k's slots first.. arrived.  Returns True when received[k] grew.
         `limit`: received[k] grows to it at most (a view change's leader filling
         the trim must not count slots it held beyond it: ClockViewChange.on_slot_data)."""
         self.changed = True
+        caps = self.caps
+        if caps is not None and first + len(slots) > caps[k]:  # capped (kdsync.core.crash_fence): none past it
+            slots = slots[:max(0, caps[k] - first)]
+            limit = caps[k] if limit is None else min(limit, caps[k])
         own = self.acks.get(self.senders[k])  # the sender holds what it sent
         if own is not None and first + len(slots) > own[k]:
             own[k] = first + len(slots)
@@ -207,16 +248,26 @@ class ClockStream:
                 if s is not None and (head is None or s[0] < head[0]):
                     head, hk = s, k
             if head is None:
+                self.blocked = -1
                 return out
             ts = head[0]
             for j in range(n):
                 if j != hk and j != me and nxt[j] >= rcv[j] and self.promise(j) < ts:
+                    self.blocked, self.blocked_ts = j, ts
                     return out  # C2: j may still send something before it
             if self._holders(hk, nxt[hk]) < self.quorum:
+                self.blocked = -1
                 return out  # C1
             nxt[hk] += 1
             if head[1] is not NULL:
                 out.append(head[1])
+
+    def waits_for(self) -> list[int]:
+        """The senders C2 waits for at the head slot `deliverable` last stopped at."""
+        if self.blocked < 0:
+            return []
+        nxt, rcv, me, ts = self.next, self.received, self.my_k, self.blocked_ts
+        return [j for j in range(self.n) if j != me and nxt[j] >= rcv[j] and self.promise(j) < ts]
 
     def waiting(self) -> bool:
         """Some held slot is not delivered here yet (clock reports are due)."""

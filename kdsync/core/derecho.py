@@ -91,6 +91,7 @@ __all__ = ["DerechoNode", "State"]
 
 class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
     protocol = "derecho"
+    fenced: tuple | dict = ()  # members fenced after a clean stop (the clock protocol: kdsync.core.fence)
     State = State
     MESSAGES = DERECHO_MESSAGES
     VIEW_CHANGE = ViewChange

@@ -86,11 +86,15 @@ class HoleRepair:
         self.holes.note(k, self.stream.received[k], top, self.now)
 
     def _ask_holes(self) -> None:
-        senders = self.view.senders
         for k, first, stop in self.holes.due(self.stream.received, self.now, self.cfg.retransmit_ticks):
-            if senders[k] not in self.suspected:
+            to = self._hole_source(k)
+            if to not in self.suspected:
                 self.stats["holes_asked"] += 1
-                self._send(senders[k], SlotReq(self.me, self.incarnation, self.view.view_id, k, first, stop).encode())
+                self._send(to, SlotReq(self.me, self.incarnation, self.view.view_id, k, first, stop).encode())
+
+    def _hole_source(self, k: int) -> str:
+        """Whom to ask for sender index k's missing slots: the sender."""
+        return self.view.senders[k]
 
     def _on_slot_req(self, msg: SlotReq) -> None:
         """A receiver lacks some of our slots: send them again (an APPEND, as a retransmission)."""

@@ -42,10 +42,10 @@ class Joining:
                 # INSTALL was lost): send it the one we saw (swarm seed 7691)
                 self.stale_reply(s, v.view_id - 1)
                 return
+        self.joiners[s] = (inc, msg.durable, msg.next)  # before the suspicion below: a leader may propose in it
+        if s in v.members:
             if known != 0 and n._is_member():
                 n._suspect({s})  # its previous incarnation is gone
-        self.joiners[s] = (inc, msg.durable, msg.next)
-        if s in v.members:
             self.rejoined[s] = inc
             n.last_heard[s] = n.now
         elif (self.join_wedged.get(s) != inc and n.state is n.State.ACTIVE
@@ -96,6 +96,11 @@ class Joining:
         state = n.state
         if msg.view < v.view_id:
             return
+        # a member of our view answering our JOIN is alive, even while it sends us
+        # nothing else (a member that fenced our previous incarnation): a rejoiner
+        # that suspected it would lead a view change it cannot finish, and its
+        # ballots would keep the true leader's from a majority (swarm seed 8400061)
+        n._from_view_member(msg)
         members = msg.members
         if n.me in members:
             if msg.incs[members.index(n.me)] == n.incarnation:

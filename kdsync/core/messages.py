@@ -413,8 +413,57 @@ class Delays(Message):
     delays: tuple
 
 
+class Fence(Message):
+    """Sender index `k` of `view` cut `cut` slots in it and will cut none
+    again (a clean stop, kdsync.core.fence); `recv`: its received vector,
+    final (it counts nothing more).  From that sender: the announcement (its
+    peers stop waiting for its clock once they hold those slots, instead of
+    changing the view); from another member: its answer, it fenced the
+    sender and holds them (`recv` is then the answerer's).  An older release
+    drops it and takes the Leave that follows, as before."""
+
+    __slots__ = ("view", "k", "cut", "recv")
+    TYPE = 23
+    FIELDS = (("view", INT), ("k", INT), ("cut", INT), ("recv", INTS))
+    view: int
+    k: int
+    cut: int
+    recv: tuple
+
+
+class Cap(Message):
+    """The sender found sender index `k` of `view` silent while its order
+    waited for it, and takes none of its slots past its first `count` in
+    this view while `attempt` may still fence k (a crash fence,
+    kdsync.core.crash_fence): once every member but k capped one attempt,
+    each fences k at the largest count.  An older release drops it (and so
+    never caps: its peers change the view as before)."""
+
+    __slots__ = ("view", "k", "attempt", "count", "echo")
+    TYPE = 24
+    FIELDS = (("view", INT), ("k", INT), ("attempt", INT), ("count", INT), ("echo", BOOL))
+    view: int
+    k: int
+    attempt: int
+    count: int
+    echo: bool  # an answer to the receiver's own CAP (not answered again)
+
+
+class NoCap(Message):
+    """The sender heard sender index `k` of `view` after a CAP of `attempt`
+    came, and will never cap that attempt: no fence comes of it, and the
+    members that capped it lift their caps (kdsync.core.crash_fence)."""
+
+    __slots__ = ("view", "k", "attempt")
+    TYPE = 25
+    FIELDS = (("view", INT), ("k", INT), ("attempt", INT))
+    view: int
+    k: int
+    attempt: int
+
+
 CLOCK_MESSAGES = (ClockAppend, ClockAck, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge, Delays)
+                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge, Delays, Fence, Cap, NoCap)
 
 # ------------------------------------------------------------------- mirror
 class MirrorData(Message):

@@ -64,10 +64,9 @@ class PeerTalk:
         self.silenced = peers  # the tick suspects them (with those silent for suspect_ticks)
 
     def _send_ack(self, p: str) -> None:
-        self.last_sent[p] = self.now
         cur = tuple(self.stream.received)
         self._send(p, self._ack_message(cur))
-        self.acked_sent[p] = cur
+        self._sent(p, cur)
 
     def _send_slots(self, p: str, start: int, stop: int) -> None:
         st = self.stream
@@ -75,9 +74,13 @@ class PeerTalk:
         if not slots:
             return
         cur = tuple(st.received)
+        self._send(p, self._slots_message(start, slots, cur))
+        self._sent(p, cur)
+
+    def _sent(self, p: str, cur: tuple) -> None:
+        """A stream message (acknowledging received vector `cur`) went to `p`: its last one built."""
         self.last_sent[p] = self.now
         self.acked_sent[p] = cur
-        self._send(p, self._slots_message(start, slots, cur))
 
     def _ack_message(self, cur: tuple) -> bytes:
         """An ACK carrying received vector `cur` (a hook: the clock protocol adds its report)."""
@@ -97,9 +100,8 @@ class PeerTalk:
             if p not in self.suspected:
                 if acks[k] == first:
                     self.ack_progress[p] = now
-                self.last_sent[p] = now
-                self.acked_sent[p] = cur
                 self._send(p, data)
+                self._sent(p, cur)
 
     def _flush_urgent_acks(self) -> None:
         self._ack_round = -1

@@ -130,13 +130,13 @@ class ViewChange(Leading, Joining):
 
     # ------------------------------------------------------------ leadership
     def leader(self) -> str | None:
+        return next((m for m in self.n.view.members if self.may_lead(m)), None)
+
+    def may_lead(self, m: str) -> bool:
+        """A restarted member votes but does not lead: it holds no data and
+        waits to be taken back; nor does one that stopped for good (fenced: clock)."""
         n = self.n
-        for m in n.view.members:
-            # a restarted member votes but does not lead: it holds no data and
-            # waits to be taken back
-            if m not in n.suspected and m not in self.unresponsive and m not in self.rejoined:
-                return m
-        return None
+        return m not in n.suspected and m not in self.unresponsive and m not in self.rejoined and m not in n.fenced
 
     def live(self) -> list[str]:
         n = self.n

@@ -1,0 +1,437 @@
+"""A crashed member fenced by all the others, for the `clock` protocol
+(`NodeConfig.crash_fence`, `[protocol] crash_fence`; docs/design/wan-ordering.md,
+"The crash fence").  Mixed into ClockNode before kdsync.core.fence's Fencing.
+
+Theory of operation
+-------------------
+C2 delivers a slot once every sender's promise passed its timestamp, so a
+sender that crashed holds every member's order until a view change removes
+it: `suspect_ms` (or adaptive suspicion's few heartbeats), then the view
+change's Paxos rounds, during which every member is wedged.  The crash fence
+removes both terms for the common case: one member silent, every other one
+answering.
+
+*Capping.*  A member whose order waits for promises (`ClockStream.blocked`)
+looks at the senders it waits for and takes the one silent longest, k.  If
+k has been silent, since its last message or since our order began to wait
+(whichever is later), for longer than 1.5 x its usual gap between messages
+plus two ticks (its longest gap in the last 4-8 heartbeats, measured here:
+no setting), and every other member is heard as usual, it *caps* k: it takes
+none of k's slots past the `count` it holds (`ClockStream.cap`; slots held
+out of order past it are dropped) and sends CAP (k, attempt, count) to every
+member but k.  A member that gets a CAP follows (caps k in the same attempt)
+once k is unusually silent here too; once k reports a clock newer than it
+had when the CAP came, it answers NOCAP (k, attempt) to every member instead
+and never caps that attempt.  A member holds one cap at a time.
+
+*Attempts.*  A NOCAP kills its attempt: no fence can come of it, so every
+member that capped it lifts its cap (and asks again for what it dropped),
+and caps k again only in a later attempt, once k reported since.  A member
+starts attempt a + 1 only once it knows attempt a dead, so a CAP of a + 1
+tells its receiver that every earlier attempt is dead.  Any member that
+knows an attempt dead says so again to whoever sends a CAP of it (a NOCAP
+may be lost); a wedged member, which caps nothing more in its view, answers
+NOCAP to a CAP it does not share; a member that fenced a sender answers
+NOCAP to a CAP of any other one (every other member holds its cap of the
+fenced sender for good, and caps one sender at a time) — also when that CAP
+is of itself, which a wedged capper sends it too.  A false alarm (a lossy
+link, a member slow to speak) so costs the capper a round trip of waiting,
+not a view change.  After MAX_ATTEMPTS dead attempts on one sender in one
+view only suspicion is left.
+
+*The fence.*  A member that holds the caps of one attempt from *every*
+member of the view but k fences k at c = the largest: it raises its cap to
+c, fetches the slots it lacks from a member whose cap was c, and from then
+on k's promise is the end of time once k's first c slots are held, and k's
+acknowledgements count no more (`ClockStream.fence`, as for a leaver:
+kdsync.core.fence's `fenced`).  Every member that fences k uses the same
+caps (each member sends one count per attempt, the same each time), so the
+same c.  Nothing changes the view: the others never stop delivering.  k
+stays fenced in the view until it returns (its new incarnation's JOIN) or
+speaks again (a clock report newer than its last one before the cap: then
+it is suspected and the view changes, with k in it if it reports).
+
+Safety.  The commit quorum q is at least 2 (with one holder, k alone may
+have held and delivered its slots: no cap is made).  (1) *Every slot of k
+delivered anywhere is below c.*  A delivered slot was held by q members
+(C1); k aside, at least one of them is another member, and every other
+member capped at a count it held then and took nothing past it, so one cap
+is above the slot's index.  (2) *No member delivers a slot of k at or past
+c:* no other member holds one, so C1 never holds for it, at k either.
+(3) *A view change ends k's stream at exactly c when anyone delivered past
+it.*  A member whose cap of k is in force when it wedges neither lets k lead
+(`ClockViewChange.may_lead`; a COLLECT or ACCEPT from k is not answered) nor
+takes k's own count of k's slots: the trim of k is the largest count over
+the reporters other than k that remember the view, n - q + 1 of them or
+derecho's base path (`ClockViewChange.trim_holders`, `trim`); the other
+senders' trims take k's report as any.  A wedged member never caps, and
+caps are lifted only in dead attempts.  So if a fence was reached, the
+leader and every reporter but k capped before they wedged: every count of
+k in the trim is at most c, and a member that delivered past k's slot c - 1
+held all of them, each held by q - 1 others (C1, k aside), which n - q + 1
+reporters meet: the trim is c.  If no fence was reached nobody delivered by
+it, and the trim is today's.  Slots only k lacks may have been forgotten by
+the others: the trim's extras start at the smallest count over the holders
+other than k, and k catches up instead.
+
+Liveness.  A fence needs every other member's cap: with two members silent,
+or one without the fence (an older release drops CAP and NOCAP and never
+caps), none is reached and the view changes as it did before.  Caps end
+with the view.
+
+*When*: one crash fence per view, in a group that keeps its fault
+tolerance with the member fenced (kdsync.core.fence's `may_fence`), while no
+other member is suspected or fenced.
+"""
+
+from __future__ import annotations
+
+from kdsync.core.fence import may_fence
+from kdsync.core.messages import Cap, ClockAck, ClockAppend, NoCap, SlotReq
+from kdsync.core.types import RemoteProtocolError
+
+__all__ = ["CrashFencing"]
+
+GAP_WINDOW_HEARTBEATS = 8  # a sender's usual gap: the longest between its messages in the last 4-8 heartbeats
+MIN_SAMPLES = 16  # gaps between a sender's messages measured before its usual gap may be below two heartbeats
+MARGIN = 1.5  # a silence beyond this x the recent maximum gap (plus two ticks) is not usual
+MAX_ATTEMPTS = 8  # attempts to fence one sender in one view that a NOCAP ended: then only suspicion
+
+
+class CrashFencing:
+    """The crash fence of a ClockNode (module docstring)."""
+
+    def __init__(self, config, **kw) -> None:
+        # measured across views, per sender id (microseconds on this node's clock)
+        self._heard_us: dict[str, int] = {}  # when we last heard from it
+        # the longest gap between its messages: [this half-window's start, its longest, the previous half's]
+        self._gap_win: dict[str, list[int]] = {}
+        self._gaps: dict[str, int] = {}  # gaps measured
+        self._incs: dict[str, int] = {}  # the incarnation they were measured of
+        super().__init__(config, **kw)
+
+    def _reset_view_state(self) -> None:
+        self._caps: dict[tuple[int, int], dict[str, int]] = {}  # (sender index, attempt) -> member -> its cap
+        self._dead: dict[int, int] = {}  # sender index -> its highest attempt known dead (a NOCAP exists)
+        # sender index -> (attempt, its newest clock then, when): a CAP to answer
+        self._pending: dict[int, tuple[int, int, int]] = {}
+        self._cap_k = self._cap_a = -1  # our cap in force: the sender and the attempt
+        self._cap_clock = -1  # the sender's newest clock report heard when we capped it
+        self._recap_clock: dict[int, int] = {}  # sender index -> we cap it again only once it reports past this
+        self._cap_sent = -10**9
+        self._crash_fenced = False  # we fenced it (every other member's cap of that attempt is here)
+        self._fence_holder: str | None = None  # a member holding its slots up to the fence
+        self._heard_here: set[str] = set()  # members heard in this view (one not heard yet may not have installed it)
+        self._wait_since: int | None = None  # since when our order waits for a promise (None: it does not)
+        super()._reset_view_state()
+
+    # ------------------------------------------------------------ measuring
+    def _from_view_member(self, msg) -> bool:
+        ok = super()._from_view_member(msg)
+        if ok and self.cfg.crash_fence:
+            s, t = msg.sender, self.now_us
+            if self._incs.get(s) != msg.inc:  # a restarted process: its gaps are measured afresh
+                self._incs[s] = msg.inc
+                self._gap_win.pop(s, None)
+                self._gaps.pop(s, None)
+                self._heard_us.pop(s, None)
+            last = self._heard_us.get(s)
+            # a gap longer than two heartbeats was a sleep (a quiescent group sends nothing while idle,
+            # where an awake member heartbeats), not a measure of how long it may be silent
+            if last is not None and last < t <= last + 2 * self._heartbeat_us:
+                self._note_gap(s, t, t - last)
+            self._heard_us[s] = t
+            self._heard_here.add(s)
+            if self._crash_fenced and self.view.senders[self._cap_k] == s and type(msg) in (ClockAck, ClockAppend) \
+                    and msg.clock > self._cap_clock and s not in self.suspected and not self.wedged:
+                self._suspect({s})  # fenced, yet alive: the view changes, as before fences
+        return ok
+
+    def _note_gap(self, s: str, t: int, gap: int) -> None:
+        """A gap between two messages of s, kept as the longest of a window of
+        GAP_WINDOW_HEARTBEATS heartbeats (two halves): a sender that is idle now
+        and then sends only heartbeats, and its usual gap says so."""
+        half = GAP_WINDOW_HEARTBEATS * self._heartbeat_us // 2
+        w = self._gap_win.get(s)
+        if w is None:
+            w = self._gap_win[s] = [t, 0, 0]
+        elif t - w[0] >= half:
+            w[2] = w[1] if t - w[0] < 2 * half else 0
+            w[0], w[1] = t, 0
+        if gap > w[1]:
+            w[1] = gap
+        self._gaps[s] = self._gaps.get(s, 0) + 1
+
+    @property
+    def _heartbeat_us(self) -> int:
+        """The heartbeat period on this node's clock (the tick as measured; 1 ms until it is)."""
+        return self.cfg.heartbeat_ticks * (self._tick_us or 1000)
+
+    def _usual_gap(self, s: str) -> int | None:
+        w = self._gap_win.get(s)
+        return None if w is None else max(w[1], w[2])
+
+    def _clock_of(self, s: str) -> int:
+        heard = self._clocks.get(s)
+        return heard[2] if heard is not None else -1
+
+    def _unusually_silent(self, s: str, since: int | None = None) -> bool:
+        """s said nothing for longer than its usual gap, counted from its last
+        message, or from `since` (when our order began to wait: an idle peer
+        need not have spoken before), whichever is later."""
+        if s not in self._heard_here:
+            return False
+        g = self._usual_gap(s) or 0
+        if self._gaps.get(s, 0) < MIN_SAMPLES:  # too few gaps measured (a quiet peer): two heartbeats at least
+            g = max(g, 2 * self._heartbeat_us)
+        start = self._heard_us[s] if since is None else max(self._heard_us[s], since)
+        return self.now_us - start > MARGIN * g + 2 * self._tick_us
+
+    def _note_wait(self) -> None:
+        """After a delivery attempt: since when our order waits for some sender's promise."""
+        st = self.stream
+        if st.blocked < 0:
+            self._wait_since = None
+        elif self._wait_since is None:
+            self._wait_since = self.now_us
+
+    def _may_cap(self, k: int, since: int | None) -> bool:
+        """We may cap sender k: the crash fence is on, C1 needs two holders
+        or more (with one, k alone may have held and delivered its slots),
+        nothing else is capped or fenced in this view, nobody suspected, and
+        every other member is heard as usual (counted as k's silence is,
+        from `since`) — k alone is silent.  A member
+        cut off from several (a minority, a partition) caps nobody: no fence
+        could be reached."""
+        v = self.view
+        s = v.senders[k]
+        return (self.cfg.crash_fence and self._cap_k < 0 and not self.fenced and not self.suspected
+                and not self.wedged and not self.leaving and self._is_member()
+                and self.state in (self.State.ACTIVE, self.State.CATCHING_UP)
+                and self._quorum(v) >= 2 and may_fence(len(v.members), self.cfg.commit_quorum)
+                and all(m in self._heard_here and not self._unusually_silent(m, since)
+                        for m in v.members if m != s and m != self.me))
+
+    # ------------------------------------------------------------ capping
+    def _crash_fence_tick(self) -> None:
+        """Before the view's tick: keep a capped member suspected once wedged;
+        answer the caps heard (follow, or NOCAP once the sender spoke); resend
+        our cap where it is missing; or cap the sender our order waits for."""
+        if not self.cfg.crash_fence:
+            return
+        if self._cap_k >= 0 and not self._crash_fenced and self.now - self._cap_sent >= self.cfg.retransmit_ticks:
+            self._send_cap(missing_only=True)  # also once wedged: the others' NOCAPs lift it
+        if self.wedged:
+            return
+        for k, (a, clock, since) in list(self._pending.items()):
+            self._answer(k, a, clock, since)
+        if self._cap_k >= 0:
+            return
+        if self.stream.blocked < 0 or not self._tick_us or self.state is not self.State.ACTIVE:
+            return
+        # of the senders our order waits for, the one silent longest (a live one on a lossy link may be behind too)
+        heard, senders = self._heard_us, self.view.senders
+        k = min(self.stream.waits_for(), key=lambda j: heard.get(senders[j], 1 << 62), default=-1)
+        if k < 0 or self._dead.get(k, -1) >= MAX_ATTEMPTS - 1:
+            return
+        s = senders[k]
+        if self._clock_of(s) > self._recap_clock.get(k, -1) and self._unusually_silent(s, self._wait_since) \
+                and self._may_cap(k, self._wait_since):
+            self._cap(k, self._dead.get(k, -1) + 1)
+
+    def _answer(self, k: int, a: int, clock: int, since: int) -> None:
+        """A CAP of sender k's attempt a is here (since `since`) and we have
+        not capped it: follow while k is unusually silent here too (counted
+        from when our order began to wait, or else from the CAP's arrival);
+        NOCAP once k reported past `clock` (its newest report when the CAP
+        came): it is alive."""
+        s = self.view.senders[k]
+        if a <= self._dead.get(k, -1) or (self._cap_k, self._cap_a) == (k, a):
+            self._pending.pop(k, None)
+        elif self._clock_of(s) > clock:
+            self._pending.pop(k, None)
+            self._nocap(k, a)
+        else:
+            since = since if self._wait_since is None else self._wait_since
+            if self._unusually_silent(s, since) and self._may_cap(k, since):
+                self._pending.pop(k, None)
+                self._cap(k, a)
+
+    def _cap(self, k: int, a: int) -> None:
+        st = self.stream
+        s = self.view.senders[k]
+        count = st.received[k]
+        st.cap(k, count)
+        self._cap_k, self._cap_a = k, a
+        self._cap_clock = self._clock_of(s)
+        self._caps.setdefault((k, a), {})[self.me] = count
+        self.stats["caps"] = self.stats.get("caps", 0) + 1
+        self._send_cap(missing_only=False)
+        self._check_caps()
+
+    def _send_cap(self, missing_only: bool, to: str | None = None) -> None:
+        k, a = self._cap_k, self._cap_a
+        s = self.view.senders[k]
+        got = self._caps[(k, a)]
+        data = Cap(self.me, self.incarnation, self.view.view_id, k, a, got[self.me], to is not None).encode()
+        self._cap_sent = self.now
+        for p in ([to] if to is not None else self.view.members):
+            # once wedged, k too: if it fenced another member, it says that no fence of it can come
+            if p != self.me and (p != s or self.wedged) and not (missing_only and p in got):
+                self._send(p, data)
+
+    def _nocap(self, k: int, a: int) -> None:
+        """k spoke after a CAP of attempt a came: we never cap that attempt, so no fence comes of it."""
+        self._dead[k] = max(self._dead.get(k, -1), a)
+        s = self.view.senders[k]
+        data = NoCap(self.me, self.incarnation, self.view.view_id, k, a).encode()
+        for p in self.view.members:
+            if p != self.me and p != s:
+                self._send(p, data)
+
+    def _attempt_dead(self, k: int, a: int) -> None:
+        """Attempts of sender k up to a can reach no fence: a cap of ours among them is lifted."""
+        if a <= self._dead.get(k, -1):
+            return
+        self._dead[k] = a
+        for key in [key for key in self._caps if key[0] == k and key[1] <= a]:
+            del self._caps[key]
+        if self._cap_k == k and self._cap_a <= a and not self._crash_fenced:
+            self._cap_k = self._cap_a = -1
+            self._recap_clock[k] = self._clock_of(self.view.senders[k])
+            self.stream.cap(k, None)  # (none once wedged: caps end with the view's order)
+            self.stats["caps_lifted"] = self.stats.get("caps_lifted", 0) + 1
+            self._try_deliver()
+
+    def _on_cap(self, msg: Cap) -> None:
+        k, a = self._cap_message(msg)
+        if k < 0:
+            return
+        if a > 0:
+            self._attempt_dead(k, a - 1)  # its sender knew attempt a - 1 dead (attempts start in turn)
+        if a <= self._dead.get(k, -1):  # dead: say so again (its NOCAP may have been lost)
+            self._send(msg.sender, NoCap(self.me, self.incarnation, self.view.view_id, k, a).encode())
+            return
+        caps = self._caps.setdefault((k, a), {})
+        prev = caps.get(msg.sender)
+        if prev is not None and prev != msg.count:
+            raise RemoteProtocolError("two caps of one sender from one member in one attempt")
+        caps[msg.sender] = msg.count
+        if (self._cap_k, self._cap_a) == (k, a):
+            if not msg.echo:  # it may lack ours (a cap goes again only to those whose cap is missing)
+                self._send_cap(missing_only=False, to=msg.sender)
+            self._check_caps()
+        elif k not in self._pending or self._pending[k][0] < a:
+            self._pending[k] = p = (a, self._clock_of(self.view.senders[k]), self.now_us)
+            self._answer(k, *p)
+
+    def _on_nocap(self, msg: NoCap) -> None:
+        k, a = self._cap_message(msg)
+        if k >= 0:
+            self._attempt_dead(k, a)
+
+    def _cap_message(self, msg) -> tuple[int, int]:
+        """(sender index, attempt) of a CAP or NOCAP we take, or (-1, -1)."""
+        if not self._in_current_view(msg):
+            return -1, -1
+        v = self.view
+        if msg.k < 0 or msg.k >= len(v.senders) or msg.attempt < 0 or getattr(msg, "count", 0) < 0:
+            raise RemoteProtocolError("cap names no sender of the view, or a negative attempt or count")
+        s = v.senders[msg.k]
+        if not self.cfg.crash_fence:
+            return -1, -1
+        if s == msg.sender and type(msg) is Cap:
+            return -1, -1  # (it does not cap itself; its NOCAP, though, says what it knows: below)
+        if self._crash_fenced and msg.k != self._cap_k:
+            # every member but the one we fenced holds its cap on it for good, and caps one sender at a
+            # time: no fence of another sender can be reached in this view.  Said also to a member that
+            # capped us (a cap of us otherwise says nothing: we are alive, and our next report tells them)
+            if type(msg) is Cap:
+                self._send(msg.sender, NoCap(self.me, self.incarnation, v.view_id, msg.k, msg.attempt).encode())
+            return -1, -1
+        if s == self.me:
+            return -1, -1
+        if self.wedged:
+            # we cap nothing more in this view: an attempt we did not cap is dead, and its cappers may lift
+            if type(msg) is Cap and (self._cap_k, self._cap_a) != (msg.k, msg.attempt):
+                self._send(msg.sender, NoCap(self.me, self.incarnation, v.view_id, msg.k, msg.attempt).encode())
+            elif type(msg) is NoCap:
+                self._attempt_dead(msg.k, msg.attempt)
+            return -1, -1
+        return msg.k, msg.attempt
+
+    def _check_caps(self) -> None:
+        """Every other member's cap of our attempt is here: fence k at the largest (module docstring)."""
+        k, a = self._cap_k, self._cap_a
+        v = self.view
+        s = v.senders[k]
+        caps = self._caps[(k, a)]
+        if self._crash_fenced or self.wedged or any(m not in caps for m in v.members if m != s):
+            return
+        c = max(caps.values())
+        st = self.stream
+        self._crash_fenced = True
+        self._pending.clear()
+        st.cap(k, c)
+        self.fenced[s] = c
+        self.fence_recv = ()  # its final received vector is not known: the trim needs n - q + 1 reporters
+        st.fence(k, c)
+        self.stats["crash_fences"] = self.stats.get("crash_fences", 0) + 1
+        if st.received[k] < c:
+            self._fence_holder = min((m for m, x in caps.items() if x == c and m != self.me),
+                                     key=self.rank_of.__getitem__)
+            self._note_hole(k, c)
+            self._send(self._fence_holder, SlotReq(self.me, self.incarnation, v.view_id, k, st.received[k],
+                                                   min(c, st.received[k] + 64)).encode())
+        self._try_deliver()
+
+    # ------------------------------------------------------------ around it
+    def _note_hole(self, k: int, top: int) -> None:
+        caps = self.stream.caps
+        super()._note_hole(k, min(top, caps[k]) if caps is not None else top)
+
+    def _hole_source(self, k: int) -> str:
+        """The sender we fenced is not asked: a member whose cap was the fence is."""
+        if self._fence_holder is not None and k == self._cap_k:
+            return self._fence_holder
+        return super()._hole_source(k)
+
+    def _gone_for_good(self):
+        """The member we fenced may be alive (cut off, not crashed): a view
+        change waits for it as for any member, unless a new incarnation of
+        it asked to be taken back (the old one is gone, the new one joins) —
+        for suspect_ticks: then the new one votes, if the others cannot
+        decide without it."""
+        if self._crash_fenced:
+            s = self.view.senders[self._cap_k]
+            if (s not in self.vc.rejoined and s not in self.vc.joiners) \
+                    or self.now - self.wedged_at > self.cfg.suspect_ticks:
+                # (a restarted one votes, with its persisted promises, once the others took long without it)
+                return [m for m in self.fenced if m != s]
+        return super()._gone_for_good()
+
+    def _become_wedged(self) -> None:
+        was = self.wedged
+        super()._become_wedged()
+        if self.wedged and not was and self._cap_k >= 0:
+            # silent: not waited for, suspected until it speaks (the tick's silence); if it reports, its
+            # report counts, but not its own slots (ClockViewChange.trim: module docstring, safety (3)).
+            # The trim's fetches are below the reported counts: caps are over.
+            s = self.view.senders[self._cap_k]
+            if self._unusually_silent(s):
+                self.last_heard[s] = -10**9
+                self.suspected.add(s)
+            # else it spoke again (what ends a fenced member's view): waited for, so the view change
+            # keeps it rather than leaving it out for a second one to take it back
+            self.stream.caps = None
+
+    _wedge = _become_wedged
+
+    def capped_sender(self) -> int:
+        """The sender index our cap is in force on (-1: none): it does not lead
+        our view change, and the trim counts its slots from the others' reports."""
+        return self._cap_k
+
+    def refuses_leader(self, s: str) -> bool:
+        """A COLLECT or ACCEPT from `s` is not answered: our cap of it is in force (module docstring)."""
+        return self._cap_k >= 0 and self.view.senders[self._cap_k] == s

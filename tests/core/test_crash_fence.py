@@ -1,0 +1,180 @@
+"""A crashed member of the clock protocol is fenced by all the others
+instead of stopping the order until a view change (kdsync.core.crash_fence):
+driven through loss, a false alarm, an isolation that heals, two crashes
+and a member without the fence, checked by the outside checker."""
+
+import dataclasses
+
+import pytest
+
+from kdsync.core.messages import Cap, Collect, NoCap, Report
+from kdsync.testing.network import InMemoryNetwork, check_invariants
+
+IDS = ("a", "b", "c", "d", "e")
+LIVE = ("a", "b", "c", "d")
+SLOW = dict(suspect_ticks=300, heartbeat_ticks=2, retransmit_ticks=3)  # a silence takes 300 ticks to suspect
+
+
+def keys(evs):
+    return {(e.origin, e.partition, e.offset) for e in evs}
+
+
+class Net(InMemoryNetwork):
+    """The in-memory network, with the crash fence off at the members in `without`."""
+
+    def __init__(self, *a, without=(), **kw):
+        self.without = set(without)
+        super().__init__(*a, **kw)
+
+    def config(self, i):
+        cfg = super().config(i)
+        return dataclasses.replace(cfg, crash_fence=False) if i in self.without else cfg
+
+
+def streaming(seed=3, without=(), **kw):
+    """Five members formed, each having submitted one event per tick for 60 ticks."""
+    net = Net(list(IDS), seed=seed, protocol="clock", crash_fence=True, without=without, **{**SLOW, **kw})
+    net.run_until(lambda: all(net.node(i).status == "active" for i in IDS), 100)
+    sub = set()
+    for _ in range(60):
+        for i in IDS:
+            sub |= keys(net.submit(i, 1))
+        net.tick(1)
+    return net, sub
+
+
+def view_changes(net):
+    return net.sent_by_type.get(Collect.TYPE, 0) + net.sent_by_type.get(Report.TYPE, 0)
+
+
+def keep_submitting(net, sub, members, rounds, within):
+    """One event per round from each of `members` in turn, each delivered at every one of them within `within` ticks."""
+    for step in range(rounds):
+        mine = keys(net.submit(members[step % len(members)], 1))
+        sub |= mine
+        net.run_until(lambda: all(mine <= keys(net.topic(i)) for i in members), within)
+
+
+def taken_back(net, *restarted):
+    """`restarted` start again; every member ends active in a view of all five, nobody fenced."""
+    for i in restarted:
+        net.restart(i)
+    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 5
+                              and not net.node(i).fenced for i in IDS), 900)
+    net.tick(20)
+
+
+@pytest.mark.parametrize("drop,quorum", [(0.0, 0), (0.2, 0), (0.1, 2), (0.2, 2)])
+def test_a_crash_is_fenced_by_every_other_member_and_nobody_stops(drop, quorum):
+    """e crashes mid-stream: the four others cap it, fence it at the same
+    count, and deliver each other's events within a few ticks the whole time
+    — no COLLECT, no REPORT, with lossy links too (caps are resent until
+    every one is in).  e's restart is taken back; every event once, everywhere."""
+    net, sub = streaming(commit_quorum=quorum)
+    for a in IDS:
+        for b in IDS:
+            if a != b:
+                net.drop(a, b, drop)
+    before = view_changes(net)
+    net.crash("e")
+    keep_submitting(net, sub, LIVE, 40, within=20)  # suspect_ticks is 300
+    assert view_changes(net) == before
+    fences = {net.node(i).fenced.get("e") for i in LIVE}
+    assert len(fences) == 1 and None not in fences, fences
+    net.recover()
+    taken_back(net, "e")
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+
+
+def test_a_member_that_caps_a_live_one_lifts_its_cap_when_another_has_heard_it():
+    """d's messages to c are lost for a while: c's order waits for d and c
+    caps d.  The others hear d and answer NOCAP; c lifts its cap, fetches
+    what it dropped, and nobody fences d or changes the view."""
+    net, sub = streaming(seed=5)
+    before = view_changes(net)
+    net.cut_one_way("d", "c")
+    for _ in range(30):  # a's events wait at c for d's clock report, which never comes
+        sub |= keys(net.submit("a", 1))
+        net.tick(1)
+        if net.node("c")._cap_k == 3:  # c capped d (sender index 3)
+            break
+    assert net.node("c")._cap_k == 3
+    assert net.sent_by_type.get(Cap.TYPE, 0) >= 1
+    net.recover()
+    net.run_until(lambda: net.node("c")._cap_k < 0, 30)
+    assert net.sent_by_type.get(NoCap.TYPE, 0) >= 1 and net.node("c").stats["caps_lifted"] == 1
+    keep_submitting(net, sub, IDS, 20, within=20)
+    assert view_changes(net) == before and not any(net.node(i).fenced for i in IDS)
+    assert not check_invariants(net, submitted=sub)
+
+
+def test_an_isolated_member_is_fenced_then_heard_again_and_taken_back_by_a_view_change():
+    """e is cut off, not dead: the others fence it and go on; e, alone,
+    delivers nothing past the fence.  Once the partition heals e's newer
+    reports make the others suspect it, the view changes, and e comes back;
+    one order everywhere, every event once."""
+    net, sub = streaming(seed=7)
+    net.isolate("e")
+    sub |= keys(net.submit("e", 3))  # cut by e, never capped in by anyone: ordered after its return
+    keep_submitting(net, sub, LIVE, 20, within=20)
+    assert all("e" in net.node(i).fenced for i in LIVE)
+    e_had = len(net.topic("e"))
+    net.tick(40)
+    assert len(net.topic("e")) == e_had  # a minority of one delivers nothing new
+    net.recover()
+    taken_back(net)
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+
+
+def test_two_crashes_fence_nobody_and_the_view_changes_as_before():
+    """d and e crash at once: no fence can be reached (every other member's
+    cap is needed, and d's never comes), so the others suspect both after
+    the silence and install a view of three; every event once."""
+    net, sub = streaming(suspect_ticks=40)
+    net.crash("d")
+    net.crash("e")
+    live = ("a", "b", "c")
+    net.run_until(lambda: all(net.node(i).status == "active" and net.node(i).view.members == live for i in live),
+                  300)
+    assert not any(net.node(i).fenced for i in live)
+    keep_submitting(net, sub, live, 10, within=20)
+    taken_back(net, "d", "e")
+    assert not check_invariants(net, submitted=sub)
+
+
+def test_a_crash_after_a_fence_trims_the_fenced_stream_at_the_fence():
+    """e is fenced after its crash; then b crashes too and the view changes
+    without either.  The trim ends e's stream where the fence did (the
+    members that capped e never count its report, and every reporter capped
+    it), so the three left and both returning members hold one order."""
+    net, sub = streaming(suspect_ticks=60)
+    net.crash("e")
+    keep_submitting(net, sub, LIVE, 10, within=20)
+    assert all("e" in net.node(i).fenced for i in LIVE)
+    net.crash("b")
+    live = ("a", "c", "d")
+    sub |= keys(net.submit("a", 2))
+    net.run_until(lambda: all(net.node(i).status == "active" and net.node(i).view.members == live for i in live),
+                  400)
+    keep_submitting(net, sub, live, 10, within=20)
+    taken_back(net, "b", "e")
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+
+
+def test_a_member_without_the_fence_keeps_the_view_change():
+    """c runs a release (or a setting) without the crash fence: it never
+    caps, so the others' caps never complete and e's crash changes the view
+    as before — safe in a mixed group."""
+    net, sub = streaming(suspect_ticks=40, without=("c",))
+    net.crash("e")
+    for step in range(300):  # events keep coming: the order waits for e, and the others cap it
+        if all(net.node(i).status == "active" and net.node(i).view.members == LIVE for i in LIVE):
+            break
+        sub |= keys(net.submit(LIVE[step % 4], 1))
+        net.tick(1)
+    assert not any(net.node(i).fenced for i in LIVE) and net.sent_by_type.get(Cap.TYPE, 0) > 0
+    keep_submitting(net, sub, LIVE, 10, within=20)
+    assert not check_invariants(net, submitted=sub, live=LIVE)
