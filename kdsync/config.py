@@ -323,6 +323,10 @@ class ProtocolSection(_Model):
     # suspect_ms becomes a ceiling: a peer whose pings came regularly is
     # suspected after a few of its longest ping gaps (kdsync.core.liveness)
     adaptive_suspect: bool = False
+    # clock: a member silent while the order waits for it is fenced by every
+    # other member instead of stopping the order until a view change
+    # (kdsync.core.crash_fence)
+    crash_fence: bool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -56,6 +56,7 @@ class ReadyHandshake:
     def __init__(self, m: HandshakeHost, state_log: StateLog):
         self.m = m
         self.state_log = state_log
+        self.fenced: dict[str, tuple[str, ...]] = {}  # topic -> the members its node fenced (last logged)
         self._held: list = []  # (pipeline, Ready) whose hard state waits for this iteration's fsync
 
     def process(self, p: TopicPipeline) -> None:
@@ -105,6 +106,11 @@ class ReadyHandshake:
             m.metrics.live_members.labels(p.topic).set(len(v.members))
             log.info("view installed", **kv(topic=p.topic, view=v.view_id, members=",".join(v.members),
                                             start_seq=v.start_seq))
+        fenced = tuple(sorted(getattr(node, "fenced", ())))
+        if fenced != self.fenced.get(p.topic, ()):
+            self.fenced[p.topic] = fenced
+            if fenced:  # a clean stop without a view change (clock: kdsync.core.fence)
+                log.info("member fenced", **kv(topic=p.topic, view=node.view.view_id, fenced=",".join(fenced)))
         self.note_status(p, rd.status)
         for r in rd.reads:
             asyncio.ensure_future(serve_read(m, p, r.start, r.stop))

@@ -67,7 +67,7 @@ from kdsync.observability.stage_latency import LatencyTrace, open_trace
 from kdsync.handshake import ReadyHandshake
 from kdsync.inbox import PeerInbox
 from kdsync.state import StateDirLock, StateLog
-from kdsync.stopping import StopClock, leave_groups
+from kdsync.stopping import StopClock, announce_leave, leave_groups
 from kdsync.ticks import Coalesced, FormingSlots, GroupTicks, Pulse, Sleepers, TickClock
 
 log = logging.getLogger("kdsync.member")
@@ -222,12 +222,12 @@ class Member:
     def _on_signal(self, sig) -> None:
         log.info("stopping", **kv(signal=signal.Signals(sig).name))
         self.stop(deadline=True)
+        if self.transport is not None and self._fatal is None:  # the peers need not wait for the loop's end
+            announce_leave(self._nodes, self.process)
 
     def stop(self, deadline: bool = False) -> None:
-        """Stop cleanly (as SIGTERM does); call on the member's loop.
-        `deadline` (the process is stopping: a signal): the process exits
-        with status 1 if the stop has not finished within `[member]
-        stop_timeout_ms` (kdsync.stopping)."""
+        """Stop cleanly (as SIGTERM does); call on the member's loop.  `deadline` (a signal):
+        exit 1 if the stop has not finished within `[member] stop_timeout_ms` (kdsync.stopping)."""
         if deadline:  # also when already stopping (a fatal error): a signal bounds that stop too
             self.stop_clock.start()
         self._stop.set()
@@ -334,9 +334,7 @@ class Member:
                 continue
             self.before_input(p)
             p.submit(run, now)
-            # drained with the peer messages of this loop iteration: the runs that
-            # arrived together (a coalesced loop, [member] coalesce_us) make one slot
-            self.to_process.add(p)
+            self.to_process.add(p)  # drained with this loop iteration's peer messages: one slot (coalesce_us)
 
     def process(self, p: TopicPipeline) -> None:
         """Drain `p`'s node (kdsync.handshake); a long pass pulses."""
@@ -349,6 +347,9 @@ class Member:
 
     def poll_reports_soon(self) -> None:
         self.reports.soon()
+
+    def _nodes(self) -> list:
+        return [(p, p.node) for p in self.pipelines.values()]
 
     def poll_producer(self) -> None:
         """Serve the producer's callbacks now (kdsync.kafka.sink.ReportPoller)."""
@@ -372,8 +373,7 @@ class Member:
             self.source.pause()  # no new source records; the thread still drains commits
         if self.transport is not None and self._fatal is None:
             with step("leaving the groups"):  # the peers move on at once, not after suspect_ms
-                left = await leave_groups(lambda: [(p, p.node) for p in self.pipelines.values()], self.process,
-                                          self.pcfg.tick_ms / 1000)
+                left = await leave_groups(self._nodes, self.process, self.pcfg.tick_ms / 1000)
                 log.info("left the groups", **kv(groups=len(self.pipelines), not_confirmed=left))
         if self.producer is not None and self._fatal is None:
             with step("delivery reports"):  # bounded: their offsets get committed

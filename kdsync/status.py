@@ -63,6 +63,8 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
             "status": p.node.status,
             "view": view.view_id if view is not None else None,
             "members": list(view.members) if view is not None else [],
+            # clock: members that stopped cleanly and are fenced, in the view until they return (kdsync.core.fence)
+            "fenced": sorted(getattr(p.node, "fenced", ())),
             "delivered": p.durable_end,
             "lag": {"fetch": source.unfetched(p.topic) if source is not None and not source.held_back else 0,
                     "ordering": p.own_waiting(),
@@ -73,6 +75,7 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
             "lead_ms": None if leads is None else round(p.node.lead_us / 1000, 1),
         })
     in_view = set().union(*(t["members"] for t in topics)) if topics else set()
+    fenced = set().union(*(t["fenced"] for t in topics)) if topics else set()
     return {
         "member": me,
         "shard": shard,
@@ -83,6 +86,7 @@ def member_status(me: str, protocol: str, shard: int | None, started: float, wir
         "peers": [{"peer": peer,
                    "link": transport.path(peer) or "none",
                    "in_view": peer in in_view,
+                   "fenced": peer in fenced,
                    "refused": (refusals[peer][1] if peer in refusals else None),
                    "refused_why": (refusals[peer][0] if peer in refusals else None),
                    "refused_s_ago": (round(now - refusals[peer][2], 1) if peer in refusals else None),
@@ -145,7 +149,8 @@ def render(snaps: list[dict[str, Any]]) -> str:
         for p in snap["peers"]:
             refused = "-" if not p["refused"] else f"{p['refused']} ({p['refused_s_ago']:g}s ago): {p['refused_why']}"
             one_way = [] if not clock else ["-" if p.get("one_way_ms") is None else f"{p['one_way_ms']:g}ms"]
-            rows.append([p["peer"], p["link"], "yes" if p["in_view"] else "no", *one_way, refused])
+            in_view = "fenced" if p.get("fenced") else "yes" if p["in_view"] else "no"
+            rows.append([p["peer"], p["link"], in_view, *one_way, refused])
         out += _table(rows)
         rows = [["topic", "status", "view", "members", *(["lead"] if clock else []), "delivered", "fetch", "ordering",
                  "produce", "report", "stalled"]]
@@ -153,7 +158,8 @@ def render(snaps: list[dict[str, Any]]) -> str:
             lag = t["lag"]
             lead = [] if not clock else ["-" if t.get("lead_ms") is None else f"{t['lead_ms']:g}ms"]
             rows.append([t["topic"], t["status"], "-" if t["view"] is None else str(t["view"]),
-                         ",".join(t["members"]) or "-", *lead, str(t["delivered"]), str(lag["fetch"]),
+                         ",".join(m + ("(fenced)" if m in t.get("fenced", ()) else "") for m in t["members"]) or "-",
+                         *lead, str(t["delivered"]), str(lag["fetch"]),
                          str(lag["ordering"]), str(lag["produce"]), str(lag["delivery report"]),
                          ",".join(t["stalled"]) or "-"])
         out += [""] + _table(rows)

@@ -80,7 +80,8 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
                           roles={m.id: m.role for m in s.members if m.role == "witness"}, protocol=s.protocol,
                           suspect_ticks=ticks(t["suspect_ms"]), heartbeat_ticks=ticks(t["heartbeat_ms"]),
                           retransmit_ticks=ticks(t["retransmit_ms"]), clock_lead_us=lead_us, auto_lead=auto_lead,
-                          commit_quorum=s.commit_quorum, adaptive_suspect=s.adaptive_suspect)
+                          commit_quorum=s.commit_quorum, adaptive_suspect=s.adaptive_suspect,
+                          crash_fence=s.crash_fence)
     worst_ms = s.network.default.latency_ms or 1.0
     worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
     for o in s.network.links:
@@ -106,6 +107,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         auto_lead=auto_lead,
         commit_quorum=s.commit_quorum,
         adaptive_suspect=s.adaptive_suspect,
+        crash_fence=s.crash_fence,
     )
 
 

@@ -270,6 +270,9 @@ class Scenario(_Strict):
     # extension: kdsync run's protocol.adaptive_suspect (members ping each other; a peer whose
     # pings came regularly is suspected after a few ping gaps, suspect_ms is the ceiling)
     adaptive_suspect: bool = False
+    # extension: kdsync run's protocol.crash_fence (clock: a member silent while the order waits for it
+    # is fenced by every other member, without a view change: kdsync.core.crash_fence)
+    crash_fence: bool = False
 
     @property
     def member_ids(self) -> tuple[str, ...]:
