@@ -3,7 +3,8 @@ the others.
 
 The five AWS regions of sim/scenarios/wan-five-regions.yaml (200 events/s
 written at every site, with the timing docs/wan.md gives for a WAN:
-tick 5, heartbeat 100, suspect 3 000, retransmit 250 ms), run for 30 s per protocol (derecho, clock) and per fault,
+tick 5, heartbeat 100, suspect 3 000, retransmit 250 ms), run for 30 s per protocol (derecho, clock, and
+clock with the crash fence: kdsync.core.crash_fence) and per fault,
 all injected at FAULT_S and undone at RETURN_S:
 
 - crash: Tokyo (the far region) crashes, then restarts;
@@ -38,7 +39,7 @@ from bench.wan import SCENARIOS, _run, _violations
 from kdsync.testing.stats import percentile
 
 FIVE = "wan-five-regions"
-PROTOCOLS = ("derecho", "clock")
+PROTOCOLS = ("derecho", "clock", "clock+fence")  # clock+fence: clock with protocol.crash_fence (kdsync.core.crash_fence)
 FAULT_S, RETURN_S, DURATION_S = 10.0, 20.0, 30.0
 STEADY = (4.0, 9.5)  # creation times of the steady window (s)
 AFTER_FAULT_S, AFTER_RETURN_S = 3.0, 5.0
@@ -62,8 +63,11 @@ def _key(protocol: str, fault: str, suspicion: str) -> str:
 
 def _scenario(base: dict, protocol: str, fault: str, suspicion: str = "fixed") -> dict:
     _, faults = FAULTS[fault]
-    s = dict(base, name=f"{FIVE}-{_key(protocol, fault, suspicion)}", protocol=protocol, duration_s=DURATION_S,
+    name, protocol = protocol, protocol.split("+")[0]
+    s = dict(base, name=f"{FIVE}-{_key(name, fault, suspicion)}", protocol=protocol, duration_s=DURATION_S,
              faults=faults, timing=dict(TIMING))
+    if name.endswith("+fence"):
+        s["crash_fence"] = True
     if suspicion == "adaptive":
         s["adaptive_suspect"] = True
     if protocol != "clock":
