@@ -16,7 +16,8 @@ def test_every_run_is_a_valid_scenario_with_its_fault_and_return():
     for proto in PROTOCOLS:
         for fault, (down, _) in FAULTS.items():
             s = Scenario.model_validate(_scenario(base, proto, fault))
-            assert s.protocol == proto and s.timing.suspect_ms == TIMING["suspect_ms"]
+            assert s.protocol == proto.split("+")[0] and s.timing.suspect_ms == TIMING["suspect_ms"]
+            assert s.crash_fence == (proto == "clock+fence")
             kinds = [f.model_dump(by_alias=True, exclude_none=True) for f in s.faults]
             hit = {v for f in kinds for k, v in f.items() if k in ("crash", "stop")}
             if fault == "isolate":
@@ -39,14 +40,14 @@ def test_windows_keep_the_live_regions_events_by_creation_time():
 
 
 @pytest.mark.parametrize("seed", [25, 29, 32])
-def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(tmp_path, seed):
+def test_a_clean_stop_of_the_far_region_does_not_pause_the_others(tmp_path, seed):
     """Five regions, clock, the far region (Tokyo) stops cleanly at 6 s and
-    returns at 10 s.  The others' view change runs on the members' own
-    reports (no COLLECT round) and the voters install on a majority of votes:
-    the live regions' worst latency for events created in the 3 s after the
-    stop stays within 3x their steady p99 (6.2x before stop 51), with every
-    invariant kept and every event delivered.  The same for the 3 s after the
-    return: the members wedge on Tokyo's first JOIN and report at once, and
+    returns at 10 s.  The others fence it and keep their view
+    (kdsync.core.fence): the live regions' worst latency for events created
+    in the 3 s after the stop stays within 1.5x their steady p99 (1.00-1.03x
+    on seeds 25-30; 2.5-2.75x when the stop changed the view, 6.2x before
+    stop 51), with every invariant kept and every event delivered.  The 3 s
+    after the return stay within 3.5x: the members wedge on Tokyo's first JOIN and report at once, and
     Tokyo's clock reports while it asks to be taken in are its promise in the
     view that takes it in (kdsync.core.clock: promises outlive views) — 4.7x
     before, 2.8x since.
@@ -62,7 +63,10 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     and the leader proposed only when one more report came (an answer to its
     COLLECT, a round trip to Oregon later): 3.4x.  The leader now checks its
     reports each tick (ViewChange.step): 2.6x.  Seeds 25-32: 2.5-2.75x, so
-    the bound is 3x."""
+    the bound was 3x.  Those two seeds were found on the view change a stop
+    caused; a five-member clock group no longer changes its view on a stop,
+    and the same path is driven by tests/core/test_behaviour.py's clean-stop
+    tests (`fence_stops = False`) and the swarm's groups of four."""
     import json
 
     from kdsync.testing.stats import percentile
@@ -80,7 +84,7 @@ def test_a_clean_stop_of_the_far_region_pauses_the_others_about_one_round_trip(t
     lat = _live_latencies(_trace(tmp_path / "out"), ("tyo",))
     steady = percentile(_window(lat, 3.0, 5.5), 99)
     worst = max(_window(lat, 6.0, 9.0))
-    assert worst <= 3.0 * steady, (worst, steady)
+    assert worst <= 1.5 * steady, (worst, steady)
     back = max(_window(lat, 10.0, 13.0))
     assert back <= 3.5 * steady, (back, steady)
 

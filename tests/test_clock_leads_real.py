@@ -2,7 +2,8 @@
 `kdsync run` members on `clock` with no lead configured; every link of the
 far member dc3 goes through a delay proxy (40 ms each way), dc1 and dc2 are
 1 ms apart.  dc3 measures its delays and chooses a lead by docs/wan.md's rule
-(capped at 3/4 of its nearest delay: about 30 ms), dc1 and dc2 choose none;
+(capped at 3/4 of its nearest delay: about 30 ms), dc1 and dc2 choose none
+(or a few ms on a loaded box, under 3/4 of their nearest delay as measured);
 `kdsync status` shows the measured delays and the leads; every cluster holds
 the same sequence, exactly once."""
 
@@ -68,7 +69,12 @@ def test_a_far_member_chooses_its_lead_and_status_shows_it(tmp_path: Path):
             ok, detail = check_global_topics(got, expected=total)
             assert ok, detail
             leads = [lead_ms(g, i) for i in range(3)]
-            assert leads[0] < 5 and leads[1] < 5, leads  # near members: none (the rule's gap is ~0)
+            near = [status(g, i) for i in range(2)]
+            for i in range(2):  # near members: the rule's gap is ~0, and the clamp holds it under 3/4 of their
+                # nearest delay as measured (a loaded CI box measured dc1-dc2 at up to ~7 ms: dc2 chose 5.6 once)
+                measured = [p["one_way_ms"] for p in near[i]["peers"] if p.get("one_way_ms") is not None]
+                nearest = min(measured, default=0.0)
+                assert leads[i] <= NEAR_FRACTION * nearest + 1 and leads[i] < leads[2] / 3, (leads, nearest)
             far = status(g, 2)
             one_way = {p["peer"]: p["one_way_ms"] for p in far["peers"]}
             assert all(FAR_MS - 5 <= one_way[p] <= FAR_MS + 30 for p in ("dc1", "dc2")), one_way

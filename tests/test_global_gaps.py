@@ -157,7 +157,8 @@ def test_a_global_gap_that_never_closes_fails_the_read_with_one_line(proxied, mo
     assert "\n" not in msg
     assert f"global topic {GT} partition 0: offsets 0..{PER - 1} are missing" in msg, msg
     assert "the broker holds records there and does not hand them over" in msg and c.proxy.address in msg, msg
-    assert len(c.proxy.dropped) >= 3 and {d[2] for d in c.proxy.dropped} == {0}  # fetched again, never past it
+    # fetched again (how often in the second before giving up depends on the box: twice on a busy CI), never past it
+    assert len(c.proxy.dropped) >= 2 and {d[2] for d in c.proxy.dropped} == {0}
     r = GlobalReader(conf, "gg-reader", GT, 1)
     try:
         with pytest.raises(GlobalGapError, match=f"offsets 0..{PER - 1} are missing"):

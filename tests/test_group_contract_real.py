@@ -203,12 +203,17 @@ def test_odd_members_are_refused_by_name_and_the_group_orders_on(tmp_path):
             print(f"{name}: p99 {percentile(part, 99)} ms, max {max(part)} ms ({len(part)} events)")
         print(f"control (wrong secret) p99 {p99s} ms ({len(steady)} events), odd members p99 {p99f} ms ({len(fault)})")
         assert len(steady) > 150 and len(fault) > 800
-        # within 2x the control's p99 on a quiet box; a busy box's noise (two cores, three brokers, seven
-        # member processes starting and a dozen kdsync commands in this window) can pass that (CI: 78 ->
-        # 560 ms with the view unchanged), so the floor is what any pause would exceed: a suspicion costs
-        # suspect_ms (3 000 ms here) and a view change more, and at 200 events/s one pause alone puts
-        # >1 % of the window's events above it
-        assert p99f <= max(2 * p99s, 1000), (p99s, p99f)
+        # no pause: dc1 never stopped writing the order while the odd members knocked.  A pause for a peer
+        # (a suspicion, a view change) stops every delivery for suspect_ms (3 000 ms here) or more, so dc1's
+        # longest silence stays below it; the box's noise only delays deliveries, it does not stop them.
+        # (The p99 is printed, not bound: on Tansu 0.6 a fetch lists every batch of the partition, so the
+        # brokers' cost grows with the run and the later phases' latency with it -- CI: control 54 ms,
+        # phases 228-2 679 ms with no pause and no view change; the same test on noida: 81-307 ms.)
+        writes = sorted(r.write_ts for r in got["dc1"] if r.origin in ("dc1", "dc2")
+                        and t_fault * 1000 <= r.origin_ts < t_fixed * 1000)
+        silence = max(b - a for a, b in zip(writes, writes[1:]))
+        print(f"dc1's longest silence while odd members knocked: {silence} ms")
+        assert silence < 3000, (silence, p99s, p99f)
         # the operator's view of a member killed and of a broker down
         wait_until(lambda: kdsync("status", "--config", str(g.config_path(0))).returncode == 0, 30,
                    "dc1's status healthy once the copy of dc2 is gone")
@@ -317,3 +322,43 @@ def test_a_rolling_upgrade_from_the_previous_release_keeps_ordering_and_versions
         got = g.wait_for(n, 60)
         ok, detail = check_global_topics(got, expected=n)
         assert ok, detail
+
+
+def test_a_clock_member_stopping_beside_older_releases_is_taken_out_by_their_view_change(
+        tmp_path, previous_release, monkeypatch):
+    """Mid rolling upgrade of a clock group: dc1 runs this release, dc2 and dc3
+    the previous one, which drops FENCE as an unknown message (logged: the
+    release before stop 42 knows no LEAVE either).  dc1 stopped with SIGTERM
+    fences itself (kdsync.core.fence); the older members notice its silence
+    and change their view without it, and its restart is taken back — writes
+    running throughout, every cluster then holds the same events, once."""
+    # suspect_ms above a busy box's reconnects: the previous release's dc3, reconnecting to the restarted
+    # dc1 with its backoff, was silent at dc1 for 380 ms and taken out with the harness's 300 (CI), so
+    # the view without dc1 this test waits for could not form
+    g = LocalGroup(3, tmp_path, protocol="clock", metrics=True, suspect_ms=3000)
+    with g:
+        g.start_brokers()
+        with monkeypatch.context() as m:
+            m.chdir(previous_release)
+            g.start_members()
+        g.wait_ready(90)
+        assert g.stop_member(0) == 0
+        g.start_member(0)  # this release
+        g.wait_ready(60, members=[0])
+        assert not _imports_from(g.procs[0].pid, previous_release) and _imports_from(g.procs[1].pid, previous_release)
+        writers = Paced(g, [0, 1, 2], "up")
+
+        def without_dc1():
+            return [g.log_text(i).count("members=dc2,dc3 ") for i in (1, 2)]
+
+        before = without_dc1()  # the upgrade's own stop made one
+        assert g.stop_member(0) == 0
+        wait_until(lambda: all(a > b for a, b in zip(without_dc1(), before)), 30,
+                   "the older members' view without dc1\n" + member_logs(g))
+        assert 'error="unknown message type 23"' in g.log_text(1)
+        g.start_member(0)
+        g.wait_ready(60, members=[0])
+        total = writers.stop()
+        got = g.wait_for(total, 120)
+        ok, detail = check_global_topics(got, expected=total)
+        assert ok, detail + "\n" + member_logs(g)

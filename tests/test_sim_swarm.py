@@ -55,6 +55,17 @@ REGRESSION_SCENARIOS = {
                                 "ones, and fetched the rest again for ever (the fetched ones filled its stream, "
                                 "not the kept run): wedged",
     "swarm-clock-6000063.yaml": "the same livelock, with a restarted member joining",
+    "swarm-clock-8400061.yaml": "a member stopped cleanly while cut off from one peer and restarted: the peer that "
+                                "fenced it sent its new incarnation nothing but HINTs, which it did not count as "
+                                "heard; it suspected that peer, led a view change it could not finish (it held no "
+                                "data) and its ballots kept the true leader's from a majority: wedged for good",
+    # the crash fence (kdsync.core.crash_fence)
+    "swarm-clock-8500327.yaml": "commit quorum 1: a cut-off member delivered its own slots (C1 held by it alone) past "
+                                "the count the others fenced it at: two orders (caps now need a quorum of 2)",
+    "swarm-clock-8500304.yaml": "two members each capped the other, the third restarted: each refused the other's "
+                                "COLLECT for good (one that fenced a sender now answers NOCAP to any other cap)",
+    "swarm-clock-8502408.yaml": "a fenced member's restart was kept out of the view change while the others could not "
+                                "decide without its vote: wedged (it votes after suspect_ticks)",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",
@@ -129,7 +140,9 @@ def test_swarm_draws_clock_faults_for_clock_only():
     assert any((m.clock_lead_ms or 0) > 0 for s in drawn for m in s.members)  # a configured lead...
     assert all(any(m.clock_lead_ms is None for m in s.members) for s in drawn)  # ...beside chosen ones
     assert {s.commit_quorum for s in drawn} == {0, 1, 2}
-    ours = {"protocol": True, "clocks": True, "commit_quorum": True, "members": {"__all__": {"clock_lead_ms"}}}
+    assert {s.crash_fence for s in drawn} == {False, True}  # kdsync.core.crash_fence in about half
+    ours = {"protocol": True, "clocks": True, "commit_quorum": True, "crash_fence": True,
+            "members": {"__all__": {"clock_lead_ms"}}}
     for seed in range(40):  # the rest of the scenario is the derecho seed's
         d = swarm_scenario(seed, "derecho")
         assert not d.clocks and all(m.clock_lead_ms is None for m in d.members)
