@@ -59,6 +59,10 @@ REGRESSION_SCENARIOS = {
                                 "fenced it sent its new incarnation nothing but HINTs, which it did not count as "
                                 "heard; it suspected that peer, led a view change it could not finish (it held no "
                                 "data) and its ballots kept the true leader's from a majority: wedged for good",
+    "swarm-clock-8502282.yaml": "the same with a crash beside the clean stop: the HINTs answering its JOINs came "
+                                "a second apart, it suspected the peer between them, and its ballots and the peer's "
+                                "took turns at the third member's promise (loss, and a view change never decided; "
+                                "a fenced member's restart now hears the heartbeats a suspected peer hears)",
     # the crash fence (kdsync.core.crash_fence)
     "swarm-clock-8500327.yaml": "commit quorum 1: a cut-off member delivered its own slots (C1 held by it alone) past "
                                 "the count the others fenced it at: two orders (caps now need a quorum of 2)",

@@ -123,10 +123,12 @@ class Fencing:
     def _send_ack(self, p: str) -> None:
         if self.leaving and self._fencing:
             return  # it would say wedged, and a wedged peer ends the view: a leaver only fences and leaves
-        if p in self.fenced:
+        if p in self.fenced and p not in self.vc.rejoined:
             self.last_sent[p] = self.now
             self.acked_sent[p] = tuple(self.stream.received)  # nothing goes to it (it is gone)
             return
+        # its restart (a JOIN) hears from us as any suspected peer does: else it would suspect us and lead
+        # view changes it cannot finish, whose ballots keep ours from a majority (swarm clock seed 8502282)
         super()._send_ack(p)
 
     # ------------------------------------------------------------ its peers
