@@ -299,3 +299,26 @@ def test_two_members_at_one_address_is_a_config_error(change, message):
     assert str(e.value).startswith(f"config error: {message}"), str(e.value)
     assert "\n" not in str(e.value)
 
+
+
+def test_each_refusal_reason_is_logged_once_until_the_peer_is_admitted(caplog):
+    """A contract refusal is one ERROR per peer until it is admitted, also
+    when another reason (a reset connection, a timeout) came between two of
+    them — a busy box resets links between a dial and the peer's own dial
+    (CI logged one contract error twice that way)."""
+    peers = {"a": ("127.0.0.1", 1), "c": ("127.0.0.1", 2)}
+    t = TcpTransport("a", peers["a"], peers, lambda p, m: None, secret=b"k", local=Local({"members": "a,c"}),
+                     logger=logging.getLogger("kdsync.transport.a"))
+    contract = ContractError("group contract differs from c's: protocol.name = derecho here, clock at the peer",
+                             "contract:protocol.name")
+    with caplog.at_level(logging.INFO, logger="kdsync.transport"):
+        t.note_refusal("c", "refused connection from 127.0.0.1:5", contract)
+        t.note_refusal("c", "handshake with c failed", HandshakeError("peer closed the connection"))
+        t.note_refusal("c", "handshake with c failed", contract)
+        t.note_refusal("c", "handshake with c failed", HandshakeError("peer closed the connection"))
+        assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
+        assert t.stats["c"].refusals == {"contract:protocol.name": 2, "handshake": 2}
+        assert t.refusals["c"][0] == "peer closed the connection"  # status shows the last one
+        t.note_admitted("c")
+        t.note_refusal("c", "handshake with c failed", contract)  # admitted, then refused again: said again
+        assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING, logging.ERROR]

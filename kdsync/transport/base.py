@@ -161,6 +161,7 @@ class Transport(abc.ABC):
         self.local = local
         self.status: Callable[[], dict] | None = None  # answers a `kdsync status` probe (the member's view)
         self.refusals: dict[str, tuple[str, str, float]] = {}  # peer -> (why, reason, time.monotonic()) of its last
+        self._refusals_logged: dict[str, set[str]] = {}  # peer -> the reasons logged since it was last admitted
         self.twins: dict[str, tuple[str, float]] = {}  # peer -> (the line: two processes claim it, last seen)
         self._incarnations: dict[str, list[tuple[str, str, str]]] = {}  # peer -> (incarnation, where, listen)
         self._twin_logged: dict[str, float] = {}
@@ -178,10 +179,13 @@ class Transport(abc.ABC):
             st = self.stats[peer]
             st.refused += 1
             st.refusals[reason] = st.refusals.get(reason, 0) + 1
-            last = self.refusals.get(peer)
             self.refusals[peer] = (why, reason, time.monotonic())
-            if last is not None and last[0] == why:
+            logged = self._refusals_logged.setdefault(peer, set())
+            if len(logged) > 64:  # reasons that name something new each time: log them afresh now and then
+                logged.clear()
+            if why in logged:  # every distinct reason once: a reset between two dials is not a new contract error
                 return
+            logged.add(why)
         if reason == "wire_version" or reason.startswith("contract"):
             level = logging.ERROR
         self.log.log(level, "%s: %s", where, why)
@@ -189,6 +193,7 @@ class Transport(abc.ABC):
     def note_admitted(self, peer: str) -> None:
         """`peer` passed a handshake: a later refusal is logged again."""
         self.refusals.pop(peer, None)
+        self._refusals_logged.pop(peer, None)
 
     def note_incarnation(self, peer: str, incarnation: str, listen: str, addr: str, live: bool = False) -> bool:
         """An authenticated link from `peer`'s process `incarnation`, which
