@@ -57,6 +57,7 @@ class ReadyHandshake:
         self.m = m
         self.state_log = state_log
         self.fenced: dict[str, tuple[str, ...]] = {}  # topic -> the members its node fenced (last logged)
+        self.rejoins: dict[str, int] = {}  # topic -> times its node was told the others fenced it (last logged)
         self._held: list = []  # (pipeline, Ready) whose hard state waits for this iteration's fsync
 
     def process(self, p: TopicPipeline) -> None:
@@ -111,6 +112,11 @@ class ReadyHandshake:
             self.fenced[p.topic] = fenced
             if fenced:  # a clean stop without a view change (clock: kdsync.core.fence)
                 log.info("member fenced", **kv(topic=p.topic, view=node.view.view_id, fenced=",".join(fenced)))
+        rejoins = node.stats.get("fenced_rejoins", 0)
+        if rejoins != self.rejoins.get(p.topic, 0):  # clock: cut off, fenced by the others (kdsync.core.crash_fence)
+            self.rejoins[p.topic] = rejoins
+            log.warning("fenced by the others while cut off: asking to be taken back",
+                        **kv(topic=p.topic, view=node.view.view_id))
         self.note_status(p, rd.status)
         for r in rd.reads:
             asyncio.ensure_future(serve_read(m, p, r.start, r.stop))

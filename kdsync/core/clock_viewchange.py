@@ -48,7 +48,12 @@ class ClockViewChange(ViewChange):
     def of_this_view(self, msg) -> bool:
         """As derecho's, but a member we capped (kdsync.core.crash_fence) does
         not lead us: its COLLECT and ACCEPT are not answered."""
-        return super().of_this_view(msg) and not self.n.refuses_leader(msg.sender)
+        if not super().of_this_view(msg):
+            return False
+        if self.n.refuses_leader(msg.sender):
+            self.n.refused_leader(msg.sender)
+            return False
+        return True
 
     def keep_late(self, k: int, first: int, slots) -> None:
         """Slots of this view that arrived after this member wedged: not

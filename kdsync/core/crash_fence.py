@@ -47,9 +47,24 @@ acknowledgements count no more (`ClockStream.fence`, as for a leaver:
 kdsync.core.fence's `fenced`).  Every member that fences k uses the same
 caps (each member sends one count per attempt, the same each time), so the
 same c.  Nothing changes the view: the others never stop delivering.  k
-stays fenced in the view until it returns (its new incarnation's JOIN) or
-speaks again (a clock report newer than its last one before the cap: then
-it is suspected and the view changes, with k in it if it reports).
+stays fenced in the view until it returns (its new incarnation's JOIN).
+
+*The cut-off member's return.*  k may have been cut off, not crashed.  A
+member that fenced k and hears it again (a clock report newer than its last
+one before the cap, a leader's message, an acknowledgement that suspects or
+wedges) answers FENCE naming k at c — what a leaver is answered — and takes
+neither its suspicions nor its wedging.  k, told so while in that view and
+not leaving, knows that none of its slots at or past c was delivered
+anywhere nor will be in this view ((1)-(3) below): it hands its undelivered
+events back for resubmission (the origin watermarks drop those below c,
+which the others deliver), takes incarnation + 1 — in the hard state of the
+same Ready, persisted before its JOIN leaves, as a restart takes it — and
+asks to be taken back (REJOINING).  The others then wedge on its JOIN and
+the view change proposes from their reports alone, as after a restart: the
+old incarnation's report and its ballots, run ahead while it was alone, are
+not waited for.  A k that keeps speaking as the fenced incarnation for
+suspect_ticks (an older release ignores a FENCE naming it) is suspected and
+the view changes with k in it, as before.
 
 Safety.  The commit quorum q is at least 2 (with one holder, k alone may
 have held and delivered its slots: no cap is made).  (1) *Every slot of k
@@ -87,8 +102,8 @@ other member is suspected or fenced.
 from __future__ import annotations
 
 from kdsync.core.fence import may_fence
-from kdsync.core.messages import Cap, ClockAck, ClockAppend, NoCap, SlotReq
-from kdsync.core.types import RemoteProtocolError
+from kdsync.core.messages import Cap, ClockAck, ClockAppend, Fence, NoCap, SlotReq
+from kdsync.core.types import RemoteProtocolError, View
 
 __all__ = ["CrashFencing"]
 
@@ -123,6 +138,8 @@ class CrashFencing:
         self._fence_holder: str | None = None  # a member holding its slots up to the fence
         self._heard_here: set[str] = set()  # members heard in this view (one not heard yet may not have installed it)
         self._wait_since: int | None = None  # since when our order waits for a promise (None: it does not)
+        self._told_since: int | None = None  # the member we fenced spoke again: since when we tell it so
+        self._told_sent = -10**9  # our last FENCE naming it, to it
         super()._reset_view_state()
 
     # ------------------------------------------------------------ measuring
@@ -143,8 +160,8 @@ class CrashFencing:
             self._heard_us[s] = t
             self._heard_here.add(s)
             if self._crash_fenced and self.view.senders[self._cap_k] == s and type(msg) in (ClockAck, ClockAppend) \
-                    and msg.clock > self._cap_clock and s not in self.suspected and not self.wedged:
-                self._suspect({s})  # fenced, yet alive: the view changes, as before fences
+                    and msg.clock > self._cap_clock:
+                self._fenced_spoke(s)  # fenced, yet alive (cut off, not crashed)
         return ok
 
     def _note_gap(self, s: str, t: int, gap: int) -> None:
@@ -384,6 +401,66 @@ class CrashFencing:
             self._send(self._fence_holder, SlotReq(self.me, self.incarnation, v.view_id, k, st.received[k],
                                                    min(c, st.received[k] + 64)).encode())
         self._try_deliver()
+
+    # ------------------------------------------------------------ its return
+    def _fenced_spoke(self, s: str) -> None:
+        """The member we fenced spoke again (a newer clock report, or a
+        leader's message of the view): it is alive, cut off rather than
+        crashed.  Tell it it was fenced (FENCE naming it, at the fence): it
+        then asks to be taken back as a new incarnation (`_on_fence`), and
+        the view change that takes it needs nothing from its old one.  One
+        that keeps speaking as the old incarnation for suspect_ticks (an
+        older release ignores a FENCE naming it) is suspected, as before."""
+        if self.wedged or s in self.suspected:
+            return
+        if self._told_since is None:
+            self._told_since = self.now
+        elif self.now - self._told_since > self.cfg.suspect_ticks:
+            self._suspect({s})
+            return
+        if self.now - self._told_sent >= self.cfg.retransmit_ticks:
+            self._told_sent = self.now
+            self.stats["fences_told"] = self.stats.get("fences_told", 0) + 1
+            self._send(s, Fence(self.me, self.incarnation, self.view.view_id, self._cap_k, self.fenced[s],
+                                tuple(self.stream.received)).encode())
+
+    def _take_ack(self, msg) -> None:
+        """The member we fenced takes no part in the view: its suspicions and
+        its wedging are not ours (it is cut off; a view change is for when it
+        asks to be taken back); the rounds it names still raise ours."""
+        if self._crash_fenced and msg.sender == self.view.senders[self._cap_k]:
+            self.vc.heard_round(msg.round, msg.wedged)
+            if msg.wedged or msg.suspected:
+                self._fenced_spoke(msg.sender)
+            return
+        super()._take_ack(msg)
+
+    def refused_leader(self, s: str) -> None:
+        """A COLLECT or ACCEPT of `s` was not answered (`refuses_leader`): if we
+        fenced it, it is alive and is told so."""
+        if self._crash_fenced and self.view.senders[self._cap_k] == s:
+            self._fenced_spoke(s)
+
+    def _on_fence(self, msg: Fence) -> None:
+        """A FENCE naming us, from another member, while we are not leaving:
+        the others crash-fenced us (we were cut off).  No slot of ours at or
+        past its count was delivered anywhere, nor will be in this view
+        (module docstring, safety (1)-(3)): we hand our undelivered events
+        back for resubmission and ask to be taken back as a new incarnation,
+        persisted before any message names it, as a process restart would."""
+        v = self.view
+        if (msg.view == v.view_id and 0 <= msg.k < len(v.senders) and v.senders[msg.k] == self.me
+                and msg.sender != self.me and msg.cut >= 0 and not self.leaving
+                and self.state in (self.State.ACTIVE, self.State.WEDGED, self.State.CATCHING_UP,
+                                   self.State.CATCHING_UP_WEDGED)
+                and self._from_view_member(msg)):
+            self.stats["fenced_rejoins"] = self.stats.get("fenced_rejoins", 0) + 1
+            self.incarnation += 1
+            self._hard_dirty = True
+            self._resubmit_own()
+            self._become_rejoining(View(v.view_id, v.members, (0,) * len(v.members), v.senders, self.next_seq))
+            return
+        super()._on_fence(msg)
 
     # ------------------------------------------------------------ around it
     def _note_hole(self, k: int, top: int) -> None:

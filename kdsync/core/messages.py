@@ -419,8 +419,10 @@ class Fence(Message):
     final (it counts nothing more).  From that sender: the announcement (its
     peers stop waiting for its clock once they hold those slots, instead of
     changing the view); from another member: its answer, it fenced the
-    sender and holds them (`recv` is then the answerer's).  An older release
-    drops it and takes the Leave that follows, as before."""
+    sender and holds them (`recv` is then the answerer's) — also to a member
+    fenced by the others while it was cut off, which then rejoins as a new
+    incarnation (kdsync.core.crash_fence).  An older release drops it and
+    takes the Leave that follows, as before."""
 
     __slots__ = ("view", "k", "cut", "recv")
     TYPE = 23

@@ -109,23 +109,59 @@ def test_a_member_that_caps_a_live_one_lifts_its_cap_when_another_has_heard_it()
     assert not check_invariants(net, submitted=sub)
 
 
-def test_an_isolated_member_is_fenced_then_heard_again_and_taken_back_by_a_view_change():
+@pytest.mark.parametrize("alone", [40, 400])
+def test_an_isolated_member_is_told_it_was_fenced_and_rejoins_as_a_new_incarnation(alone):
     """e is cut off, not dead: the others fence it and go on; e, alone,
-    delivers nothing past the fence.  Once the partition heals e's newer
-    reports make the others suspect it, the view changes, and e comes back;
-    one order everywhere, every event once."""
+    delivers nothing past the fence (for 400 ticks it also suspects them all
+    and leads rounds nobody answers).  Once the partition heals the others
+    answer its newer messages with FENCE: e hands its undelivered events
+    back, takes incarnation + 1 (persisted before its JOIN leaves) and asks
+    to be taken back, so one view change takes it in, led by another member
+    from the others' reports.  One order everywhere, every event once."""
     net, sub = streaming(seed=7)
+    e_inc, view = net.node("e").incarnation, net.node("a").view.view_id
     net.isolate("e")
     sub |= keys(net.submit("e", 3))  # cut by e, never capped in by anyone: ordered after its return
     keep_submitting(net, sub, LIVE, 20, within=20)
     assert all("e" in net.node(i).fenced for i in LIVE)
     e_had = len(net.topic("e"))
-    net.tick(40)
+    net.tick(alone)
     assert len(net.topic("e")) == e_had  # a minority of one delivers nothing new
     net.recover()
     taken_back(net)
     assert not check_invariants(net, submitted=sub)
     assert all(len(net.topic(i)) == len(sub) for i in IDS)
+    e = net.node("e")
+    assert e.stats.get("fenced_rejoins") == 1 and e.incarnation == e_inc + 1
+    assert net.members["e"].hard.incarnation == e_inc + 1  # persisted: a restart takes the next one
+    assert sum(net.node(i).stats.get("fences_told", 0) for i in LIVE) >= 1
+    assert all(net.node(i).view.view_id == view + 1 for i in IDS)  # one view change
+    assert all(net.node(i).view.incarnations[IDS.index("e")] == e_inc + 1 for i in IDS)
+
+
+def test_an_isolated_member_of_an_older_release_is_suspected_after_suspect_ticks_as_before():
+    """e ignores a FENCE naming it (a release before the cut-off member's
+    rejoin): it keeps speaking as its fenced incarnation, so the others
+    suspect it after suspect_ticks and the view changes with e in it, as
+    before; nothing is lost or doubled meanwhile."""
+    from kdsync.core.fence import Fencing
+    from kdsync.core.messages import Fence
+
+    net, sub = streaming(seed=7)
+    e = net.node("e")
+    e._handlers[Fence] = lambda msg: Fencing._on_fence(e, msg)
+    e_inc = e.incarnation
+    net.isolate("e")
+    keep_submitting(net, sub, LIVE, 20, within=20)
+    assert all("e" in net.node(i).fenced for i in LIVE)
+    net.recover()
+    keep_submitting(net, sub, LIVE, 20, within=20)  # the others still deliver while they tell e
+    assert all("e" in net.node(i).fenced for i in LIVE)
+    taken_back(net)
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+    assert net.node("e").incarnation == e_inc and not net.node("e").stats.get("fenced_rejoins")
+    assert sum(net.node(i).stats.get("fences_told", 0) for i in LIVE) >= 2
 
 
 def test_two_crashes_fence_nobody_and_the_view_changes_as_before():
