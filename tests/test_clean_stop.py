@@ -121,3 +121,38 @@ def test_kill9_with_the_crash_fence_is_fenced_by_the_others_without_a_view_chang
         assert all(len(v) == 170 for v in got.values()), member_logs(g)
         assert "members=dc1,dc2 " not in g.log_text(0)  # no view change: nobody stopped delivering
         _order_on_and_take_dc3_back(g, expected=320)
+
+
+def test_a_paused_member_is_fenced_then_told_so_and_rejoins_as_a_new_incarnation(tmp_path):
+    """Real processes, with `protocol.crash_fence`: dc3 is paused
+    (SIGSTOP: cut off, not crashed) while records keep coming in every
+    cluster; dc1 and dc2 fence it with no view change and order on.
+    Resumed (SIGCONT), dc3 speaks as the fenced member, is told so, hands
+    back what it had not written — the records its cluster took meanwhile
+    among them — and is taken back as a new incarnation by one view change.
+    Every cluster then holds the same events exactly once."""
+    g = LocalGroup(3, tmp_path, protocol="clock", suspect_ms=SUSPECT_MS, heartbeat_ms=100, metrics=True,
+                   extra={"protocol": {"crash_fence": True}})
+    with g:
+        _ordering(g)
+        views = g.log_text(0).count("view installed")
+        g.signal_member(2, signal.SIGSTOP)
+        try:
+            for i in range(3):
+                write_events(g.bootstrap(i), g.topic, 10, f"p{i}")
+            wait_until(lambda: "fenced=dc3" in g.log_text(0) and "fenced=dc3" in g.log_text(1), 30,
+                       "dc1 and dc2 fence the paused dc3")
+            got = g.wait_for(170, 60, members=[0, 1])  # dc3's ten wait in its cluster
+            assert all(len(v) == 170 for v in got.values()), member_logs(g)
+        finally:
+            g.signal_member(2, signal.SIGCONT)
+        wait_until(lambda: "fenced by the others while cut off" in g.log_text(2), 30,
+                   "dc3 told it was fenced")
+        for i in range(3):
+            write_events(g.bootstrap(i), g.topic, 50, f"r{i}")
+        got = g.wait_for(330, 90)
+        ok, detail = check_global_topics(got, expected=330)
+        assert ok, detail + "\n" + member_logs(g)
+        installed = [ln for ln in g.log_text(0).splitlines() if "view installed" in ln][views:]
+        assert len(installed) == 1 and "members=dc1,dc2,dc3 " in installed[0], installed  # one view change
+        assert "members=dc1,dc2 " not in g.log_text(0)  # dc3 was never left out: nobody stopped for it

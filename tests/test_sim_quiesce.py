@@ -70,6 +70,7 @@ PAUSED = textwrap.dedent("""
     seed: 1
     protocol: {protocol}
     quiesce: true
+    crash_fence: {fence}
     duration_s: 24
     settle_s: 5
     timing: {{tick_ms: 50, heartbeat_ms: 100, suspect_ms: 500}}
@@ -83,8 +84,10 @@ PAUSED = textwrap.dedent("""
     """)
 
 
-def _paused(protocol: str, *faults: str):
-    r = run_scenario(parse_scenario(PAUSED.format(protocol=protocol, faults="\n".join(f"  - {f}" for f in faults))))
+def _paused(protocol: str, *faults: str, fence: bool = False):
+    """Views installed per member (the crash fence off unless `fence`: the failure detector alone)."""
+    r = run_scenario(parse_scenario(PAUSED.format(protocol=protocol, fence=str(fence).lower(),
+                                                  faults="\n".join(f"  - {f}" for f in faults))))
     assert r.failing == [], r.failing
     s = r.summary
     assert all(n == s["events_submitted"] for n in s["events_delivered"].values()), s["events_delivered"]
@@ -107,3 +110,12 @@ def test_a_peer_whose_pings_came_late_once_is_given_that_time_and_a_crash_is_sti
     crash = _paused(protocol, "{at_s: 4, clock_pause: dc3, for_s: 0.4}", "{at_s: 8, clock_pause: dc3, for_s: 0.8}",
                     "{at_s: 14, crash: dc2}", "{at_s: 18, restart: dc2}")
     assert crash["dc1"] >= 3 and crash["dc3"] >= 3, crash  # dc2 out, and back in
+
+
+def test_with_the_crash_fence_a_paused_peer_is_fenced_then_taken_back_by_one_view_change():
+    """clock with the crash fence: dc3's 0.8 s stall
+    while events wait for its clock is met by a fence (dc1 and dc2 order on,
+    no view change while it is away) and, once it speaks again, by one view
+    change that takes its new incarnation back; one order, exactly once."""
+    views = _paused("clock", "{at_s: 8, clock_pause: dc3, for_s: 0.8}", fence=True)
+    assert views == {"dc1": 2, "dc2": 2, "dc3": 2}, views
