@@ -90,6 +90,32 @@ def test_swarm_regression_scenario(name):
     assert all(st["status"] == "active" for st in r.summary["member_state"].values())
 
 
+# Swarm failures of the opt-in crash fence (kdsync.core.crash_fence, on in the
+# YAML) not fixed yet: each must keep failing until it is (strict xfail), then
+# moves to REGRESSION_SCENARIOS.  They are why the fence is not the default.
+OPEN_SCENARIOS = {
+    "open-swarm-clock-8731627.yaml": "three members: the link between m0 and m1 drops while both hear m2, so each "
+                                     "caps the other; m2 crashes before it answers NOCAP.  Wedged, each refuses the "
+                                     "other as leader (its cap is in force) and neither can end the view without the "
+                                     "other's report: wedged for good, m2's restart included",
+    "open-swarm-clock-8730099.yaml": "three members through crashes, clean stops and restarts: wedged for good "
+                                     "(not analysed yet)",
+    "open-swarm-clock-8730796.yaml": "four members, partitions and a clean stop: wedged for good (not analysed yet)",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(OPEN_SCENARIOS))
+@pytest.mark.xfail(strict=True, reason="an open crash fence bug (OPEN_SCENARIOS)")
+def test_open_crash_fence_scenario(name):
+    s = load_scenario(REGRESSIONS / name)
+    assert s.crash_fence
+    r = run_scenario(s, s.seed, stop_when_settled=True)
+    problems = judge(r)
+    assert not problems, f"{OPEN_SCENARIOS[name]}: " + "; ".join(problems)
+    assert all(st["status"] == "active" for st in r.summary["member_state"].values())
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("chunk", range(0, SEEDS, CHUNK))
 def test_swarm_has_no_violations(chunk):
