@@ -98,8 +98,9 @@ OPEN_SCENARIOS = {
                                      "caps the other; m2 crashes before it answers NOCAP.  Wedged, each refuses the "
                                      "other as leader (its cap is in force) and neither can end the view without the "
                                      "other's report: wedged for good, m2's restart included",
-    "open-swarm-clock-8730099.yaml": "three members through crashes, clean stops and restarts: wedged for good "
-                                     "(not analysed yet)",
+    "open-swarm-clock-8730099.yaml": "three members: m1 caps m0 (their link lost) while m2 crashes and restarts; "
+                                     "the new m2's NOCAP cannot speak for the old one, so m1 refuses m0 as leader "
+                                     "for good and their ballots duel: wedged for good",
     "open-swarm-clock-8730796.yaml": "four members, partitions and a clean stop: wedged for good (not analysed yet)",
 }
 
