@@ -87,9 +87,9 @@ class ClockViewChange(ViewChange):
         if len(sure) < need and not (len(sure) == need - 1 and len(n.fenced) == 1 and sure
                                      and trim_covers(n.fence_recv, [reps[m].recv for m in sure])):
             return []
-        k = n.capped_sender()
-        if k >= 0 and sum(1 for m in sure if m != v.senders[k]) < need:
-            return []  # a member we capped: its slots are counted from n - q + 1 others (kdsync.core.crash_fence)
+        for k in n.distrusted_senders():
+            if sum(1 for m in sure if m != v.senders[k]) < need:
+                return []  # a member capped: its slots are counted from n - q + 1 others (kdsync.core.crash_fence)
         return [m for m in sure if reps[m].has_data]
 
     def trim(self, live: list[str], holders: list[str], reps: dict[str, Report]):
@@ -99,9 +99,9 @@ class ClockViewChange(ViewChange):
         sure = self.sure(live, reps)
         senders = range(len(self.n.view.senders))
         trim = [max(reps[m].recv[k] for m in sure) for k in senders]
-        capped = self.n.capped_sender()
-        if capped >= 0:  # (kdsync.core.crash_fence) its own count of its slots may be past a fence it does not
-            # know of; and the others forgot what only it lacked once they fenced it: it catches up instead
+        for capped in self.n.distrusted_senders():  # (kdsync.core.crash_fence) its own count of its slots may be
+            # past a fence it does not know of; and the others forgot what only it lacked once they fenced it: it
+            # catches up instead
             s = self.n.view.senders[capped]
             trim[capped] = max(reps[m].recv[capped] for m in sure if m != s)
             holders = [m for m in holders if m != s] or holders

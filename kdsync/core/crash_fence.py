@@ -89,6 +89,23 @@ it, and the trim is today's.  Slots only k lacks may have been forgotten by
 the others: the trim's extras start at the smallest count over the holders
 other than k, and k catches up instead.
 
+*Who leads.*  The refusal would wedge a group for good where k's report is
+needed and no fence can be settled: the third of three members crashed
+after two capped each other (swarm clock seed 8731627), or after one capped
+the other (8730099) — its restart cannot say whether its old incarnation
+fenced anyone.  So a wedged capper sends its CAP to k too (and to k when
+it refuses k's COLLECT); k, told a member capped it, trusts its own count of
+its slots no more in that view — leading, it takes their trim from the
+other reporters exactly as the capper does (`distrusted_senders`: the base
+path, every durable prefix known, when too few of them remember the view)
+— and answers with a CAP naming itself; the capper then answers k's
+COLLECT and ACCEPT.  Safe: k's proposals from before it knew came from
+reporters that did not refuse it, so none of them had capped it (a member
+that reported is wedged and caps nothing more), and no fence of k, which
+needs every other member's cap, was reached; any later one is computed as
+the capper would.  An older release ignores the CAP naming it (and its
+capper the answer): the refusal stands, as before.
+
 Liveness.  A fence needs every other member's cap: with two members silent,
 or one without the fence (an older release drops CAP and NOCAP and never
 caps), none is reached and the view changes as it did before.  Caps end
@@ -140,6 +157,8 @@ class CrashFencing:
         self._wait_since: int | None = None  # since when our order waits for a promise (None: it does not)
         self._told_since: int | None = None  # the member we fenced spoke again: since when we tell it so
         self._told_sent = -10**9  # our last FENCE naming it, to it
+        self._knows_capped = False  # a CAP naming us came: we do not trust our own count of our slots either
+        self._acked: set[int] = set()  # sender indices that said they know we capped them: they may lead us
         super()._reset_view_state()
 
     # ------------------------------------------------------------ measuring
@@ -358,7 +377,10 @@ class CrashFencing:
         if not self.cfg.crash_fence:
             return -1, -1
         if s == msg.sender and type(msg) is Cap:
-            return -1, -1  # (it does not cap itself; its NOCAP, though, says what it knows: below)
+            # it does not cap itself: a CAP naming its sender says it knows a cap of it (`_capped_here`),
+            # so it may lead us (its NOCAP, though, says what it knows: below)
+            self._acked.add(msg.k)
+            return -1, -1
         if self._crash_fenced and msg.k != self._cap_k:
             # every member but the one we fenced holds its cap on it for good, and caps one sender at a
             # time: no fence of another sender can be reached in this view.  Said also to a member that
@@ -367,6 +389,8 @@ class CrashFencing:
                 self._send(msg.sender, NoCap(self.me, self.incarnation, v.view_id, msg.k, msg.attempt).encode())
             return -1, -1
         if s == self.me:
+            if type(msg) is Cap:
+                self._capped_here(msg)
             return -1, -1
         if self.wedged:
             # we cap nothing more in this view: an attempt we did not cap is dead, and its cappers may lift
@@ -437,9 +461,11 @@ class CrashFencing:
 
     def refused_leader(self, s: str) -> None:
         """A COLLECT or ACCEPT of `s` was not answered (`refuses_leader`): if we
-        fenced it, it is alive and is told so."""
+        fenced it, it is alive and is told so; else it is told of our cap."""
         if self._crash_fenced and self.view.senders[self._cap_k] == s:
             self._fenced_spoke(s)
+        elif self.now - self._cap_sent >= self.cfg.retransmit_ticks:
+            self._send_cap(missing_only=False, to=s)
 
     def _on_fence(self, msg: Fence) -> None:
         """A FENCE naming us, from another member, while we are not leaving:
@@ -504,11 +530,30 @@ class CrashFencing:
 
     _wedge = _become_wedged
 
-    def capped_sender(self) -> int:
-        """The sender index our cap is in force on (-1: none): it does not lead
-        our view change, and the trim counts its slots from the others' reports."""
-        return self._cap_k
+    def _capped_here(self, msg: Cap) -> None:
+        """A (wedged) member capped us: a fence of us may have been reached
+        somewhere, at a count we do not know.  From now on in this view we
+        do not trust our own count of our slots either — leading, we take
+        our trim from the others' counts as the capper would
+        (`distrusted_senders`) — and we say so with a CAP naming ourselves,
+        so that the capper may answer our COLLECT (module docstring, "Who
+        leads")."""
+        self._knows_capped = True
+        k = self.stream.my_k
+        self._send(msg.sender, Cap(self.me, self.incarnation, self.view.view_id, k, msg.attempt,
+                                   self.stream.received[k], True).encode())
+
+    def distrusted_senders(self) -> list[int]:
+        """The sender indices whose own count of their slots the trim does
+        not take: the one our cap is in force on, and we ourselves once we
+        know a member capped us.  The trim counts their slots from the other
+        reporters (the base path when too few)."""
+        out = [self._cap_k] if self._cap_k >= 0 else []
+        if self._knows_capped and self.stream.my_k >= 0 and self.stream.my_k not in out:
+            out.append(self.stream.my_k)
+        return out
 
     def refuses_leader(self, s: str) -> bool:
-        """A COLLECT or ACCEPT from `s` is not answered: our cap of it is in force (module docstring)."""
-        return self._cap_k >= 0 and self.view.senders[self._cap_k] == s
+        """A COLLECT or ACCEPT from `s` is not answered: our cap of it is in
+        force and it has not said it knows (module docstring)."""
+        return self._cap_k >= 0 and self.view.senders[self._cap_k] == s and self._cap_k not in self._acked

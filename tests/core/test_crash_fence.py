@@ -214,3 +214,42 @@ def test_a_member_without_the_fence_keeps_the_view_change():
     assert not any(net.node(i).fenced for i in LIVE) and net.sent_by_type.get(Cap.TYPE, 0) > 0
     keep_submitting(net, sub, LIVE, 10, within=20)
     assert not check_invariants(net, submitted=sub, live=LIVE)
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_a_capped_member_told_of_the_cap_may_lead_once_the_third_member_is_gone(mutual):
+    """Three members: a and b lose each other while both hear c, so b caps a
+    (and, `mutual`, a caps b); c crashes before it can call the alarm off.
+    Wedged, b refused a as leader for good, and the view could not change
+    without a's report (swarm clock seeds 8730099, 8731627).  Now a, told b
+    capped it, trusts its own count no more, says so, and may lead: the view
+    change takes the base path once c's restart says what it delivered.
+    One order, every event once."""
+    ids = ["a", "b", "c"]
+    net = Net(ids, seed=11, protocol="clock", crash_fence=True, **SLOW)
+    net.run_until(lambda: all(net.node(i).status == "active" for i in ids), 100)
+    sub = set()
+    for _ in range(20):
+        for i in ids:
+            sub |= keys(net.submit(i, 1))
+        net.tick(1)
+    net.cut("a", "b")  # b hears nothing from a
+    if mutual:
+        net.cut("b", "a")
+    cappers = ("a", "b") if mutual else ("b",)
+    for _ in range(200):  # events keep coming: their order waits for the silent peer's clock
+        sub |= keys(net.submit("a", 1)) | keys(net.submit("b", 1))
+        net.tick(1)
+        if all(net.node(i)._cap_k >= 0 for i in cappers):
+            break
+    assert all(net.node(i)._cap_k >= 0 for i in cappers), {i: net.node(i)._cap_k for i in ids}
+    net.crash("c")
+    net.recover()
+    net.tick(400)  # c is suspected (300 ticks): a and b wedge, each capped by the other (or a by b)
+    assert all(net.node(i).status == "wedged" for i in ("a", "b"))
+    net.restart("c")
+    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 3 for i in ids),
+                  3000)
+    net.tick(20)
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in ids)
