@@ -70,6 +70,16 @@ REGRESSION_SCENARIOS = {
                                 "COLLECT for good (one that fenced a sender now answers NOCAP to any other cap)",
     "swarm-clock-8502408.yaml": "a fenced member's restart was kept out of the view change while the others could not "
                                 "decide without its vote: wedged (it votes after suspect_ticks)",
+    "swarm-clock-8731627.yaml": "three members: the link between m0 and m1 dropped while both heard m2, so each capped "
+                                "the other; m2 crashed before its NOCAPs went out.  Wedged, each refused the other as "
+                                "leader and neither could end the view without the other's report: wedged for good, "
+                                "m2's restart included (a member told of a cap of it now distrusts its own count, "
+                                "says so and may lead)",
+    "swarm-clock-8730099.yaml": "the same with one cap: m1 capped m0 while m2 crashed and restarted; the new m2's NOCAP "
+                                "cannot speak for the old one, m1 refused m0 as leader for good and their ballots "
+                                "duelled",
+    "swarm-clock-8730796.yaml": "the same as 8731627 in a view of three of four members: m0 and m2 capped each other "
+                                "while m3 stopped cleanly and restarted",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",
@@ -87,33 +97,6 @@ def test_swarm_regression_scenario(name):
     r = run_scenario(s, s.seed, stop_when_settled=True)
     problems = judge(r)
     assert not problems, f"{REGRESSION_SCENARIOS[name]}: " + "; ".join(problems)
-    assert all(st["status"] == "active" for st in r.summary["member_state"].values())
-
-
-# Swarm failures of the opt-in crash fence (kdsync.core.crash_fence, on in the
-# YAML) not fixed yet: each must keep failing until it is (strict xfail), then
-# moves to REGRESSION_SCENARIOS.  They are why the fence is not the default.
-OPEN_SCENARIOS = {
-    "open-swarm-clock-8731627.yaml": "three members: the link between m0 and m1 drops while both hear m2, so each "
-                                     "caps the other; m2 crashes before it answers NOCAP.  Wedged, each refuses the "
-                                     "other as leader (its cap is in force) and neither can end the view without the "
-                                     "other's report: wedged for good, m2's restart included",
-    "open-swarm-clock-8730099.yaml": "three members: m1 caps m0 (their link lost) while m2 crashes and restarts; "
-                                     "the new m2's NOCAP cannot speak for the old one, so m1 refuses m0 as leader "
-                                     "for good and their ballots duel: wedged for good",
-    "open-swarm-clock-8730796.yaml": "four members, partitions and a clean stop: wedged for good (not analysed yet)",
-}
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", sorted(OPEN_SCENARIOS))
-@pytest.mark.xfail(strict=True, reason="an open crash fence bug (OPEN_SCENARIOS)")
-def test_open_crash_fence_scenario(name):
-    s = load_scenario(REGRESSIONS / name)
-    assert s.crash_fence
-    r = run_scenario(s, s.seed, stop_when_settled=True)
-    problems = judge(r)
-    assert not problems, f"{OPEN_SCENARIOS[name]}: " + "; ".join(problems)
     assert all(st["status"] == "active" for st in r.summary["member_state"].values())
 
 
