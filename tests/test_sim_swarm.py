@@ -80,6 +80,12 @@ REGRESSION_SCENARIOS = {
                                 "duelled",
     "swarm-clock-8730796.yaml": "the same as 8731627 in a view of three of four members: m0 and m2 capped each other "
                                 "while m3 stopped cleanly and restarted",
+    "swarm-clock-8770008.yaml": "with the capped member allowed to lead: a member that had fenced it refused it too "
+                                "and, wedged, never told it of its cap (a wedged fencer now sends its CAP to the "
+                                "capped member whose COLLECT it refuses): wedged for good",
+    "swarm-clock-8780717.yaml": "a leader that distrusted its own count named itself the catch-up source of a trim it "
+                                "could not deliver itself: catching up from itself for good (another holder now serves)",
+    "swarm-clock-8781145.yaml": "the same, with loss and a position delivered only where it was cut off",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",
@@ -97,6 +103,28 @@ def test_swarm_regression_scenario(name):
     r = run_scenario(s, s.seed, stop_when_settled=True)
     problems = judge(r)
     assert not problems, f"{REGRESSION_SCENARIOS[name]}: " + "; ".join(problems)
+    assert all(st["status"] == "active" for st in r.summary["member_state"].values())
+
+
+# Swarm failures of the opt-in crash fence (kdsync.core.crash_fence, on in the
+# YAML) not fixed yet: each must keep failing until it is (strict xfail), then
+# moves to REGRESSION_SCENARIOS.  They are why the fence is not the default.
+OPEN_SCENARIOS = {
+    "open-swarm-clock-8771237.yaml": "three members: m0 crashes and is fenced by m1 and m2, m2 then stops cleanly; "
+                                     "m0 and m2 restart: m1, the one member that remembers the view, stays wedged "
+                                     "and the restarts forming (fails on stop 59's code too; not analysed yet)",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(OPEN_SCENARIOS))
+@pytest.mark.xfail(strict=True, reason="an open crash fence bug (OPEN_SCENARIOS)")
+def test_open_crash_fence_scenario(name):
+    s = load_scenario(REGRESSIONS / name)
+    assert s.crash_fence
+    r = run_scenario(s, s.seed, stop_when_settled=True)
+    problems = judge(r)
+    assert not problems, f"{OPEN_SCENARIOS[name]}: " + "; ".join(problems)
     assert all(st["status"] == "active" for st in r.summary["member_state"].values())
 
 

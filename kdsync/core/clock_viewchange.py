@@ -9,7 +9,7 @@ kdsync.core.fence) does not lead."""
 from __future__ import annotations
 
 from kdsync.core.fence import trim_covers
-from kdsync.core.messages import Report, SlotData, SlotReq
+from kdsync.core.messages import Proposal, Report, SlotData, SlotReq
 from kdsync.core.types import RemoteProtocolError
 from kdsync.core.viewchange import ViewChange
 
@@ -34,12 +34,26 @@ class ClockViewChange(ViewChange):
         explains (nobody else suspected, no joiner known here) waits up to a
         retransmit period for its JOIN: it is returning, and the members that
         heard it first wedged on it (kdsync.core.fence); proposing before the
-        JOIN arrives would take a second view change to take it in."""
+        JOIN arrives would take a second view change to take it in.  A
+        leader that does not trust its own count of its slots (told it was
+        capped: kdsync.core.crash_fence) may have to catch up to the trim
+        instead of delivering it: another holder, trusted if one is, is the
+        catch-up source."""
         n = self.n
         if (n.fenced and not self.joiners and n.suspected.issubset(n.fenced)
                 and n.now - n.wedged_at < n.cfg.retransmit_ticks):
             return None
-        return super().new_proposal(live, reps)
+        prop = super().new_proposal(live, reps)
+        distrusted = n.distrusted_senders()
+        if prop is not None and prop.base_seq < 0 and prop.source == n.me and n.stream.my_k in distrusted:
+            # (a holder whose own count is distrusted too, the other of two members that capped each other,
+            # may have to catch up as well)
+            others = [m for m in self.trim_holders(live, reps) if m != n.me and n.cfg.roles.get(m, "member") == "member"]
+            others = [m for m in others if m not in {n.view.senders[k] for k in distrusted}] or others
+            if others:
+                prop = Proposal(prop.old_view, prop.new_view, prop.members, prop.incs, prop.trim,
+                                min(others, key=n.rank_of.__getitem__), prop.base_seq, prop.extra)
+        return prop
 
     def may_lead(self, m: str) -> bool:
         """As derecho's, but not a member we capped (kdsync.core.crash_fence)."""

@@ -94,12 +94,15 @@ needed and no fence can be settled: the third of three members crashed
 after two capped each other (swarm clock seed 8731627), or after one capped
 the other (8730099) — its restart cannot say whether its old incarnation
 fenced anyone.  So a wedged capper sends its CAP to k too (and to k when
-it refuses k's COLLECT); k, told a member capped it, trusts its own count of
+it refuses k's COLLECT — a member that fenced k as well, once wedged: swarm
+clock seed 8770008); k, told a member capped it, trusts its own count of
 its slots no more in that view — leading, it takes their trim from the
 other reporters exactly as the capper does (`distrusted_senders`: the base
 path, every durable prefix known, when too few of them remember the view)
 — and answers with a CAP naming itself; the capper then answers k's
-COLLECT and ACCEPT.  Safe: k's proposals from before it knew came from
+COLLECT and ACCEPT.  Leading, k may then have to catch up to its own trim
+instead of delivering it, so it names another holder the catch-up source,
+one whose count nobody distrusts where there is one (8780717, 8781145).  Safe: k's proposals from before it knew came from
 reporters that did not refuse it, so none of them had capped it (a member
 that reported is wedged and caps nothing more), and no fence of k, which
 needs every other member's cap, was reached; any later one is computed as
@@ -461,8 +464,9 @@ class CrashFencing:
 
     def refused_leader(self, s: str) -> None:
         """A COLLECT or ACCEPT of `s` was not answered (`refuses_leader`): if we
-        fenced it, it is alive and is told so; else it is told of our cap."""
-        if self._crash_fenced and self.view.senders[self._cap_k] == s:
+        fenced it, it is alive and is told so — once we are wedged, of our cap
+        only: it may lead us once it says it knows (`_capped_here`)."""
+        if self._crash_fenced and not self.wedged and self.view.senders[self._cap_k] == s:
             self._fenced_spoke(s)
         elif self.now - self._cap_sent >= self.cfg.retransmit_ticks:
             self._send_cap(missing_only=False, to=s)
