@@ -31,13 +31,13 @@ class Net(InMemoryNetwork):
         return dataclasses.replace(cfg, crash_fence=False) if i in self.without else cfg
 
 
-def streaming(seed=3, without=(), **kw):
-    """Five members formed, each having submitted one event per tick for 60 ticks."""
-    net = Net(list(IDS), seed=seed, protocol="clock", crash_fence=True, without=without, **{**SLOW, **kw})
-    net.run_until(lambda: all(net.node(i).status == "active" for i in IDS), 100)
+def streaming(seed=3, without=(), ids=IDS, ticks=60, **kw):
+    """`ids` (five members) formed, each having submitted one event per tick for `ticks` ticks."""
+    net = Net(list(ids), seed=seed, protocol="clock", crash_fence=True, without=without, **{**SLOW, **kw})
+    net.run_until(lambda: all(net.node(i).status == "active" for i in ids), 100)
     sub = set()
-    for _ in range(60):
-        for i in IDS:
+    for _ in range(ticks):
+        for i in ids:
             sub |= keys(net.submit(i, 1))
         net.tick(1)
     return net, sub
@@ -226,13 +226,7 @@ def test_a_capped_member_told_of_the_cap_may_lead_once_the_third_member_is_gone(
     change takes the base path once c's restart says what it delivered.
     One order, every event once."""
     ids = ["a", "b", "c"]
-    net = Net(ids, seed=11, protocol="clock", crash_fence=True, **SLOW)
-    net.run_until(lambda: all(net.node(i).status == "active" for i in ids), 100)
-    sub = set()
-    for _ in range(20):
-        for i in ids:
-            sub |= keys(net.submit(i, 1))
-        net.tick(1)
+    net, sub = streaming(seed=11, ids=ids, ticks=20)
     net.cut("a", "b")  # b hears nothing from a
     if mutual:
         net.cut("b", "a")
