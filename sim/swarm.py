@@ -374,6 +374,20 @@ def run_local(seeds: Iterable[int], protocol: str = "derecho") -> Iterable[SeedO
         yield run_seed(s, protocol)
 
 
+def run_parallel(seeds: list[int], protocol: str = "derecho", jobs: int = 2) -> list[SeedOutcome]:
+    """Seeds in `jobs` worker processes of this machine (started fresh: a forked
+    copy of a process holding threads, a Spark gateway or a broker client, is
+    unsafe); outcomes in seed order."""
+    from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
+    from multiprocessing import get_context
+
+    if jobs <= 1 or len(seeds) <= 1:
+        return list(run_local(seeds, protocol))
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(partial(run_seed, protocol=protocol), seeds))
+
+
 def run_spark(seeds: list[int], protocol: str = "derecho", master: str = "local[*]") -> list[SeedOutcome]:
     """Seeds as Spark tasks (one per seed) on `master`; outcomes in seed order.
     Raises ImportError without PySpark."""
