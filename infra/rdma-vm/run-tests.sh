@@ -31,11 +31,12 @@ KIND="${KDSYNC_STRESS_KIND:-transport}"
 
 # The qemu limit of each suite: the guest's boot and set-up (~25-40 s under
 # TCG) plus the suite's work, with room for a box busy with other jobs (2-3x
-# what the runs took: ci 222-276 s in all, stress 4.6 s a start; docs/rdma.md,
-# "The VM tests").
+# what the runs took: ci 222-322 s in all, stress 4.6 s a start; docs/rdma.md,
+# "The VM tests").  ci's was 600 s until a CI box overran it in the suite's
+# second test (the emulated guest slows far more than the host on a busy box).
 budget() {
     case "$SUITE" in
-        ci) echo 600 ;;
+        ci) echo 900 ;;
         bench) echo 1200 ;;
         all) echo 1500 ;;
         stress) if [ "$KIND" = member ]; then echo $(( 300 + STARTS * 30 )); else echo $(( 240 + STARTS * 5 )); fi ;;
