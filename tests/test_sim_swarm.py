@@ -87,6 +87,10 @@ REGRESSION_SCENARIOS = {
     "swarm-clock-8780717.yaml": "a leader that distrusted its own count named itself the catch-up source of a trim it "
                                 "could not deliver itself: catching up from itself for good (another holder now serves)",
     "swarm-clock-8781145.yaml": "the same, with loss and a position delivered only where it was cut off",
+    "swarm-clock-8771237.yaml": "three members: m0 crashed and was fenced by m1 and m2, m2 then stopped cleanly, both "
+                                "restarted: m1, the one member that remembered the view, refused the restarted m0 "
+                                "as leader (its cap was of the old incarnation) and m0's ballots kept m1's from m2 "
+                                "for good (a new incarnation of a capped member may now lead)",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",
@@ -109,12 +113,8 @@ def test_swarm_regression_scenario(name):
 
 # Swarm failures of the opt-in crash fence (kdsync.core.crash_fence, on in the
 # YAML) not fixed yet: each must keep failing until it is (strict xfail), then
-# moves to REGRESSION_SCENARIOS.  They are why the fence is not the default.
-OPEN_SCENARIOS = {
-    "open-swarm-clock-8771237.yaml": "three members: m0 crashes and is fenced by m1 and m2, m2 then stops cleanly; "
-                                     "m0 and m2 restart: m1, the one member that remembers the view, stays wedged "
-                                     "and the restarts forming (fails on stop 59's code too; not analysed yet)",
-}
+# moves to REGRESSION_SCENARIOS.  None is open now.
+OPEN_SCENARIOS: dict[str, str] = {}
 
 
 @pytest.mark.timeout(120)

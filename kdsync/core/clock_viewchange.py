@@ -64,7 +64,7 @@ class ClockViewChange(ViewChange):
         not lead us: its COLLECT and ACCEPT are not answered."""
         if not super().of_this_view(msg):
             return False
-        if self.n.refuses_leader(msg.sender):
+        if self.n.refuses_leader(msg.sender, msg.inc):
             self.n.refused_leader(msg.sender)
             return False
         return True

@@ -107,7 +107,12 @@ reporters that did not refuse it, so none of them had capped it (a member
 that reported is wedged and caps nothing more), and no fence of k, which
 needs every other member's cap, was reached; any later one is computed as
 the capper would.  An older release ignores the CAP naming it (and its
-capper the answer): the refusal stands, as before.
+capper the answer): the refusal stands, as before.  The refusal is of the
+incarnation capped: a new one (k's restart, or k back in place after a
+FENCE) remembers nothing of the view, so no trim takes its count, and it
+may lead as any restart may (swarm clock seed 8771237: refused, its ballots
+kept those of the one member that remembered the view from the other
+restart's promise, for good).
 
 Liveness.  A fence needs every other member's cap: with two members silent,
 or one without the fence (an older release drops CAP and NOCAP and never
@@ -557,7 +562,15 @@ class CrashFencing:
             out.append(self.stream.my_k)
         return out
 
-    def refuses_leader(self, s: str) -> bool:
-        """A COLLECT or ACCEPT from `s` is not answered: our cap of it is in
-        force and it has not said it knows (module docstring)."""
-        return self._cap_k >= 0 and self.view.senders[self._cap_k] == s and self._cap_k not in self._acked
+    def refuses_leader(self, s: str, inc: int | None = None) -> bool:
+        """A COLLECT or ACCEPT from `s` (of incarnation `inc`, where known) is
+        not answered: our cap of it is in force, it has not said it knows, and
+        it is the incarnation we capped.  A new incarnation of it (a restart,
+        or the fenced member back in place) remembers nothing of the view: no
+        trim takes its count, so it may lead us as any restart may (swarm clock
+        seed 8771237: refused, its ballots kept ours from the other restart for
+        good, and the view never changed)."""
+        if self._cap_k < 0 or self.view.senders[self._cap_k] != s or self._cap_k in self._acked:
+            return False
+        known = self.view.incarnations[self.view.members.index(s)]
+        return inc is None or known == 0 or known == inc

@@ -247,3 +247,44 @@ def test_a_capped_member_told_of_the_cap_may_lead_once_the_third_member_is_gone(
     net.tick(20)
     assert not check_invariants(net, submitted=sub)
     assert all(len(net.topic(i)) == len(sub) for i in ids)
+
+
+def test_a_restart_of_the_fenced_member_may_lead_the_member_that_fenced_it():
+    """Three members: a crashes and is fenced by b and c; c then stops
+    cleanly, and a and c start again.  b, the one member that remembers the
+    view, held its cap of a's old incarnation and refused the new one as
+    leader, while a's ballots kept b's from c: wedged for good (swarm clock
+    seed 8771237).  A new incarnation remembers nothing of the view (no trim
+    takes its count), so b answers it as any restart, and the three form
+    one view: one order, every event once."""
+    ids = ["a", "b", "c"]
+    net, sub = streaming(seed=5, ids=ids, ticks=20)
+    old = net.node("a").incarnation
+    net.crash("a")
+    for step in range(200):  # events keep coming: their order waits for a's clock, and b and c cap a
+        if all("a" in net.node(i).fenced for i in ("b", "c")):
+            break
+        sub |= keys(net.submit("bc"[step % 2], 1))
+        net.tick(1)
+    assert all("a" in net.node(i).fenced for i in ("b", "c"))
+    net.stop("c")
+    net.restart("a")
+    net.restart("c")
+    b = net.node("b")
+    assert b.wedged and "a" in b.fenced
+
+    def reports_to(inc):
+        """b's answer to a COLLECT of a's incarnation `inc` with a ballot above every one b promised."""
+        net._process_ready()
+        before = net.sent_by_type.get(Report.TYPE, 0)
+        b.receive("a", Collect("a", inc, b.view.view_id, (b.vc.promised[0] + 1, 0)).encode())
+        net._process_ready()
+        return net.sent_by_type.get(Report.TYPE, 0) - before
+
+    assert reports_to(old) == 0  # the capped incarnation does not lead b
+    assert reports_to(net.node("a").incarnation) == 1  # its restart does
+    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 3 for i in ids),
+                  3000)
+    net.tick(20)
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in ids)
