@@ -13,10 +13,8 @@ answering.
 
 *Capping.*  A member whose order waits for promises (`ClockStream.blocked`)
 looks at the senders it waits for and takes the one silent longest, k.  If
-k has been silent, since its last message or since our order began to wait
-(whichever is later), for longer than 1.5 x its usual gap between messages
-plus two ticks (its longest gap in the last 4-8 heartbeats, measured here:
-no setting), and every other member is heard as usual, it *caps* k: it takes
+k is unusually silent (kdsync.core.silence: no setting) and every other
+member is heard as usual, it *caps* k: it takes
 none of k's slots past the `count` it holds (`ClockStream.cap`; slots held
 out of order past it are dropped) and sends CAP (k, attempt, count) to every
 member but k.  A member that gets a CAP follows (caps k in the same attempt)
@@ -47,24 +45,9 @@ acknowledgements count no more (`ClockStream.fence`, as for a leaver:
 kdsync.core.fence's `fenced`).  Every member that fences k uses the same
 caps (each member sends one count per attempt, the same each time), so the
 same c.  Nothing changes the view: the others never stop delivering.  k
-stays fenced in the view until it returns (its new incarnation's JOIN).
-
-*The cut-off member's return.*  k may have been cut off, not crashed.  A
-member that fenced k and hears it again (a clock report newer than its last
-one before the cap, a leader's message, an acknowledgement that suspects or
-wedges) answers FENCE naming k at c — what a leaver is answered — and takes
-neither its suspicions nor its wedging.  k, told so while in that view and
-not leaving, knows that none of its slots at or past c was delivered
-anywhere nor will be in this view ((1)-(3) below): it hands its undelivered
-events back for resubmission (the origin watermarks drop those below c,
-which the others deliver), takes incarnation + 1 — in the hard state of the
-same Ready, persisted before its JOIN leaves, as a restart takes it — and
-asks to be taken back (REJOINING).  The others then wedge on its JOIN and
-the view change proposes from their reports alone, as after a restart: the
-old incarnation's report and its ballots, run ahead while it was alone, are
-not waited for.  A k that keeps speaking as the fenced incarnation for
-suspect_ticks (an older release ignores a FENCE naming it) is suspected and
-the view changes with k in it, as before.
+stays fenced in the view until it returns (its new incarnation's JOIN), or,
+cut off rather than crashed, is told it was fenced and comes back as a new
+incarnation (kdsync.core.fenced_return).
 
 Safety.  The commit quorum q is at least 2 (with one holder, k alone may
 have held and delivered its slots: no cap is made).  (1) *Every slot of k
@@ -89,30 +72,29 @@ it, and the trim is today's.  Slots only k lacks may have been forgotten by
 the others: the trim's extras start at the smallest count over the holders
 other than k, and k catches up instead.
 
-*Who leads.*  The refusal would wedge a group for good where k's report is
-needed and no fence can be settled: the third of three members crashed
-after two capped each other (swarm clock seed 8731627), or after one capped
-the other (8730099) — its restart cannot say whether its old incarnation
-fenced anyone.  So a wedged capper sends its CAP to k too (and to k when
-it refuses k's COLLECT — a member that fenced k as well, once wedged: swarm
-clock seed 8770008); k, told a member capped it, trusts its own count of
-its slots no more in that view — leading, it takes their trim from the
-other reporters exactly as the capper does (`distrusted_senders`: the base
-path, every durable prefix known, when too few of them remember the view)
-— and answers with a CAP naming itself; the capper then answers k's
-COLLECT and ACCEPT.  Leading, k may then have to catch up to its own trim
-instead of delivering it, so it names another holder the catch-up source,
-one whose count nobody distrusts where there is one (8780717, 8781145).  Safe: k's proposals from before it knew came from
-reporters that did not refuse it, so none of them had capped it (a member
-that reported is wedged and caps nothing more), and no fence of k, which
-needs every other member's cap, was reached; any later one is computed as
-the capper would.  An older release ignores the CAP naming it (and its
-capper the answer): the refusal stands, as before.  The refusal is of the
-incarnation capped: a new one (k's restart, or k back in place after a
-FENCE) remembers nothing of the view, so no trim takes its count, and it
-may lead as any restart may (swarm clock seed 8771237: refused, its ballots
-kept those of the one member that remembered the view from the other
-restart's promise, for good).
+*Who leads* (the swarm seeds behind each rule: docs/design/wan-ordering.md).
+The refusal would wedge a group for good where k's report is needed and no
+fence can be settled (the third of three members crashed after one or two
+caps: its restart cannot say whether its old incarnation fenced anyone). So
+a wedged capper sends its CAP to k too (and to k when it refuses k's
+COLLECT, a member that fenced k as well); k, told a member capped it, trusts
+its own count of its slots no more in that view — leading, it takes their
+trim from the other reporters exactly as the capper does
+(`distrusted_senders`: the base path, every durable prefix known, when too
+few of them remember the view) — and answers with a CAP naming itself; the
+capper then answers k's COLLECT and ACCEPT. Leading, k may then have to
+catch up to its own trim instead of delivering it, so it names another
+holder the catch-up source, one whose count nobody distrusts where there is
+one. Safe: k's proposals from before it knew came from reporters that did
+not refuse it, so none of them had capped it (a member that reported is
+wedged and caps nothing more), and no fence of k, which needs every other
+member's cap, was reached; any later one is computed as the capper would. An
+older release ignores the CAP naming it (and its capper the answer): the
+refusal stands, as before. The refusal is of the incarnation capped: a new
+one (k's restart, or k back in place after a FENCE) remembers nothing of the
+view, so no trim takes its count, and it may lead as any restart may
+(refused, its ballots could keep for good those of the one member that
+remembers the view from a majority).
 
 Liveness.  A fence needs every other member's cap: with two members silent,
 or one without the fence (an older release drops CAP and NOCAP and never
@@ -127,28 +109,18 @@ other member is suspected or fenced.
 from __future__ import annotations
 
 from kdsync.core.fence import may_fence
-from kdsync.core.messages import Cap, ClockAck, ClockAppend, Fence, NoCap, SlotReq
-from kdsync.core.types import RemoteProtocolError, View
+from kdsync.core.fenced_return import FencedReturn
+from kdsync.core.messages import Cap, NoCap, SlotReq
+from kdsync.core.silence import SilenceMeter
+from kdsync.core.types import RemoteProtocolError
 
 __all__ = ["CrashFencing"]
 
-GAP_WINDOW_HEARTBEATS = 8  # a sender's usual gap: the longest between its messages in the last 4-8 heartbeats
-MIN_SAMPLES = 16  # gaps between a sender's messages measured before its usual gap may be below two heartbeats
-MARGIN = 1.5  # a silence beyond this x the recent maximum gap (plus two ticks) is not usual
 MAX_ATTEMPTS = 8  # attempts to fence one sender in one view that a NOCAP ended: then only suspicion
 
 
-class CrashFencing:
+class CrashFencing(FencedReturn, SilenceMeter):
     """The crash fence of a ClockNode (module docstring)."""
-
-    def __init__(self, config, **kw) -> None:
-        # measured across views, per sender id (microseconds on this node's clock)
-        self._heard_us: dict[str, int] = {}  # when we last heard from it
-        # the longest gap between its messages: [this half-window's start, its longest, the previous half's]
-        self._gap_win: dict[str, list[int]] = {}
-        self._gaps: dict[str, int] = {}  # gaps measured
-        self._incs: dict[str, int] = {}  # the incarnation they were measured of
-        super().__init__(config, **kw)
 
     def _reset_view_state(self) -> None:
         self._caps: dict[tuple[int, int], dict[str, int]] = {}  # (sender index, attempt) -> member -> its cap
@@ -161,7 +133,6 @@ class CrashFencing:
         self._cap_sent = -10**9
         self._crash_fenced = False  # we fenced it (every other member's cap of that attempt is here)
         self._fence_holder: str | None = None  # a member holding its slots up to the fence
-        self._heard_here: set[str] = set()  # members heard in this view (one not heard yet may not have installed it)
         self._wait_since: int | None = None  # since when our order waits for a promise (None: it does not)
         self._told_since: int | None = None  # the member we fenced spoke again: since when we tell it so
         self._told_sent = -10**9  # our last FENCE naming it, to it
@@ -169,67 +140,10 @@ class CrashFencing:
         self._acked: set[int] = set()  # sender indices that said they know we capped them: they may lead us
         super()._reset_view_state()
 
-    # ------------------------------------------------------------ measuring
-    def _from_view_member(self, msg) -> bool:
-        ok = super()._from_view_member(msg)
-        if ok and self.cfg.crash_fence:
-            s, t = msg.sender, self.now_us
-            if self._incs.get(s) != msg.inc:  # a restarted process: its gaps are measured afresh
-                self._incs[s] = msg.inc
-                self._gap_win.pop(s, None)
-                self._gaps.pop(s, None)
-                self._heard_us.pop(s, None)
-            last = self._heard_us.get(s)
-            # a gap longer than two heartbeats was a sleep (a quiescent group sends nothing while idle,
-            # where an awake member heartbeats), not a measure of how long it may be silent
-            if last is not None and last < t <= last + 2 * self._heartbeat_us:
-                self._note_gap(s, t, t - last)
-            self._heard_us[s] = t
-            self._heard_here.add(s)
-            if self._crash_fenced and self.view.senders[self._cap_k] == s and type(msg) in (ClockAck, ClockAppend) \
-                    and msg.clock > self._cap_clock:
-                self._fenced_spoke(s)  # fenced, yet alive (cut off, not crashed)
-        return ok
-
-    def _note_gap(self, s: str, t: int, gap: int) -> None:
-        """A gap between two messages of s, kept as the longest of a window of
-        GAP_WINDOW_HEARTBEATS heartbeats (two halves): a sender that is idle now
-        and then sends only heartbeats, and its usual gap says so."""
-        half = GAP_WINDOW_HEARTBEATS * self._heartbeat_us // 2
-        w = self._gap_win.get(s)
-        if w is None:
-            w = self._gap_win[s] = [t, 0, 0]
-        elif t - w[0] >= half:
-            w[2] = w[1] if t - w[0] < 2 * half else 0
-            w[0], w[1] = t, 0
-        if gap > w[1]:
-            w[1] = gap
-        self._gaps[s] = self._gaps.get(s, 0) + 1
-
-    @property
-    def _heartbeat_us(self) -> int:
-        """The heartbeat period on this node's clock (the tick as measured; 1 ms until it is)."""
-        return self.cfg.heartbeat_ticks * (self._tick_us or 1000)
-
-    def _usual_gap(self, s: str) -> int | None:
-        w = self._gap_win.get(s)
-        return None if w is None else max(w[1], w[2])
-
+    # ------------------------------------------------------------ when to cap
     def _clock_of(self, s: str) -> int:
         heard = self._clocks.get(s)
         return heard[2] if heard is not None else -1
-
-    def _unusually_silent(self, s: str, since: int | None = None) -> bool:
-        """s said nothing for longer than its usual gap, counted from its last
-        message, or from `since` (when our order began to wait: an idle peer
-        need not have spoken before), whichever is later."""
-        if s not in self._heard_here:
-            return False
-        g = self._usual_gap(s) or 0
-        if self._gaps.get(s, 0) < MIN_SAMPLES:  # too few gaps measured (a quiet peer): two heartbeats at least
-            g = max(g, 2 * self._heartbeat_us)
-        start = self._heard_us[s] if since is None else max(self._heard_us[s], since)
-        return self.now_us - start > MARGIN * g + 2 * self._tick_us
 
     def _note_wait(self) -> None:
         """After a delivery attempt: since when our order waits for some sender's promise."""
@@ -434,39 +348,7 @@ class CrashFencing:
                                                    min(c, st.received[k] + 64)).encode())
         self._try_deliver()
 
-    # ------------------------------------------------------------ its return
-    def _fenced_spoke(self, s: str) -> None:
-        """The member we fenced spoke again (a newer clock report, or a
-        leader's message of the view): it is alive, cut off rather than
-        crashed.  Tell it it was fenced (FENCE naming it, at the fence): it
-        then asks to be taken back as a new incarnation (`_on_fence`), and
-        the view change that takes it needs nothing from its old one.  One
-        that keeps speaking as the old incarnation for suspect_ticks (an
-        older release ignores a FENCE naming it) is suspected, as before."""
-        if self.wedged or s in self.suspected:
-            return
-        if self._told_since is None:
-            self._told_since = self.now
-        elif self.now - self._told_since > self.cfg.suspect_ticks:
-            self._suspect({s})
-            return
-        if self.now - self._told_sent >= self.cfg.retransmit_ticks:
-            self._told_sent = self.now
-            self.stats["fences_told"] = self.stats.get("fences_told", 0) + 1
-            self._send(s, Fence(self.me, self.incarnation, self.view.view_id, self._cap_k, self.fenced[s],
-                                tuple(self.stream.received)).encode())
-
-    def _take_ack(self, msg) -> None:
-        """The member we fenced takes no part in the view: its suspicions and
-        its wedging are not ours (it is cut off; a view change is for when it
-        asks to be taken back); the rounds it names still raise ours."""
-        if self._crash_fenced and msg.sender == self.view.senders[self._cap_k]:
-            self.vc.heard_round(msg.round, msg.wedged)
-            if msg.wedged or msg.suspected:
-                self._fenced_spoke(msg.sender)
-            return
-        super()._take_ack(msg)
-
+    # ------------------------------------------------------------ who leads
     def refused_leader(self, s: str) -> None:
         """A COLLECT or ACCEPT of `s` was not answered (`refuses_leader`): if we
         fenced it, it is alive and is told so — once we are wedged, of our cap
@@ -475,27 +357,6 @@ class CrashFencing:
             self._fenced_spoke(s)
         elif self.now - self._cap_sent >= self.cfg.retransmit_ticks:
             self._send_cap(missing_only=False, to=s)
-
-    def _on_fence(self, msg: Fence) -> None:
-        """A FENCE naming us, from another member, while we are not leaving:
-        the others crash-fenced us (we were cut off).  No slot of ours at or
-        past its count was delivered anywhere, nor will be in this view
-        (module docstring, safety (1)-(3)): we hand our undelivered events
-        back for resubmission and ask to be taken back as a new incarnation,
-        persisted before any message names it, as a process restart would."""
-        v = self.view
-        if (msg.view == v.view_id and 0 <= msg.k < len(v.senders) and v.senders[msg.k] == self.me
-                and msg.sender != self.me and msg.cut >= 0 and not self.leaving
-                and self.state in (self.State.ACTIVE, self.State.WEDGED, self.State.CATCHING_UP,
-                                   self.State.CATCHING_UP_WEDGED)
-                and self._from_view_member(msg)):
-            self.stats["fenced_rejoins"] = self.stats.get("fenced_rejoins", 0) + 1
-            self.incarnation += 1
-            self._hard_dirty = True
-            self._resubmit_own()
-            self._become_rejoining(View(v.view_id, v.members, (0,) * len(v.members), v.senders, self.next_seq))
-            return
-        super()._on_fence(msg)
 
     # ------------------------------------------------------------ around it
     def _note_hole(self, k: int, top: int) -> None:
@@ -507,20 +368,6 @@ class CrashFencing:
         if self._fence_holder is not None and k == self._cap_k:
             return self._fence_holder
         return super()._hole_source(k)
-
-    def _gone_for_good(self):
-        """The member we fenced may be alive (cut off, not crashed): a view
-        change waits for it as for any member, unless a new incarnation of
-        it asked to be taken back (the old one is gone, the new one joins) —
-        for suspect_ticks: then the new one votes, if the others cannot
-        decide without it."""
-        if self._crash_fenced:
-            s = self.view.senders[self._cap_k]
-            if (s not in self.vc.rejoined and s not in self.vc.joiners) \
-                    or self.now - self.wedged_at > self.cfg.suspect_ticks:
-                # (a restarted one votes, with its persisted promises, once the others took long without it)
-                return [m for m in self.fenced if m != s]
-        return super()._gone_for_good()
 
     def _become_wedged(self) -> None:
         was = self.wedged
