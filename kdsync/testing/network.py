@@ -402,3 +402,14 @@ def check_invariants(net: InMemoryNetwork, *, agreement=True, submitted=None, li
 
 
 __all__ = ["InMemoryNetwork", "NetworkMember", "check_invariants"]
+
+
+def assert_whole(net: InMemoryNetwork, ids, submitted, *, members: int, within: int) -> None:
+    """`ids` end active in views of `members` members (within `within`
+    ticks, then twenty more), the checker finds nothing, and each of them
+    holds every event of `submitted` once: the end of a fault test."""
+    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == members
+                              for i in ids), within)
+    net.tick(20)
+    assert not check_invariants(net, submitted=submitted)
+    assert all(len(net.topic(i)) == len(submitted) for i in ids)
