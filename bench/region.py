@@ -66,8 +66,7 @@ def _scenario(base: dict, protocol: str, fault: str, suspicion: str = "fixed") -
     name, protocol = protocol, protocol.split("+")[0]
     s = dict(base, name=f"{FIVE}-{_key(name, fault, suspicion)}", protocol=protocol, duration_s=DURATION_S,
              faults=faults, timing=dict(TIMING))
-    if name.endswith("+fence"):
-        s["crash_fence"] = True
+    s["crash_fence"] = name.endswith("+fence")  # clock: without it (the default since stop 61 is with it)
     if suspicion == "adaptive":
         s["adaptive_suspect"] = True
     if protocol != "clock":

@@ -325,8 +325,8 @@ class ProtocolSection(_Model):
     adaptive_suspect: bool = False
     # clock: a member silent while the order waits for it is fenced by every
     # other member instead of stopping the order until a view change
-    # (kdsync.core.crash_fence)
-    crash_fence: bool = False
+    # (kdsync.core.crash_fence; the default since stop 61: docs/wan.md)
+    crash_fence: bool = True
 
     @model_validator(mode="before")
     @classmethod

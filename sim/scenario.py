@@ -272,7 +272,7 @@ class Scenario(_Strict):
     adaptive_suspect: bool = False
     # extension: kdsync run's protocol.crash_fence (clock: a member silent while the order waits for it
     # is fenced by every other member, without a view change: kdsync.core.crash_fence)
-    crash_fence: bool = False
+    crash_fence: bool = True
 
     @property
     def member_ids(self) -> tuple[str, ...]:

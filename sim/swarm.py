@@ -60,7 +60,7 @@ PROBE_S = 0.2  # the liveness probe: this long after the fault phase
 # seeds in a couple of minutes; raise it when the simulator gets faster.
 EVENT_BUDGET = 2400
 SETTLE_S = 12.0  # the liveness phase ends earlier once every member has converged
-CRASH_FENCE_SHARE = 0.5  # clock seeds run with protocol.crash_fence (kdsync.core.crash_fence)
+CRASH_FENCE_SHARE = 0.5  # clock seeds run with protocol.crash_fence (the default; the rest without it)
 EPISODES = (
     ("crash", 3),
     ("crash-in-view-change", 2),
@@ -287,7 +287,7 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
             **({"commit_quorum": quorum} if quorum else {}),
             **({"quiesce": True} if quiesce else {}),
             **({"adaptive_suspect": True} if adaptive else {}),
-            **({"crash_fence": True} if crash_fence else {}),
+            "crash_fence": crash_fence,
         },
         kinds,
     )

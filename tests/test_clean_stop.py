@@ -78,7 +78,7 @@ def test_kill9_with_adaptive_suspicion_is_found_in_a_few_heartbeats_not_suspect_
     import time
 
     g = LocalGroup(3, tmp_path, protocol=protocol, suspect_ms=SUSPECT_MS, heartbeat_ms=100, metrics=True,
-                   extra={"protocol": {"adaptive_suspect": True}})
+                   extra={"protocol": {"adaptive_suspect": True, "crash_fence": False}})  # suspicion alone
     with g:
         _ordering(g)
         killed = time.time()

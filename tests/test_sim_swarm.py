@@ -111,9 +111,9 @@ def test_swarm_regression_scenario(name):
     assert all(st["status"] == "active" for st in r.summary["member_state"].values())
 
 
-# Swarm failures of the opt-in crash fence (kdsync.core.crash_fence, on in the
-# YAML) not fixed yet: each must keep failing until it is (strict xfail), then
-# moves to REGRESSION_SCENARIOS.  None is open now.
+# Swarm failures of the crash fence (kdsync.core.crash_fence, on in the YAML)
+# not fixed yet: each must keep failing until it is (strict xfail), then moves
+# to REGRESSION_SCENARIOS.  None is open now.
 OPEN_SCENARIOS: dict[str, str] = {}
 
 
