@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                                        lambda: simreal_section(out, work, prog), prog))
                 prog.step("simreal")
             if "geo" in wanted:
-                from bench.geo import geo_section
+                from bench.geo_section import geo_section
 
                 sections.append(_guard("geo", TITLES["geo"], lambda: geo_section(lambda: None), prog))
                 prog.step("geo")
