@@ -158,10 +158,11 @@ def test_clock_defaults_tick_every_5_ms_and_acknowledge_far_slots_together(monke
     every setting at kdsync run's defaults (`timing: {}`, no lead, no
     commit quorum).  clock's own default tick (5 ms, kdsync.config) and its
     acknowledgement of far slots within a quarter of their age
-    (kdsync/core/clock.py) send far fewer peer messages per event than the
+    (kdsync/core/far_links.py) send far fewer peer messages per event than the
     50 ms tick every other protocol keeps, or than acknowledging far slots
     every tick, at the same latency and with every invariant."""
     import kdsync.core.clock as clock_mod
+    import kdsync.core.far_links as far_links
 
     base = load_scenario(SCENARIOS / "wan-five-regions.yaml")
     plain = base.model_copy(update={
@@ -171,6 +172,7 @@ def test_clock_defaults_tick_every_5_ms_and_acknowledge_far_slots_together(monke
             "tick 50": run_scenario(plain.model_copy(update={"timing": TimingSpec(tick_ms=50)}))}
     with monkeypatch.context() as mp:
         mp.setattr(clock_mod, "FAR_ACK_AGE_PART", 10**9)  # far slots acknowledged at the next tick
+        mp.setattr(far_links, "FAR_ACK_AGE_PART", 10**9)  # ...and third members told at the next tick
         runs["every tick"] = run_scenario(plain)
     per_event = _messages_per_event(runs)
     assert runs["default"].summary["tick_ms"] == 5

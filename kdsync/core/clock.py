@@ -15,24 +15,27 @@ farthest member's acknowledgement or for a round-robin turn: a slot costs
 about one one-way delay from the farthest sender (C2) or the round trip to
 the origin's nearest majority (C1), whichever is larger.
 
-*Acknowledgements.*  A slot from a near sender is acknowledged at once; one
-from a far sender (its age on arrival, skew included, above FAR_TICKS ticks
-as measured on the node's clock) with the acknowledgements of every far slot
-that arrived meanwhile, one message per peer, within a quarter of its age
-counted in ticks (FAR_ACK_AGE_PART; at most FAR_ACK_MAX_TICKS, so skew
-cannot hold it).  To every peer when a commit quorum above 2 counts third
-members' acknowledgements; else to the slots' senders, and to a third member
-only when it may lack our clock past them (`_send_acks`): for near slots,
-when our last message to it reported a clock below their newest timestamp;
-for far slots, when it got nothing from us in the last REPORT_GAP ticks.
-While a slot waits here, every peer that got nothing from us in the last
-REPORT_GAP ticks gets a clock report each tick.  With kdsync run's defaults
-for clock (5 ms ticks) the five-region scenario then sends 4.3 peer
-messages per event instead of 7.1 (far slots acknowledged every tick) or
-12.3 (50 ms ticks: every slot acknowledged at once), 3.7 with a commit
-quorum of 2, at the same p50/p99 within 1 % (docs/wan.md) — across regions
-the tick is a few ms and the delay tens, so waiting a quarter of it costs
-little.
+*Acknowledgements* (kdsync.core.far_links).  Every stream message carries
+the sender's received vector and clock, so an acknowledgement is a message
+only where none goes anyway.  A slot from a near sender is acknowledged to
+it at once (its C1 may wait for us); one from a far sender (its age on
+arrival, skew included, above FAR_TICKS ticks as measured on the node's
+clock) by the next message to it within a quarter of its age counted in
+ticks (FAR_ACK_AGE_PART; at most FAR_ACK_MAX_TICKS, so skew cannot hold
+it).  A third member gets it when a commit quorum above 2 counts its
+acknowledgement, else only when it may lack our clock past the slots (our
+last message to it reported a clock below their newest timestamp): far ones
+the same way within a quarter of their delay, near ones with the far
+acknowledgements already due or at once.  While a slot waits here, every
+peer that got nothing from us in the last REPORT_GAP ticks gets a clock
+report each tick.
+
+*Far links* (kdsync.core.far_links).  Each member computes, from the delays
+every member measures and gossips (kdsync.core.leads), when each member can
+deliver at the soonest, and holds its messages to a peer for a few ticks
+where nobody's delivery waits for them (the others' reports reach that peer
+later anyway).  Five regions at 1 000 events/s: 2.9 peer messages per event
+(3.6-3.7 before), p50/p99 within 1 % with a majority quorum (docs/wan.md).
 
 *Repair.*  A receiver that learns of slots it lacks — a later message's
 slots arrived first, or the sender's report counts more than it holds — asks
@@ -110,6 +113,7 @@ from __future__ import annotations
 from kdsync.core.clock_stream import ClockStream
 from kdsync.core.crash_fence import CrashFencing
 from kdsync.core.derecho import DerechoNode
+from kdsync.core.far_links import FAR_ACK_AGE_PART, FAR_ACK_MAX_TICKS, FAR_TICKS, FarLinks
 from kdsync.core.fence import Fencing
 from kdsync.core.leads import Leads
 from kdsync.core.clock_viewchange import ClockViewChange
@@ -122,23 +126,17 @@ __all__ = ["ClockNode"]
 # own slots some peer has not acknowledged, at most: across a WAN an
 # acknowledgement takes a round trip, and a small window would cost one per slot
 IN_FLIGHT = 64
-FAR_TICKS = 4  # a slot older than this many ticks on arrival is far: acknowledged together (below)
-# a far slot's acknowledgement waits at most this part of its age, counted in
-# ticks and at most FAR_ACK_MAX_TICKS of them (so skew cannot hold it long)
-FAR_ACK_AGE_PART = 4
-FAR_ACK_MAX_TICKS = 8
 NEVER = 1 << 62
 REPORT_GAP = 2  # a clock report goes to a peer that got nothing from us in the last REPORT_GAP ticks
 
 
-class ClockNode(CrashFencing, Fencing, DerechoNode):
+class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
     protocol = "clock"
     MESSAGES = CLOCK_MESSAGES
     VIEW_CHANGE = ClockViewChange
 
     def __init__(self, config, **kw) -> None:
-        self._ack_due: set[str] = set()  # senders whose slots arrived since our last acknowledgement
-        self._far_ack_tick = NEVER  # ...from far senders only: the tick its acknowledgement is due (module doc)
+        self._ack_due: set[str] = set()  # near senders whose slots arrived since our last acknowledgement
         self._due_stamp = -1  # the newest timestamp among those slots
         self._built_clock = -1  # the clock report of the last stream message built
         self._promised: dict[str, tuple[int, int]] = {}  # peer -> (view, clock report of our last message to it)
@@ -148,7 +146,9 @@ class ClockNode(CrashFencing, Fencing, DerechoNode):
         # sender -> (incarnation, view, clock): its highest clock report heard from a view no newer than ours
         self._clocks: dict[str, tuple[int, int, int]] = {}
         self._joining_since = NEVER  # the tick this member started asking to be taken in
+        self._init_far_links()
         super().__init__(config, **kw)
+        self.stats["held"] = 0  # new slots held for a peer (kdsync.core.far_links)
         h = self._handlers
         del h[Append], h[Ack]  # not in this protocol's codec
         h[ClockAppend] = self._on_clock_append
@@ -223,14 +223,15 @@ class ClockNode(CrashFencing, Fencing, DerechoNode):
         st = self.stream
         k = senders.index(s)
         if st.add(k, msg.first, msg.slots):
-            self._ack_due.add(s)
-            self._due_stamp = max(self._due_stamp, msg.slots[-1][0])
-            # far (the slot's age, skew included, is more than FAR_TICKS ticks): acknowledged with
-            # every far slot that arrives meanwhile, within a quarter of its age; near: at once
+            # far (the slot's age, skew included, is more than FAR_TICKS ticks): acknowledged by the next
+            # message to its sender, within a quarter of its age (kdsync.core.far_links); near: at once
             age = self.now_us - msg.slots[-1][0] if msg.slots else 0
             if self._tick_us and age > FAR_TICKS * self._tick_us:
                 wait = min(FAR_ACK_MAX_TICKS, -(-age // (FAR_ACK_AGE_PART * self._tick_us)))  # >= 1: age > tick
-                self._far_ack_tick = min(self._far_ack_tick, self.now + wait)
+                self._far_slot(s, self.now + wait, self._quorum(self.view) > 2)
+            else:
+                self._ack_due.add(s)
+                self._due_stamp = max(self._due_stamp, msg.slots[-1][0])
         elif msg.slots:
             self.acked_sent[s] = None  # a retransmission: our acknowledgement was lost, the next heartbeat repeats it
         self._note_hole(k, max(msg.first + len(msg.slots), msg.cut))
@@ -252,7 +253,7 @@ class ClockNode(CrashFencing, Fencing, DerechoNode):
     def _on_ack_vector(self, s: str, recv) -> None:
         super()._on_ack_vector(s, recv)
         k = self.stream.my_k
-        if self.cfg.auto_lead and k >= 0:
+        if k >= 0:  # round trips: the lead (auto_lead) and far links' gaps (kdsync.core.far_links)
             self.leads.on_ack(s, recv[k], self.now_us)
 
     # ------------------------------------------------------------- leads
@@ -329,21 +330,18 @@ class ClockNode(CrashFencing, Fencing, DerechoNode):
                 self._tick_us = (3 * self._tick_us + gap) // 4
         self._last_tick_us = now_us
         super().tick()
-        if self.cfg.auto_lead and self.now % self.cfg.heartbeat_ticks == 0 and self._is_member() \
-                and not self.wedged:
-            self._gossip_delays()
-        if self.now >= self._far_ack_tick:
-            # the acknowledgements of far slots that arrived since the last ones (module doc)
-            self._far_ack_tick = NEVER
-            if self._ack_due:
-                self._send_acks(far=True)
+        if self.now % self.cfg.heartbeat_ticks == 0 and self._is_member() and not self.wedged:
+            self._gossip_delays()  # the rows: the lead (auto_lead) and the far links' gaps
+            self._measure_gaps()
+        self._flush_far()
+        self._far_acks()
         if not self.wedged and self._is_member() and self.stream.waiting():
             # a clock report per tick while something waits for C2, to each peer
             # that got nothing from us since the previous tick (every message reports)
             last = self.now - REPORT_GAP
             for p in self.view.members:
                 if p != self.me and p not in self.suspected and self.last_sent[p] < last:
-                    self._send_ack(p)
+                    self._ack_to(p)
         self._report_while_joining()
 
     def _report_while_joining(self) -> None:
@@ -362,57 +360,51 @@ class ClockNode(CrashFencing, Fencing, DerechoNode):
             self._send(p, data)
 
     def quiet(self) -> bool:
-        return not self._ack_due and not self.stream.waiting() and super().quiet()
+        return not self._ack_due and self._far_quiet() and not self.stream.waiting() and super().quiet()
 
     # -------------------------------------------------------------- output
     def _may_cut(self) -> bool:
         return bool(self.pending) and not self.wedged and self.stream.may_cut(IN_FLIGHT)
 
     def has_ready(self) -> bool:
-        return (self._ack_due and self._far_ack_tick == NEVER) or self._may_cut() or super(DerechoNode, self).has_ready()
+        return self._ack_due or self._may_cut() or super(DerechoNode, self).has_ready()
 
     def _before_ready(self) -> None:
         st = self.stream
         if self._may_cut():
             first, slots = st.cut(self.pending, self._stamp_now, IN_FLIGHT, self.cfg.max_batch)
             cur = tuple(st.received)
-            self._multicast_slots(first, cur, self._slots_message(first, slots, cur))
-            if self.cfg.auto_lead:
-                self.leads.on_cut(first, (p for p in self.view.members if p != self.me and p not in self.suspected),
-                                  self.now_us)
+            self._multicast_slots(first, cur, self._slots_message(first, slots, cur))  # times a slot (leads)
             self._ack_due.clear()  # that message acknowledges and reports
             self._due_stamp = -1
             self._try_deliver()
-        if self._ack_due and self._far_ack_tick == NEVER:
-            self._send_acks(far=False)
+        if self._ack_due:
+            self._send_acks()
 
-    def _send_acks(self, far: bool) -> None:
-        """Acknowledge the slots that arrived since the last acknowledgement,
-        with a clock report.  To every peer when a third member's
-        acknowledgement counts toward C1 (a commit quorum above 2).  Else to
-        the slots' senders, and to a third member only when it may lack our
-        clock past them: at it the sender and the receiver are the quorum
-        already, so our report matters only to its C2.  At once (`far`
-        False): to those whose last message from us in this view reported a
-        clock below the newest of these slots' timestamps.  Far slots'
-        batched acknowledgement: to those that got nothing from us since
-        the previous tick, as any message of the last tick reports a clock
-        past a far slot's timestamp (it is more than FAR_TICKS ticks old)."""
+    def _send_acks(self) -> None:
+        """Acknowledge the near slots that arrived since the last
+        acknowledgement, with a clock report.  To every peer when a third
+        member's acknowledgement counts toward C1 (a commit quorum above 2).
+        Else to the slots' senders, and to a third member only when it may
+        lack our clock past them -- our last message to it in this view
+        reported a clock below the newest of these slots' timestamps: at it
+        the sender and the receiver are the quorum already, so our report
+        matters only to its C2.  (Far slots: kdsync.core.far_links.)"""
         due, stamp = self._ack_due, self._due_stamp
         self._ack_due, self._due_stamp = set(), -1
         if self._is_member() and not self.wedged:
             every = self._quorum(self.view) > 2
-            last = self.now - REPORT_GAP
             view, promised = self.view.view_id, self._promised
             for p in self.view.members:
                 if p == self.me or p in self.suspected:
                     continue
-                if every or p in due or (self.last_sent[p] < last if far else
-                                         promised.get(p, (-1, -1)) < (view, stamp)):
-                    self._send_ack(p)
+                if p in due and not every:
+                    self._ack_to(p)  # its C1: our acknowledgement may be the one it waits for
+                elif every or promised.get(p, (-1, -1)) < (view, stamp):
+                    self._due_to(p)  # with our next message to it: its C1 waits for more than ours
 
     def _sent(self, p: str, cur: tuple) -> None:
-        super()._sent(p, cur)
+        super()._sent(p, cur)  # far_links: it acknowledges p's far slots
         self._promised[p] = (self.view.view_id, self._built_clock)
 
     def snapshot(self) -> dict:

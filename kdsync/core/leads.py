@@ -16,21 +16,27 @@ clamped to [0, 3/4 of j's delay to its nearest peer] (a larger lead would
 make j's own stamps arrive "from the future" at its neighbours and pull
 their clocks along).
 
-*Measuring.*  A member times its own slots: at most once per PROBE_EVERY_US
-of its clock it notes when it cut a slot, and each peer's first
-acknowledgement that counts it gives one round-trip sample to that peer
-(the peer's acknowledgement delay included: at once for near slots, within a
-tick for far ones).  The estimate per peer is the smallest of its last
-SAMPLES samples (queueing only adds), and the one-way delay is half of it:
-the rule needs a delay in each direction, and a round trip measured on one
-clock needs no synchronised clocks.
+*Measuring* (always, whatever the lead).  A member times its own slots: at
+most once per PROBE_EVERY_US of its clock it notes when it cut a slot, and
+each peer's first acknowledgement that counts it gives one round-trip
+sample to that peer (the peer's acknowledgement delay included: at once for
+near slots, within a quarter of their age for far ones); a slot held for a
+peer (a far link's gap) is timed to it from when it went (`on_sent`).  The
+estimate per peer is the smallest of its last SAMPLES samples (queueing
+only adds), and the one-way delay is half of it: the rule needs a delay in
+each direction, and a round trip measured on one clock needs no
+synchronised clocks.
 
 *Gossip.*  The rule needs the delays between the other members too, so each
-member sends its row of one-way estimates (DELAYS, message type 22) to every
-peer when it changed by more than CHANGE_US and CHANGE_FRACTION since it last
-sent it (and to a view's new members).  An older release drops DELAYS with a
-log line: a member that has no row from some member of its view keeps its
-lead where it is (0 at start), so a mixed group runs as without leads.
+member -- also one with a configured lead: the far links' gaps
+(kdsync.core.far_links) need every row -- sends its row of one-way
+estimates (DELAYS, message type 22) to every peer when it changed by more
+than CHANGE_US and CHANGE_FRACTION since it last sent it (and to a view's
+new members).  A delay a member's row lacks is taken from the other end's
+row (`delay`: links are taken as symmetric).  An older release drops DELAYS
+with a log line: a member that has no row from some member of its view
+keeps its lead where it is (0 at start), so a mixed group runs as without
+leads (and holds nothing).
 
 Everything here is a pure function of the node's inputs (the clock it is
 handed, the acknowledgements, the rows): the simulator and the real member
@@ -65,29 +71,37 @@ class Leads:
         self.rows: dict[str, dict[str, int]] = {}  # member -> its one-way delay estimates to others (us)
         self.lead_us = 0
         self._probe: int | None = None  # own slot index being timed
-        self._waiting: set[str] = set()  # peers whose acknowledgement of it has not come yet
+        self._waiting: dict[str, int | None] = {}  # peers whose acknowledgement of it has not come yet
         self._probe_at = -PROBE_EVERY_US  # when it was cut (the node's clock, us)
         self._sent: dict[str, int] = {}  # the row as last sent
         self._dirty: set[str] = set()  # peers that should get the row although it did not change
         self._members: set[str] = set()  # the previous view's members
 
     # ------------------------------------------------------------ measuring
-    def on_cut(self, first: int, peers: Iterable[str], now_us: int) -> None:
-        """Own slots from index `first` were just cut and multicast to `peers`."""
+    def on_cut(self, first: int, peers: Iterable[str], now_us: int, later: Iterable[str] = ()) -> None:
+        """Own slots from index `first` were just cut and multicast to
+        `peers`; `later`: peers they go to later (kdsync.core.far_links:
+        `on_sent` then times them from when they went)."""
         if self._probe is not None and now_us - self._probe_at < PROBE_GIVE_UP_US:
             return
         if now_us - self._probe_at < PROBE_EVERY_US:
             return
-        waiting = set(peers)
+        waiting: dict[str, int | None] = {p: now_us for p in peers}
+        waiting.update((p, None) for p in later)
         if waiting:
             self._probe, self._probe_at, self._waiting = first, now_us, waiting
+
+    def on_sent(self, peer: str, start: int, stop: int, now_us: int) -> None:
+        """Own slots start..stop-1 went to `peer` now, held back until now."""
+        if self._probe is not None and start <= self._probe < stop and self._waiting.get(peer, 0) is None:
+            self._waiting[peer] = now_us
 
     def on_ack(self, peer: str, count: int, now_us: int) -> None:
         """`peer` acknowledged our first `count` slots."""
         if self._probe is None or count <= self._probe or peer not in self._waiting:
             return
-        self._waiting.discard(peer)
-        sample = now_us - self._probe_at
+        sent = self._waiting.pop(peer)
+        sample = now_us - (self._probe_at if sent is None else sent)  # None: a retransmission carried it
         if sample >= 0:
             q = self.rtt.get(peer)
             if q is None:
@@ -100,7 +114,7 @@ class Leads:
         """A view was installed: a timed slot of the old one is void, and new
         members get our row."""
         self._probe = None
-        self._waiting = set()
+        self._waiting = {}
         members = set(members)
         self._dirty |= members - self._members - {self.me}
         self._members = members
@@ -132,27 +146,48 @@ class Leads:
         self.rows[sender] = dict(row)
 
     # -------------------------------------------------------------- the lead
+    def delay(self, a: str, b: str) -> int | None:
+        """The one-way delay from a to b (us) as a measured it (b's row says
+        b to a: links are taken as symmetric when a's row lacks b)."""
+        r = self.row() if a == self.me else self.rows.get(a)
+        d = r.get(b) if r else None
+        if d is None:
+            r = self.row() if b == self.me else self.rows.get(b)
+            d = r.get(a) if r else None
+        return d
+
+    def rule(self, j: str, members: Iterable[str]) -> int | None:
+        """Member j's lead by the rule (module docstring) from the delays
+        known here, or None while one is not known."""
+        others = [m for m in members if m != j]
+        if not others:
+            return None
+        mine: dict[str, int] = {}
+        for p in others:
+            d = self.delay(j, p)
+            if d is None:
+                return None
+            mine[p] = d
+        between = 0
+        for k in others:
+            for x in others:
+                if x != k:
+                    d = self.delay(k, x)
+                    if d is None:
+                        return None
+                    between = max(between, d)
+        far, near = max(mine.values()), min(mine.values())
+        return max(0, min(far - between, int(NEAR_FRACTION * near)))
+
     def choose(self, members: Iterable[str]) -> int:
         """The lead for this view's `members` by the rule (module docstring),
         or the current one while a member's row or a delay is not known."""
-        members = [m for m in members]
-        others = [m for m in members if m != self.me]
-        if not others:
+        members = list(members)
+        if self.me not in members or len(members) < 2 or any(p not in self.row() for p in members if p != self.me):
             return self.lead_us
-        mine = self.row()
-        if any(p not in mine for p in others):
+        if any(k != self.me and k not in self.rows for k in members):
             return self.lead_us
-        between = 0
-        for k in others:
-            r = self.rows.get(k)
-            if r is None or any(x not in r for x in others if x != k):
-                return self.lead_us
-            for x in others:
-                if x != k:
-                    between = max(between, r[x])
-        far = max(mine[p] for p in others)
-        near = min(mine[p] for p in others)
-        want = max(0, min(far - between, int(NEAR_FRACTION * near)))
-        if abs(want - self.lead_us) >= MIN_STEP_US:
+        want = self.rule(self.me, members)
+        if want is not None and abs(want - self.lead_us) >= MIN_STEP_US:
             self.lead_us = want
         return self.lead_us
