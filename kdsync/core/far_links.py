@@ -185,26 +185,41 @@ class FarLinks:
         else:
             self._send_ack(p)
 
+    def _send_owed(self, p: str) -> bool:
+        """The slots owed to p, now; False when none were."""
+        start = self._owed.pop(p, None)
+        st = self.stream
+        acks = st.acks.get(p)
+        if start is None or acks is None:
+            return False
+        start = max(start, acks[st.my_k])
+        if start >= st.cut_upto:
+            return False
+        if acks[st.my_k] == start:
+            self.ack_progress[p] = self.now
+        self._send_slots(p, start, st.cut_upto)
+        self.leads.on_sent(p, start, st.cut_upto, self.now_us)
+        return True
+
     def _send_ack(self, p: str) -> None:
         """Any stream message to p carries what is owed to it: a report
         whose cut counts slots p was not sent would make it ask for them.
         The slots' message says nothing of suspicions or a wedge, so with
-        either the acknowledgement follows it (and a wedged view's owed
-        slots are left to the view change)."""
-        start = self._owed.pop(p, None)
+        either the acknowledgement follows it."""
         self._owed_ack.discard(p)
-        st = self.stream
-        acks = st.acks.get(p)
-        if start is not None and acks is not None and not self.wedged:
-            start = max(start, acks[st.my_k])
-            if start < st.cut_upto:
-                if acks[st.my_k] == start:
-                    self.ack_progress[p] = self.now
-                self._send_slots(p, start, st.cut_upto)
-                self.leads.on_sent(p, start, st.cut_upto, self.now_us)
-                if not self.suspected:
-                    return
+        if self._send_owed(p) and not (self.wedged or self.suspected):
+            return
         super()._send_ack(p)
+
+    def _become_wedged(self) -> None:
+        """The view ends: what is owed goes now, so that the trim finds the
+        slots where the network would have put them (a view change's leader
+        would otherwise fetch them)."""
+        super()._become_wedged()
+        for p in list(self._owed):
+            self._send_owed(p)
+
+    _wedge = _become_wedged
 
     def _flush_far(self) -> None:
         """Each tick: what is owed to peers whose gap has passed."""
