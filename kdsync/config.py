@@ -300,11 +300,11 @@ class TransportSection(_Model):
 
 TICK_MS = 50  # protocol.tick_ms when not set
 # ... for `clock`, which reports its clock every tick while a slot waits for
-# C2 and counts a slot older than four ticks as far (acknowledged together
-# with the others, kdsync/core/clock.py): with 50 ms ticks nothing across
-# regions is far; five regions at 1 000 events/s in the simulator send 4.7
-# peer messages per event with 5 ms ticks against 12.3 with 50 ms, at the
-# same p50 and p99 (docs/wan.md)
+# C2 and counts a slot older than four ticks as far (acknowledged with the
+# next message to its sender, kdsync/core/far_links.py): with 50 ms ticks
+# nothing across regions is far; five regions at 1 000 events/s in the
+# simulator send 2.9 peer messages per event with 5 ms ticks against 12.3
+# with 50 ms, at the same p50 and p99 within 1 % (docs/wan.md)
 CLOCK_TICK_MS = 5
 
 
