@@ -66,11 +66,17 @@ class FarLinks:
         self._owed: dict[str, int] = {}  # peer -> the first own slot cut and not sent to it yet
         self._owed_ack: set[str] = set()  # peers an acknowledgement or report is due to
         self._far_due: dict[str, int] = {}  # peer -> the tick by which it must hear of far slots we hold
+        self._gaps_of: tuple | None = None  # what the gaps were last computed from
 
     def _measure_gaps(self) -> None:
         """Each peer's gap from the measured delays (module docstring)."""
-        self._gap = {}
         members, me, leads = self.view.members, self.me, self.leads
+        of = (members, self._is_member(), self._tick_us // 100, self.lead_us, self._quorum(self.view),
+              leads.rows_seen, tuple(sorted(leads.row().items())))
+        if of == self._gaps_of:
+            return  # the same inputs: the same gaps
+        self._gaps_of = of
+        self._gap = {}
         if not self._tick_us or not self._is_member() or len(members) > GAPS_MAX_MEMBERS:
             return
         lead: dict[str, int] = {}

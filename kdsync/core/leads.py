@@ -63,12 +63,14 @@ class Leads:
     """Round trips to peers, the rows peers gossip, and the lead chosen
     from them, for one member (module docstring)."""
 
-    __slots__ = ("me", "rtt", "rows", "lead_us", "_probe", "_waiting", "_probe_at", "_sent", "_dirty", "_members")
+    __slots__ = ("me", "rtt", "rows", "rows_seen", "lead_us", "_probe", "_waiting", "_probe_at", "_sent", "_dirty",
+                 "_members")
 
     def __init__(self, me: str) -> None:
         self.me = me
         self.rtt: dict[str, deque[int]] = {}  # peer -> recent round-trip samples (us)
         self.rows: dict[str, dict[str, int]] = {}  # member -> its one-way delay estimates to others (us)
+        self.rows_seen = 0  # rows that changed something, so far
         self.lead_us = 0
         self._probe: int | None = None  # own slot index being timed
         self._waiting: dict[str, int | None] = {}  # peers whose acknowledgement of it has not come yet
@@ -143,7 +145,10 @@ class Leads:
 
     def on_row(self, sender: str, row: dict[str, int]) -> None:
         """A peer's row of one-way delay estimates."""
-        self.rows[sender] = dict(row)
+        row = dict(row)
+        if self.rows.get(sender) != row:
+            self.rows[sender] = row
+            self.rows_seen += 1
 
     # -------------------------------------------------------------- the lead
     def delay(self, a: str, b: str) -> int | None:
