@@ -45,6 +45,8 @@ retransmissions, repairs and view-change messages are never held.
 
 from __future__ import annotations
 
+from kdsync.core.leads import rule
+
 __all__ = ["FAR_ACK_AGE_PART", "FAR_ACK_MAX_TICKS", "FAR_MAX_TICKS", "FAR_TICKS", "FarLinks", "SLACK_PART"]
 
 FAR_TICKS = 4  # a slot older than this many ticks on arrival is far: acknowledged with the next message
@@ -66,34 +68,18 @@ class FarLinks:
         self._owed: dict[str, int] = {}  # peer -> the first own slot cut and not sent to it yet
         self._owed_ack: set[str] = set()  # peers an acknowledgement or report is due to
         self._far_due: dict[str, int] = {}  # peer -> the tick by which it must hear of far slots we hold
-        self._gaps_of: tuple | None = None  # what the gaps were last computed from
 
     def _measure_gaps(self) -> None:
-        """Each peer's gap from the measured delays (module docstring)."""
-        members, me, leads = self.view.members, self.me, self.leads
-        of = (members, self._is_member(), self._tick_us // 100, self.lead_us, self._quorum(self.view),
-              leads.rows_seen, tuple(sorted(leads.row().items())))
-        if of == self._gaps_of:
-            return  # the same inputs: the same gaps
-        self._gaps_of = of
+        """Each heartbeat: each peer's gap from the measured delays (module docstring)."""
         self._gap = {}
+        members = self.view.members
         if not self._tick_us or not self._is_member() or len(members) > GAPS_MAX_MEMBERS:
             return
-        lead: dict[str, int] = {}
-        for m in members:
-            x = self.lead_us if m == me else leads.rule(m, members)
-            if x is None:
-                return  # a delay is not known yet: every gap stays 1
-            lead[m] = x
-        delay: dict[tuple[str, str], int] = {}
-        for a in members:
-            for b in members:
-                if a != b:
-                    d = leads.delay(a, b)
-                    if d is None:
-                        return
-                    delay[a, b] = d
-        self._gap = gaps(me, members, delay, lead, self._quorum(self.view), self._tick_us)
+        delay = self.leads.delays(members)
+        if delay is None:
+            return  # a delay is not known yet: every gap stays 1
+        lead = {m: self.lead_us if m == self.me else rule(m, members, delay) for m in members}
+        self._gap = gaps(self.me, members, delay, lead, self._quorum(self.view), self._tick_us)
 
     def _held(self, p: str) -> bool:
         """A message to p now would come within p's gap of the last one."""
@@ -126,7 +112,7 @@ class FarLinks:
         far_due = self._far_due
         if p in far_due:
             return
-        d, t = self.leads.delay(self.me, p), self._tick_us
+        d, t = self.leads.one_way(p), self._tick_us
         if d is not None and t and d > FAR_TICKS * t:
             far_due[p] = self.now + min(FAR_ACK_MAX_TICKS, -(-d // (FAR_ACK_AGE_PART * t)))
         else:
@@ -149,9 +135,9 @@ class FarLinks:
     def _far_acks(self) -> None:
         """Each tick: the acknowledgements of far slots that no message
         carried within their wait (`_far_slot`)."""
-        now = self.now
+        now, gone = self.now, self.wedged or not self._is_member()
         for p in [p for p, t in self._far_due.items() if t <= now]:
-            if p in self.suspected or p not in self.view.members or not self._is_member() or self.wedged:
+            if gone or p in self.suspected or p not in self.view.members:
                 del self._far_due[p]
             else:
                 self._ack_to(p)
@@ -232,9 +218,7 @@ class FarLinks:
         if not (self._owed or self._owed_ack) or self.wedged or not self._is_member():
             return
         members = self.view.members
-        for p in [p for p in self._owed if p not in self._owed_ack]:
-            self._owed_ack.add(p)
-        for p in list(self._owed_ack):
+        for p in self._owed_ack.union(self._owed):
             if p in self.suspected or p not in members:
                 self._owed_ack.discard(p)
                 self._owed.pop(p, None)  # retransmission or the view change covers it
@@ -260,7 +244,7 @@ def gaps(me: str, members, delay: dict[tuple[str, str], int], lead: dict[str, in
     crit = {j: max(late[m, j] for m in others[j]) for j in members}
     rtt = {(a, b): delay[a, b] + delay[b, a] for a in members for b in others[a]}
 
-    def ready(i: str, j: str) -> int:
+    def soonest(i: str, j: str) -> int:
         """When a slot of origin i can be delivered at j, at the soonest."""
         if i == j:
             c1 = sorted(rtt[j, m] for m in others[j])[q - 2] if q >= 2 else 0
@@ -270,24 +254,25 @@ def gaps(me: str, members, delay: dict[tuple[str, str], int], lead: dict[str, in
             c1 = max(c1, sorted(delay[i, m] + delay[m, j] for m in others[j] if m != i)[min(q - 3, len(members) - 3)])
         return max(crit[j], c1)
 
-    def relays(i: str, j: str) -> list[str]:
-        """The q - 2 third members whose acknowledgements of i's slots reach j first."""
-        return sorted((m for m in others[j] if m != i), key=lambda m: delay[i, m] + delay[m, j])[:max(0, q - 2)]
+    ready = {(i, j): soonest(i, j) for i in members for j in members}
+    # (i, j) -> the q - 2 third members whose acknowledgements of i's slots reach j first
+    relays = {(i, j): sorted((m for m in others[j] if m != i), key=lambda m: delay[i, m] + delay[m, j])[:max(0, q - 2)]
+              for i in members for j in others[i]}
 
     out: dict[str, int] = {}
     for j in others[me]:
-        slack = min(ready(i, j) for i in members) - late[me, j]  # our reports there (C2)
+        slack = min(ready[i, j] for i in members) - late[me, j]  # our reports there (C2)
         for i in members:
-            if i not in (me, j) and me in relays(i, j):  # our acknowledgement of i's slots (C1 at j)
-                slack = min(slack, ready(i, j) - (delay[i, me] + delay[me, j]))
+            if i not in (me, j) and me in relays[i, j]:  # our acknowledgement of i's slots (C1 at j)
+                slack = min(slack, ready[i, j] - (delay[i, me] + delay[me, j]))
         for k in members:
-            if k not in (me, j) and j in relays(me, k):  # our slots, acknowledged by j to k (C1 at k)
-                slack = min(slack, ready(me, k) - (delay[me, j] + delay[j, k]))
+            if k not in (me, j) and j in relays[me, k]:  # our slots, acknowledged by j to k (C1 at k)
+                slack = min(slack, ready[me, k] - (delay[me, j] + delay[j, k]))
         near = sorted(others[me], key=lambda m: rtt[me, m])[:max(0, q - 1)]
         if j in near:
-            slack = min(slack, ready(me, me) - rtt[me, j])  # j's acknowledgement of our slots (our C1)
+            slack = min(slack, ready[me, me] - rtt[me, j])  # j's acknowledgement of our slots (our C1)
         if me in sorted(others[j], key=lambda m: rtt[j, m])[:max(0, q - 1)]:
-            slack = min(slack, ready(j, j) - rtt[me, j])  # our acknowledgement of j's slots (its C1)
+            slack = min(slack, ready[j, j] - rtt[me, j])  # our acknowledgement of j's slots (its C1)
         g = min(FAR_MAX_TICKS, slack // (SLACK_PART * tick_us))
         if g > 1:
             out[j] = g

@@ -33,7 +33,7 @@ member -- also one with a configured lead: the far links' gaps
 estimates (DELAYS, message type 22) to every peer when it changed by more
 than CHANGE_US and CHANGE_FRACTION since it last sent it (and to a view's
 new members).  A delay a member's row lacks is taken from the other end's
-row (`delay`: links are taken as symmetric).  An older release drops DELAYS
+row (`delays`: links are taken as symmetric).  An older release drops DELAYS
 with a log line: a member that has no row from some member of its view
 keeps its lead where it is (0 at start), so a mixed group runs as without
 leads (and holds nothing).
@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
-__all__ = ["Leads"]
+__all__ = ["Leads", "rule"]
 
 PROBE_EVERY_US = 100_000  # at most one timed slot per 100 ms of the member's clock
 PROBE_GIVE_UP_US = 10_000_000  # a peer that never acknowledges the timed slot: stop waiting for it
@@ -63,14 +63,14 @@ class Leads:
     """Round trips to peers, the rows peers gossip, and the lead chosen
     from them, for one member (module docstring)."""
 
-    __slots__ = ("me", "rtt", "rows", "rows_seen", "lead_us", "_probe", "_waiting", "_probe_at", "_sent", "_dirty",
+    __slots__ = ("me", "rtt", "rows", "lead_us", "_one_way", "_probe", "_waiting", "_probe_at", "_sent", "_dirty",
                  "_members")
 
     def __init__(self, me: str) -> None:
         self.me = me
         self.rtt: dict[str, deque[int]] = {}  # peer -> recent round-trip samples (us)
+        self._one_way: dict[str, int] = {}  # peer -> half the smallest of them (`row`)
         self.rows: dict[str, dict[str, int]] = {}  # member -> its one-way delay estimates to others (us)
-        self.rows_seen = 0  # rows that changed something, so far
         self.lead_us = 0
         self._probe: int | None = None  # own slot index being timed
         self._waiting: dict[str, int | None] = {}  # peers whose acknowledgement of it has not come yet
@@ -109,6 +109,7 @@ class Leads:
             if q is None:
                 q = self.rtt[peer] = deque(maxlen=SAMPLES)
             q.append(sample)
+            self._one_way[peer] = min(q) // 2
         if not self._waiting:
             self._probe = None
 
@@ -123,7 +124,11 @@ class Leads:
 
     def row(self) -> dict[str, int]:
         """Own one-way delay estimates (half the smallest recent round trip)."""
-        return {p: min(q) // 2 for p, q in self.rtt.items() if q}
+        return dict(self._one_way)
+
+    def one_way(self, peer: str) -> int | None:
+        """Own one-way delay estimate to `peer` (None: not measured yet)."""
+        return self._one_way.get(peer)
 
     # --------------------------------------------------------------- gossip
     def due(self, peers: Iterable[str]) -> tuple[list[str], dict[str, int]]:
@@ -145,54 +150,49 @@ class Leads:
 
     def on_row(self, sender: str, row: dict[str, int]) -> None:
         """A peer's row of one-way delay estimates."""
-        row = dict(row)
-        if self.rows.get(sender) != row:
-            self.rows[sender] = row
-            self.rows_seen += 1
+        self.rows[sender] = dict(row)
 
     # -------------------------------------------------------------- the lead
-    def delay(self, a: str, b: str) -> int | None:
-        """The one-way delay from a to b (us) as a measured it (b's row says
-        b to a: links are taken as symmetric when a's row lacks b)."""
-        r = self.row() if a == self.me else self.rows.get(a)
-        d = r.get(b) if r else None
-        if d is None:
-            r = self.row() if b == self.me else self.rows.get(b)
-            d = r.get(a) if r else None
-        return d
-
-    def rule(self, j: str, members: Iterable[str]) -> int | None:
-        """Member j's lead by the rule (module docstring) from the delays
-        known here, or None while one is not known."""
-        others = [m for m in members if m != j]
-        if not others:
-            return None
-        mine: dict[str, int] = {}
-        for p in others:
-            d = self.delay(j, p)
-            if d is None:
-                return None
-            mine[p] = d
-        between = 0
-        for k in others:
-            for x in others:
-                if x != k:
-                    d = self.delay(k, x)
+    def delays(self, members: Iterable[str]) -> dict[tuple[str, str], int] | None:
+        """The one-way delay between every two of `members` (us), as the
+        first measured it, else as the second did (links are taken as
+        symmetric); None while one is not known."""
+        members = list(members)
+        rows = {m: self.rows.get(m) or {} for m in members}
+        rows[self.me] = self.row()
+        out: dict[tuple[str, str], int] = {}
+        for a in members:
+            for b in members:
+                if a != b:
+                    d = rows[a].get(b)
                     if d is None:
-                        return None
-                    between = max(between, d)
-        far, near = max(mine.values()), min(mine.values())
-        return max(0, min(far - between, int(NEAR_FRACTION * near)))
+                        d = rows[b].get(a)
+                        if d is None:
+                            return None
+                    out[a, b] = d
+        return out
 
     def choose(self, members: Iterable[str]) -> int:
         """The lead for this view's `members` by the rule (module docstring),
         or the current one while a member's row or a delay is not known."""
         members = list(members)
-        if self.me not in members or len(members) < 2 or any(p not in self.row() for p in members if p != self.me):
+        mine = self.row()
+        if self.me not in members or len(members) < 2 \
+                or any(k != self.me and (k not in mine or k not in self.rows) for k in members):
+            return self.lead_us  # every row is needed, our own to every peer
+        delay = self.delays(members)
+        if delay is None:
             return self.lead_us
-        if any(k != self.me and k not in self.rows for k in members):
-            return self.lead_us
-        want = self.rule(self.me, members)
-        if want is not None and abs(want - self.lead_us) >= MIN_STEP_US:
+        want = rule(self.me, members, delay)
+        if abs(want - self.lead_us) >= MIN_STEP_US:
             self.lead_us = want
         return self.lead_us
+
+
+def rule(j: str, members: Iterable[str], delay: dict[tuple[str, str], int]) -> int:
+    """Member j's lead by the rule (module docstring), from the one-way
+    delays between the `members` (`Leads.delays`)."""
+    others = [m for m in members if m != j]
+    mine = [delay[j, p] for p in others]
+    between = max((delay[k, x] for k in others for x in others if x != k), default=0)
+    return max(0, min(max(mine) - between, int(NEAR_FRACTION * min(mine))))
