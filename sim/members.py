@@ -289,6 +289,11 @@ class SimMember:
             self.dorm.liveness.heard(src, ping, bytes(data) if ping else b"")
             if ping:
                 return
+        if self.paused_until < 0 and self.cost is None:  # `_input` without its closure (hot: every message)
+            self._receive(src, data)
+            if not self.flush_pending:
+                self.host.request_flush(self)
+            return
         self._input(lambda: self._receive(src, data), msgs=1)
 
     def _wake(self) -> None:

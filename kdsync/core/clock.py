@@ -212,9 +212,10 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
         if not self._in_current_view(msg):
             return
         s = msg.sender
-        self._on_ack_vector(s, msg.recv)
+        self._merge_ack_vector(s, msg.recv)  # one delivery attempt below, once the slots and report are in
         senders = self.view.senders
         if s not in senders:
+            self._try_deliver()
             return
         if self.wedged:
             if self.state is self.State.WEDGED:
@@ -250,11 +251,12 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
         self._take_ack(msg)  # derecho's: acknowledgements, suspicions, wedging (same field names)
         self._try_deliver()
 
-    def _on_ack_vector(self, s: str, recv) -> None:
-        super()._on_ack_vector(s, recv)
+    def _merge_ack_vector(self, s: str, recv) -> bool:
+        grew = super()._merge_ack_vector(s, recv)
         k = self.stream.my_k
         if k >= 0:  # round trips: the lead (auto_lead) and far links' gaps (kdsync.core.far_links)
             self.leads.on_ack(s, recv[k], self.now_us)
+        return grew
 
     # ------------------------------------------------------------- leads
     def _on_delays(self, msg: Delays) -> None:

@@ -41,6 +41,7 @@ C2 holds, never what is delivered.
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 from typing import Iterable, Sequence
 
 from kdsync.core.batch import Batch
@@ -231,19 +232,19 @@ class ClockStream:
         return out
 
     # ------------------------------------------------------------- delivery
-    def _holders(self, k: int, idx: int) -> int:
-        return (self.received[k] > idx) + sum(1 for a in self.acks.values() if a[k] > idx)
-
     def deliverable(self) -> list[Slot]:
-        """Pop the slots that can be delivered now, in (ts, rank) order."""
+        """Pop the slots that can be delivered now, in (ts, rank) order.
+        (Hot: `promise` and the holders' count are written out in the loop.)"""
         out: list[Slot] = []
         if not self.changed:
             return out  # nothing it reads changed since it last ran to the end
         self.changed = False
         n, me, slots, nxt, rcv = self.n, self.my_k, self.slots, self.next, self.received
+        reports, promised, last_ts, acks, quorum = self.reports, self.promised, self.last_ts, self.acks, self.quorum
+        senders = range(n)
         while True:
             head, hk = None, -1
-            for k in range(n):
+            for k in senders:
                 s = slots[k].get(nxt[k])
                 if s is not None and (head is None or s[0] < head[0]):
                     head, hk = s, k
@@ -251,14 +252,23 @@ class ClockStream:
                 self.blocked = -1
                 return out
             ts = head[0]
-            for j in range(n):
-                if j != hk and j != me and nxt[j] >= rcv[j] and self.promise(j) < ts:
-                    self.blocked, self.blocked_ts = j, ts
-                    return out  # C2: j may still send something before it
-            if self._holders(hk, nxt[hk]) < self.quorum:
+            for j in senders:
+                if j != hk and j != me and nxt[j] >= rcv[j]:
+                    q = reports[j]  # promise(j), inline
+                    while q and q[0][0] <= rcv[j]:
+                        promised[j] = q.popleft()[1]
+                    if promised[j] < ts and last_ts[j] < ts:
+                        self.blocked, self.blocked_ts = j, ts
+                        return out  # C2: j may still send something before it
+            idx = nxt[hk]
+            held = rcv[hk] > idx  # C1: the holders of the head, this member and the acknowledgements
+            for a in acks.values():
+                if a[hk] > idx:
+                    held += 1
+            if held < quorum:
                 self.blocked = -1
                 return out  # C1
-            nxt[hk] += 1
+            nxt[hk] = idx + 1
             if head[1] is not NULL:
                 out.append(head[1])
 
@@ -279,7 +289,7 @@ class ClockStream:
         them (its trim extras start at the holders' smallest received count)."""
         acks = tuple(self.acks.values())
         for k in range(self.n):
-            upto = min(self.next[k], self.received[k], *(a[k] for a in acks)) if acks else self.next[k]
+            upto = min(self.next[k], self.received[k], *map(itemgetter(k), acks)) if acks else self.next[k]
             lo = self.low[k]
             if upto > lo:
                 store = self.slots[k]

@@ -38,6 +38,8 @@ as unknown (one log line) and behaves as it always did.
 
 from __future__ import annotations
 
+from operator import ge
+
 from kdsync.core.messages import Accept, Collect, Leave, Message, Nudge
 
 __all__ = ["Departures"]
@@ -107,11 +109,11 @@ class Departures:
         now = self.now
         wait = self.cfg.retransmit_ticks + self.cfg.heartbeat_ticks
         for p, acks in st.acks.items():
-            if p in self.suspected or all(a >= c for a, c in zip(acks, cur)):
+            if p in self.suspected or all(map(ge, acks, cur)):
                 self._lagging.pop(p, None)
                 continue
             lag = self._lagging.get(p)
-            if lag is None or all(a >= c for a, c in zip(acks, lag[0])):
+            if lag is None or all(map(ge, acks, lag[0])):
                 self._lagging[p] = (tuple(cur), now)  # a new gap (it acknowledged the one watched): watch it
             elif now - lag[1] >= wait:
                 self._lagging[p] = (lag[0], now)

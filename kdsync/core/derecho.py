@@ -89,6 +89,12 @@ from kdsync.core.viewchange import NO_BALLOT, ViewChange, decode_vote, encode_vo
 __all__ = ["DerechoNode", "State"]
 
 
+def _wedged(state: State) -> bool:
+    """`DerechoNode.wedged` of a state: its view is over (or not begun).
+    Kept as an attribute, set with the state (read on every input)."""
+    return state is not State.ACTIVE and state is not State.CATCHING_UP
+
+
 class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
     protocol = "derecho"
     fenced: tuple | dict = ()  # members fenced after a clean stop (the clock protocol: kdsync.core.fence)
@@ -121,9 +127,11 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         self._reset_view_state()
         if kw.get("hard_state") is not None:
             self.state = State.REJOINING  # a restart: ask to be taken back
+            self.wedged = True
             self.vc.send_join()
         else:
             self.state = State.FORMING
+            self.wedged = True
         self._handlers = {
             Append: self._on_append,
             Ack: self._on_ack,
@@ -155,10 +163,6 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
     def status(self, value) -> None:  # NodeBase's constructor sets it; derecho derives it
         pass
 
-    @property
-    def wedged(self) -> bool:
-        s = self.state  # identity tests: hashing an Enum member runs Python code (hot: every has_ready)
-        return s is not State.ACTIVE and s is not State.CATCHING_UP
 
     def _holds_view_data(self) -> bool:
         """Holds the current view's slots and everything before its start."""
@@ -176,6 +180,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         if state not in TRANSITIONS[self.state]:
             raise LocalProtocolError(f"state {self.state.value} -> {state.value} is not a transition of the machine")
         self.state = state
+        self.wedged = _wedged(state)
 
     def _become_active(self, view: View) -> None:
         """Enter `view` holding everything before its start."""
@@ -310,17 +315,22 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
             self._try_deliver()
 
     def _on_ack_vector(self, s: str, recv) -> None:
+        if self._merge_ack_vector(s, recv) and not self.wedged:
+            self._try_deliver()
+
+    def _merge_ack_vector(self, s: str, recv) -> bool:
+        """A peer's received vector, merged; True when a count grew (the
+        caller tries to deliver: a handler that changes more first tries once)."""
         st = self.stream
         if len(recv) != st.n:
             raise RemoteProtocolError("received vector of the wrong length")
         if s not in st.acks or not st.ack(s, recv):
-            return
+            return False
         k = st.my_k
         if k >= 0 and recv[k] > self._mine_acked.get(s, -1):
             self._mine_acked[s] = recv[k]
             self.ack_progress[s] = self.now
-        if not self.wedged:
-            self._try_deliver()
+        return True
 
     def _on_ack(self, msg: Ack) -> None:
         if self._in_current_view(msg):

@@ -43,6 +43,7 @@ removed only when stable, i.e. acknowledged by every peer.
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 
 from kdsync.core.batch import Batch, coalesce
 from kdsync.core.types import View
@@ -231,7 +232,7 @@ def merge_ack(acks: dict[str, list[int]], peer: str, recv, inflight: deque[int],
             cur[k] = v
             grew = True
     if grew and inflight:
-        low = min(a[my_k] for a in acks.values())
+        low = min(map(itemgetter(my_k), acks.values()))
         while inflight and inflight[0] < low:
             inflight.popleft()
     return grew
