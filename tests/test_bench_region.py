@@ -25,6 +25,8 @@ def test_every_run_is_a_valid_scenario_with_its_fault_and_return():
                                   "until_s": RETURN_S}]
             else:
                 assert hit == set(down) and {f["restart"] for f in kinds if "restart" in f} == set(down)
+            if proto != "derecho":  # two crashes need a majority quorum (2 loses one member only): the default
+                assert s.commit_quorum == (0 if fault == "two crash" else base["commit_quorum"])
             if proto == "derecho":  # no clock lead, no clock quorum
                 assert all(m.clock_lead_ms in (None, 0) for m in s.members)
 
