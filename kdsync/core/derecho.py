@@ -60,7 +60,7 @@ from kdsync.core.catchup import Catchup
 from kdsync.core.departure import Departures
 from kdsync.core.holes import HoleRepair, Holes
 from kdsync.core.peers import PeerTalk
-from kdsync.core.states import _CATCHING_UP, _STATUS, TRANSITIONS, State
+from kdsync.core.states import _CATCHING_UP, _STATUS, TRANSITIONS, State, wedged
 from kdsync.core.messages import (
     DERECHO_MESSAGES,
     Accept,
@@ -87,12 +87,6 @@ from kdsync.core.types import HardState, LocalProtocolError, LogChunk, RemotePro
 from kdsync.core.viewchange import NO_BALLOT, ViewChange, decode_vote, encode_vote
 
 __all__ = ["DerechoNode", "State"]
-
-
-def _wedged(state: State) -> bool:
-    """`DerechoNode.wedged` of a state: its view is over (or not begun).
-    Kept as an attribute, set with the state (read on every input)."""
-    return state is not State.ACTIVE and state is not State.CATCHING_UP
 
 
 class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
@@ -125,13 +119,12 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         self._heard_shared = False  # the driver shares the member's liveness (`heard`)
         self.left_incs: dict[str, int] = {}  # peer -> the incarnation of it that announced its leave (departure.py)
         self._reset_view_state()
+        self.wedged = True  # forming or rejoining: wedged(state)
         if kw.get("hard_state") is not None:
             self.state = State.REJOINING  # a restart: ask to be taken back
-            self.wedged = True
             self.vc.send_join()
         else:
             self.state = State.FORMING
-            self.wedged = True
         self._handlers = {
             Append: self._on_append,
             Ack: self._on_ack,
@@ -163,11 +156,9 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
     def status(self, value) -> None:  # NodeBase's constructor sets it; derecho derives it
         pass
 
-
     def _holds_view_data(self) -> bool:
         """Holds the current view's slots and everything before its start."""
-        s = self.state
-        return s is State.ACTIVE or s is State.WEDGED
+        return self.state is State.ACTIVE or self.state is State.WEDGED
 
     def _caught_up(self) -> bool:
         return self.state not in _CATCHING_UP
@@ -180,7 +171,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
         if state not in TRANSITIONS[self.state]:
             raise LocalProtocolError(f"state {self.state.value} -> {state.value} is not a transition of the machine")
         self.state = state
-        self.wedged = _wedged(state)
+        self.wedged = wedged(state)  # an attribute, set with the state: read on every input
 
     def _become_active(self, view: View) -> None:
         """Enter `view` holding everything before its start."""
@@ -319,8 +310,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
             self._try_deliver()
 
     def _merge_ack_vector(self, s: str, recv) -> bool:
-        """A peer's received vector, merged; True when a count grew (the
-        caller tries to deliver: a handler that changes more first tries once)."""
+        """A peer's received vector, merged; True when a count grew (the caller tries to deliver)."""
         st = self.stream
         if len(recv) != st.n:
             raise RemoteProtocolError("received vector of the wrong length")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["TRANSITIONS", "State"]
+__all__ = ["TRANSITIONS", "State", "wedged"]
 
 
 class State(enum.Enum):
@@ -45,3 +45,8 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.CATCHING_UP: _NEW_VIEW | {State.CATCHING_UP_WEDGED, State.WEDGED},
     State.CATCHING_UP_WEDGED: _NEW_VIEW | {State.WEDGED},
 }
+
+
+def wedged(state: State) -> bool:
+    """A member in `state` is wedged: its view is over, or not begun (DerechoNode.wedged)."""
+    return state is not State.ACTIVE and state is not State.CATCHING_UP
