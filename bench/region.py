@@ -135,14 +135,16 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
         raise NotMeasured(f"geo scenario missing: {e}") from None
     d = work / "region"
     d.mkdir(parents=True, exist_ok=True)
-    runs = {}
+    runs, quorums = {}, {}
     for proto in PROTOCOLS:
         for fault in FAULTS:
             for suspicion in SUSPICION if fault in ADAPTIVE_FAULTS else SUSPICION[:1]:
                 key = _key(proto, fault, suspicion)
                 path = d / f"{key}.yaml"
-                path.write_text(yaml.safe_dump(_scenario(base, proto, fault, suspicion), sort_keys=False))
+                scenario = _scenario(base, proto, fault, suspicion)
+                path.write_text(yaml.safe_dump(scenario, sort_keys=False))
                 runs[(proto, fault, suspicion)] = (str(path), str(d / key))
+                quorums[(proto, fault, suspicion)] = scenario.get("commit_quorum")
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
         results = dict(zip(runs, ex.map(_run, runs.values())))
     progress()
@@ -161,9 +163,9 @@ def region_section(work: Path, out: Path, jobs: int = 2, progress=lambda: None) 
             errors.append(f"{proto} {fault} ({suspicion}): a window holds no event")
             continue
         p99 = percentile(steady, 99)
-        quorum = base.get("commit_quorum") if proto.startswith("clock") and fault not in MAJORITY_FAULTS else None
+        quorum = quorums[(proto, fault, suspicion)]  # as run: None (derecho), 0 (a majority) or a count
         row = {"protocol": proto, "fault": fault, "suspicion": suspicion, "down": ",".join(down),
-               "commit_quorum": quorum or ("majority" if proto.startswith("clock") else "-"),
+               "commit_quorum": "-" if quorum is None else quorum or "majority",
                "violations": _violations(Path(run_dir)),
                "steady_p99_ms": round(p99, 1),
                "fault_p99_ms": round(percentile(after_fault, 99), 1), "fault_worst_ms": round(max(after_fault), 1),

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Protocol
 
 from kdsync.core import Batch, Delivery, HardState, LogChunk, NodeConfig, OrderingNode, RemoteProtocolError
@@ -269,15 +270,16 @@ class SimMember:
             self.dorm.slept = 0
 
     # ---------------------------------------------------------------- inputs
-    def _input(self, fn: Callable[[], None], msgs: int = 0, events: int = 0, ticks: int = 0) -> None:
+    def _input(self, fn: Callable[..., None], *args: Any, msgs: int = 0, events: int = 0, ticks: int = 0) -> None:
+        """fn(*args) now, or held (a clock pause) or queued for the CPU (the cost model)."""
         if self.paused_until >= 0:
-            self._buffer.append(fn)
+            self._buffer.append(partial(fn, *args) if args else fn)
             return
         if self.cost is not None:
-            self._queue.append((fn, msgs, events, ticks))
+            self._queue.append((partial(fn, *args) if args else fn, msgs, events, ticks))
             self._kick()
             return
-        fn()
+        fn(*args)  # no closure on the common path (hot: every message)
         if not self.flush_pending:
             self.host.request_flush(self)
 
@@ -289,12 +291,7 @@ class SimMember:
             self.dorm.liveness.heard(src, ping, bytes(data) if ping else b"")
             if ping:
                 return
-        if self.paused_until < 0 and self.cost is None:  # `_input` without its closure (hot: every message)
-            self._receive(src, data)
-            if not self.flush_pending:
-                self.host.request_flush(self)
-            return
-        self._input(lambda: self._receive(src, data), msgs=1)
+        self._input(self._receive, src, data, msgs=1)
 
     def _wake(self) -> None:
         """Before any input reaches the node: a sleeping node wakes (quiesce)."""
@@ -396,7 +393,7 @@ class SimMember:
             cur[p] = i
         if out:
             if self.cost is not None:
-                self._input(lambda: self._submit(out), events=sum(b.count for b in out))
+                self._input(self._submit, out, events=sum(b.count for b in out))
                 return
             self._submit(out)
             if not self.flush_pending:
@@ -575,7 +572,7 @@ class SimMember:
             if self._throttled:  # room again for the paused consumer
                 self.poll()
         end = topic.length
-        self._input(lambda: self._durable(end))
+        self._input(self._durable, end)
 
     def _commit_cb(self, arg) -> None:
         epoch, commits = arg
@@ -589,7 +586,7 @@ class SimMember:
     def _witness_durable_cb(self, arg) -> None:
         epoch, end = arg
         if epoch == self.epoch:
-            self._input(lambda: self._durable(end))
+            self._input(self._durable, end)
 
     def _serve_read(self, arg) -> None:
         epoch, start, stop = arg
