@@ -10,7 +10,10 @@ out), on this node's clock.  A sender is *unusually silent* when nothing
 came from it for MARGIN x that gap plus two ticks, counted from its last
 message or from a given instant (when our order began to wait for it: an
 idle peer owes nothing before), whichever is later; until MIN_SAMPLES gaps
-were measured the gap is at least two heartbeats.
+were measured over half a window (GAP_WINDOW_HEARTBEATS / 2 heartbeats) the
+gap is at least two heartbeats: a restarted member catching up speaks in a
+burst at first, and its first gaps say nothing of its usual one (a cap of
+it then was a false alarm whose dropped slots came back a round trip later).
 
 A gap longer than two heartbeats is not measured: it was a sleep (a
 quiescent group sends nothing while idle), not a measure of how long the
@@ -22,11 +25,12 @@ fence off.
 
 from __future__ import annotations
 
-__all__ = ["GAP_WINDOW_HEARTBEATS", "MARGIN", "MIN_SAMPLES", "SilenceMeter"]
+__all__ = ["GAP_WINDOW_HEARTBEATS", "MARGIN", "MIN_SAMPLES", "SUSPECT_MARGIN", "SilenceMeter"]
 
 GAP_WINDOW_HEARTBEATS = 8  # a sender's usual gap: the longest between its messages in the last 4-8 heartbeats
 MIN_SAMPLES = 16  # gaps between a sender's messages measured before its usual gap may be below two heartbeats
 MARGIN = 1.5  # a silence beyond this x the recent maximum gap (plus two ticks) is not usual
+SUSPECT_MARGIN = 3.0  # ... and beyond this x, enough to suspect (a view change) where no fence can be reached
 
 
 class SilenceMeter:
@@ -40,6 +44,7 @@ class SilenceMeter:
         self._gap_win: dict[str, list[int]] = {}
         self._gaps: dict[str, int] = {}  # gaps measured
         self._incs: dict[str, int] = {}  # the incarnation they were measured of
+        self._first_us: dict[str, int] = {}  # when its first gap of that incarnation was measured
         super().__init__(config, **kw)
 
     def _reset_view_state(self) -> None:
@@ -55,6 +60,7 @@ class SilenceMeter:
                 self._gap_win.pop(s, None)
                 self._gaps.pop(s, None)
                 self._heard_us.pop(s, None)
+                self._first_us.pop(s, None)
             last = self._heard_us.get(s)
             # a gap longer than two heartbeats was a sleep (a quiescent group sends nothing while idle,
             # where an awake member heartbeats), not a measure of how long it may be silent
@@ -78,6 +84,7 @@ class SilenceMeter:
         if gap > w[1]:
             w[1] = gap
         self._gaps[s] = self._gaps.get(s, 0) + 1
+        self._first_us.setdefault(s, t)
 
     @property
     def _heartbeat_us(self) -> int:
@@ -88,14 +95,16 @@ class SilenceMeter:
         w = self._gap_win.get(s)
         return None if w is None else max(w[1], w[2])
 
-    def _unusually_silent(self, s: str, since: int | None = None) -> bool:
-        """s said nothing for longer than its usual gap, counted from its last
-        message, or from `since` (when our order began to wait: an idle peer
-        need not have spoken before), whichever is later."""
+    def _unusually_silent(self, s: str, since: int | None = None, margin: float = MARGIN) -> bool:
+        """s said nothing for longer than `margin` x its usual gap (plus two
+        ticks), counted from its last message, or from `since` (when our order
+        began to wait: an idle peer need not have spoken before), whichever is
+        later."""
         if s not in self._heard_here:
             return False
         g = self._usual_gap(s) or 0
-        if self._gaps.get(s, 0) < MIN_SAMPLES:  # too few gaps measured (a quiet peer): two heartbeats at least
+        if self._gaps.get(s, 0) < MIN_SAMPLES or self.now_us - self._first_us[s] < GAP_WINDOW_HEARTBEATS * \
+                self._heartbeat_us // 2:  # too few gaps measured, or for too short a time: two heartbeats at least
             g = max(g, 2 * self._heartbeat_us)
         start = self._heard_us[s] if since is None else max(self._heard_us[s], since)
-        return self.now_us - start > MARGIN * g + 2 * self._tick_us
+        return self.now_us - start > margin * g + 2 * self._tick_us

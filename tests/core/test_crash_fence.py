@@ -180,6 +180,70 @@ def test_two_crashes_fence_nobody_and_the_view_changes_as_before():
     assert not check_invariants(net, submitted=sub)
 
 
+def view_of(net, live, within):
+    """Ticks until every one of `live` is active in a view of exactly `live`."""
+    return net.run_until(lambda: all(net.node(i).status == "active" and net.node(i).view.members == live
+                                     for i in live), within)
+
+
+def test_two_crashes_are_suspected_once_unusually_silent_not_after_suspect_ticks():
+    """d and e crash at once with a majority commit quorum: no fence can be
+    reached, so the three others suspect both as soon as they are unusually
+    silent and install a view of three long before the 300 ticks of
+    suspect_ticks; every event once, the two restarts taken back."""
+    net, sub = streaming()
+    net.crash("d")
+    net.crash("e")
+    live = ("a", "b", "c")
+    sub |= keys(net.submit("a", 1))  # waits for d's and e's clocks
+    took = view_of(net, live, 100)  # suspect_ticks is 300
+    assert took < 60, took
+    assert sum(net.node(i).stats.get("silent_suspected", 0) for i in live) >= 2
+    keep_submitting(net, sub, live, 10, within=20)
+    taken_back(net, "d", "e")
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+
+
+def test_with_commit_quorum_2_two_crashes_are_not_suspected_early():
+    """Commit quorum 2 of five: the trim needs four reporters, so a view of
+    the three left could not form before a return; nobody suspects early
+    (a view change would only wedge them), and the restarts end the wait."""
+    net, sub = streaming(commit_quorum=2)
+    net.crash("d")
+    net.crash("e")
+    sub |= keys(net.submit("a", 1))  # waits for d's and e's clocks
+    net.tick(100)
+    assert not any(net.node(i).stats.get("silent_suspected") for i in ("a", "b", "c"))
+    assert all(len(net.node(i).view.members) == 5 for i in ("a", "b", "c"))
+    taken_back(net, "d", "e")
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.2])
+def test_two_members_cut_off_for_a_while_are_suspected_and_taken_back(drop):
+    """d and e are cut off from the others (not crashed) and the links are
+    lossy: the three others suspect them early and go on in a view of three;
+    once the partition heals, d and e are told and taken back.  A false alarm
+    costs view changes, never the order: every event once, everywhere."""
+    net, sub = streaming()
+    for a in IDS:
+        for b in IDS:
+            if a != b:
+                net.drop(a, b, drop)
+    net.partition(("a", "b", "c"), ("d", "e"))
+    for i in IDS:
+        sub |= keys(net.submit(i, 2))
+    live = ("a", "b", "c")
+    view_of(net, live, 250)
+    keep_submitting(net, sub, live, 10, within=40)
+    net.recover()
+    taken_back(net)
+    assert not check_invariants(net, submitted=sub)
+    assert all(len(net.topic(i)) == len(sub) for i in IDS)
+
+
 def test_a_crash_after_a_fence_trims_the_fenced_stream_at_the_fence():
     """e is fenced after its crash; then b crashes too and the view changes
     without either.  The trim ends e's stream where the fence did (the
