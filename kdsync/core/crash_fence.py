@@ -98,8 +98,9 @@ remembers the view from a majority).
 
 Liveness.  A fence needs every other member's cap: with two members silent,
 or one without the fence (an older release drops CAP and NOCAP and never
-caps), none is reached and the view changes as it did before.  Caps end
-with the view.
+caps), none is reached and the view changes: at once where several are
+silent (kdsync.core.several_silent), else after the silence as before.
+Caps end with the view.
 
 *When*: one crash fence per view, in a group that keeps its fault
 tolerance with the member fenced (kdsync.core.fence's `may_fence`), while no
@@ -111,7 +112,7 @@ from __future__ import annotations
 from kdsync.core.fence import may_fence
 from kdsync.core.fenced_return import FencedReturn
 from kdsync.core.messages import Cap, NoCap, SlotReq
-from kdsync.core.silence import SUSPECT_MARGIN, SilenceMeter
+from kdsync.core.several_silent import SeveralSilent
 from kdsync.core.types import RemoteProtocolError
 
 __all__ = ["CrashFencing"]
@@ -119,7 +120,7 @@ __all__ = ["CrashFencing"]
 MAX_ATTEMPTS = 8  # attempts to fence one sender in one view that a NOCAP ended: then only suspicion
 
 
-class CrashFencing(FencedReturn, SilenceMeter):
+class CrashFencing(FencedReturn, SeveralSilent):
     """The crash fence of a ClockNode (module docstring)."""
 
     def _reset_view_state(self) -> None:
@@ -138,8 +139,6 @@ class CrashFencing(FencedReturn, SilenceMeter):
         self._told_sent = -10**9  # our last FENCE naming it, to it
         self._knows_capped = False  # a CAP naming us came: we do not trust our own count of our slots either
         self._acked: set[int] = set()  # sender indices that said they know we capped them: they may lead us
-        self._told_silent: dict[str, int] = {}  # member a peer suspects (its acknowledgement said) -> when we heard it
-        self._gone_at: dict[str, int] = {}  # member suspected until it speaks -> since when (tick)
         super()._reset_view_state()
 
     # ------------------------------------------------------------ when to cap
@@ -201,85 +200,6 @@ class CrashFencing(FencedReturn, SilenceMeter):
         if self._clock_of(s) > self._recap_clock.get(k, -1) and self._unusually_silent(s, self._wait_since) \
                 and self._may_cap(k, self._wait_since):
             self._cap(k, self._dead.get(k, -1) + 1)
-
-    def _suspect_the_silent(self) -> bool:
-        """Our order waits for a sender that is unusually silent, and no fence
-        can be reached: two or more members are (a fence needs every other
-        member's cap), or one once this view fenced a member already (one
-        fence per view).  Silent for twice what a cap needs
-        (kdsync.core.silence's SUSPECT_MARGIN: a lossy link's gaps do not
-        make its sender look gone).  Suspect them now, not after `suspect_ms` — where
-        the members still heard can form the next view without them: a
-        majority of the view, and n - q + 1 reporters for the trim.  Else
-        (a minority, or commit quorum 2 with two of five gone) nothing
-        changes: that view change could not end before a return anyway.
-        They stay suspected until they speak (a false alarm costs a view
-        change, which is safe under any suspicion)."""
-        st = self.stream
-        if st.blocked < 0 or not self._tick_us or self.state is not self.State.ACTIVE or self.leaving \
-                or not self._is_member():
-            return False
-        v, fenced, since = self.view, self.fenced, self._wait_since
-        silent = {m for m in v.members if m != self.me and m not in fenced
-                  and self._unusually_silent(m, since, SUSPECT_MARGIN)}
-        if len(silent) + (1 if fenced else 0) < 2 or not silent.intersection(v.senders[j] for j in st.waits_for()):
-            return False
-        live = len(v.members) - len(silent) - len(fenced)
-        if live <= len(v.members) // 2 or live < len(v.members) - self._quorum(v) + 1:
-            return False
-        for s in silent:
-            self._until_it_speaks(s)
-        self.stats["silent_suspected"] = self.stats.get("silent_suspected", 0) + len(silent)
-        self._suspect(silent)
-        return True
-
-    def _take_ack(self, msg) -> None:
-        if msg.suspected and self.cfg.crash_fence and not self.wedged and msg.sender not in self.fenced:
-            v, now = self.view, self.now_us
-            for m in msg.suspected:
-                if m != self.me and m in v.members:
-                    self._told_silent.setdefault(m, now)
-        super()._take_ack(msg)
-
-    def _keep_silent_suspected(self) -> None:
-        """A member a peer suspected while we were in the view with it, silent
-        since, and unusually silent here too (SUSPECT_MARGIN), stays suspected
-        until it speaks: once wedged, the tick's suspicion is a timeout, and
-        the view change would otherwise wait `suspect_ms` for its report
-        (`_suspect_the_silent`: the member that found two silent tells us of
-        both, and we may not have found the second yet).  Names heard once
-        wedged are not taken: a view change's own pauses (heartbeats only)
-        are longer than a member's usual gap while ordering."""
-        told = self._told_silent
-        if not told:
-            return
-        last, heard = self.last_heard, self._heard_us
-        for m, at in list(told.items()):
-            if m in self.fenced or last.get(m, 0) <= -10**9 or heard.get(m, at) > at:
-                del told[m]  # gone already, or it spoke since
-            elif self._unusually_silent(m, None, SUSPECT_MARGIN):
-                del told[m]
-                self._until_it_speaks(m)
-                self.stats["silent_suspected"] = self.stats.get("silent_suspected", 0) + 1
-                if not self.wedged:
-                    self._suspect({m})
-
-    def _until_it_speaks(self, m: str) -> None:
-        """m is suspected until it speaks (the tick's silence keeps it so once wedged)."""
-        self.last_heard[m] = -10**9
-        self._gone_at[m] = self.now
-
-    def heard(self, heard_ago) -> None:
-        """The member's liveness says when it last heard each peer (adaptive
-        suspicion, many topics): a member suspected until it speaks stays so
-        unless heard since."""
-        super().heard(heard_ago)
-        last = self.last_heard
-        for m, at in list(self._gone_at.items()):
-            if last.get(m, -10**9) > at:
-                del self._gone_at[m]  # it spoke
-            else:
-                last[m] = -10**9
 
     def _answer(self, k: int, a: int, clock: int, since: int) -> None:
         """A CAP of sender k's attempt a is here (since `since`) and we have
