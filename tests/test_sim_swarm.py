@@ -91,6 +91,11 @@ REGRESSION_SCENARIOS = {
                                 "restarted: m1, the one member that remembered the view, refused the restarted m0 "
                                 "as leader (its cap was of the old incarnation) and m0's ballots kept m1's from m2 "
                                 "for good (a new incarnation of a capped member may now lead)",
+    "swarm-clock-9040162.yaml": "a restarted member catching up was wedged by a view change and reported its next "
+                                "position, then took the rest of its catch-up (a trim the crashed source had just "
+                                "delivered); the next view's leader, itself, found no holder of the view's data and "
+                                "started the view at the highest next reported, below what it had delivered: "
+                                "two orders (agreement violation; catch-up now stops at the position reported)",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",

@@ -55,8 +55,17 @@ class Catchup:
 
     def tick(self, now: int, every: int) -> None:
         """Ask again when no answer came within `every` ticks."""
-        if self.n.target is not None and now - self.asked >= every:
+        if self.n.target is not None and now - self.asked >= every and not self._paused():
             self.ask()
+
+    def _stop(self) -> int:
+        """Where catch-up stops for now: at the `next` position we reported in
+        this view's change, once we did (ViewChange.reported), else nowhere."""
+        r = self.n.vc.reported_next
+        return _END if r is None else r
+
+    def _paused(self) -> bool:
+        return self.n.next_seq >= self._stop()
 
     def ask(self) -> None:
         n = self.n
@@ -140,8 +149,10 @@ class Catchup:
         if n.next_seq + sum(b.count for b in batches) > vstart:
             raise RemoteProtocolError("catch-up data past the view start")
         self.vstart = vstart
+        if batches and self._paused():
+            return  # we reported our position in this view's change: it stays until the next view
         if batches:
-            self._take(batches)
+            self._take(read_positions(batches, n.next_seq, self._stop(), n.next_seq))
         elif n.next_seq == vstart:
             n._finish_catchup(vstart)
         else:
@@ -163,11 +174,11 @@ class Catchup:
         n = self.n
         if n.target is None or msg.start > n.next_seq or self.vstart < 0:
             return
-        # never past the view start the source named
-        batches = read_positions(msg.batches, n.next_seq, self.vstart, msg.start)
+        # never past the view start the source named, nor past the position we reported (`_stop`)
+        batches = read_positions(msg.batches, n.next_seq, min(self.vstart, self._stop()), msg.start)
         if batches:
             self._take(batches)
-        else:
+        elif not self._paused():
             self._ask_log()  # not there either: the next member
 
     def _take(self, batches: list) -> None:
@@ -178,7 +189,7 @@ class Catchup:
         n._emit(Delivery(n.next_seq, tuple(batches), True, count))
         if n.next_seq == self.vstart:
             n._finish_catchup(self.vstart)
-        else:
+        elif not self._paused():
             self.ask()
 
     def on_snapshot(self, msg: Snapshot) -> None:
@@ -188,6 +199,8 @@ class Catchup:
             return
         if not n.is_witness:
             return  # members need the records themselves
+        if self._paused():
+            return  # its position was reported in this view's change (`_stop`)
         n.watermarks = dict(msg.watermarks)
         n.next_seq = n.durable_seq = msg.view_start
         n._log.clear()

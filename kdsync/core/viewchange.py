@@ -127,6 +127,19 @@ class ViewChange(Leading, Joining):
         self.eager_sent = False  # our own report went to the leader on wedging (on_wedged)
         self.eager: dict[str, Report] = {}  # leader side: reports that came before our round (member -> report)
         self.learned: dict[Ballot, set[str]] = {}  # ballot -> members that sent ACCEPTED for it in this view
+        # our delivered prefix's end in our first report of this view (None: none sent): catch-up delivers
+        # nothing past it until the next view is installed, since a leader may start that view there
+        self.reported_next: int | None = None
+
+    def reported(self) -> None:
+        """A report of ours (with `next` = our next position) goes out, or is
+        counted by our own round: from now on in this view our delivered
+        prefix must not grow (kdsync.core.catchup: a leader that found no
+        holder of the view's data starts the next view at the highest `next`
+        reported, and positions we delivered past ours would be given other
+        records — swarm clock seed 9040162)."""
+        if self.reported_next is None:
+            self.reported_next = self.n.next_seq
 
     # ------------------------------------------------------------ leadership
     def leader(self) -> str | None:
@@ -259,6 +272,7 @@ class ViewChange(Leading, Joining):
             return
         v = n.view
         acc_b, acc = self.accepted_here()
+        self.reported()
         n._send(lead, Report(n.me, n.incarnation, v.view_id, b, n._holds_view_data(),
                              tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc).encode())
 
@@ -287,6 +301,7 @@ class ViewChange(Leading, Joining):
         n._wedge()
         # joining members report too: no data, but a vote
         acc_b, acc = self.accepted_here()
+        self.reported()
         n._send(s, Report(n.me, n.incarnation, v.view_id, b, n._holds_view_data(),
                           tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc).encode())
 
