@@ -49,6 +49,8 @@ class SeveralSilent(SilenceMeter):
         if st.blocked < 0 or not self._tick_us or self.state is not self.State.ACTIVE or self.leaving \
                 or not self._is_member():
             return False
+        if self._last_tick_us is not None and self.now_us - self._last_tick_us > 4 * self._tick_us:
+            return False  # our own loop ran late: the silence may be ours (a late loop is not a silent peer)
         v, fenced, since = self.view, self.fenced, self._wait_since
         silent = {m for m in v.members if m != self.me and m not in fenced
                   and self._unusually_silent(m, since, SUSPECT_MARGIN)}
