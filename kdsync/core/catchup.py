@@ -14,6 +14,13 @@ newer view change names another source).  Meanwhile the member already
 receives and acknowledges the new view's slots, so the view does not stall
 while it catches up.
 
+Once it has reported in a change of its view (ViewChange.reported), a
+member catching up delivers nothing past the `next` position it reported
+until the next view is installed: a leader that finds no holder of the
+view's data starts the next view at the highest `next` reported, and
+positions delivered past it would be given other records there (swarm
+clock seed 9040162).  It then catches up to the new view's start.
+
 A witness has no global topic: it takes a snapshot instead — the view's
 start position and the origin watermarks there — which is all exactly-once
 needs.
