@@ -11,6 +11,28 @@ from bench.wan import SCENARIOS
 from sim.scenario import Scenario
 
 
+def _simulated(tmp_path, protocol: str, fault: str, down: tuple[str, ...], **change):
+    """Run make bench's scenario of `protocol` and `fault` with `change`
+    applied; check no violation; return (the live regions' latencies by
+    creation time, their steady p99 over 3-5.5 s)."""
+    import json
+
+    from kdsync.testing.stats import percentile
+    from bench.region import _trace
+    from sim.cli import main as sim_main
+
+    base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
+    s = _scenario(base, protocol, fault)
+    s.update(change)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(s))
+    assert sim_main(["run", str(path), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert not summary["violations"]
+    lat = _live_latencies(_trace(tmp_path / "out"), down)
+    return lat, percentile(_window(lat, 3.0, 5.5), 99)
+
+
 def test_every_run_is_a_valid_scenario_with_its_fault_and_return():
     base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
     for proto in PROTOCOLS:
@@ -69,22 +91,8 @@ def test_a_clean_stop_of_the_far_region_does_not_pause_the_others(tmp_path, seed
     caused; a five-member clock group no longer changes its view on a stop,
     and the same path is driven by tests/core/test_behaviour.py's clean-stop
     tests (`fence_stops = False`) and the swarm's groups of four."""
-    import json
-
-    from kdsync.testing.stats import percentile
-    from bench.region import _trace
-    from sim.cli import main as sim_main
-
-    base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
-    s = _scenario(base, "clock", "stop")
-    s.update(seed=seed, duration_s=14.0, faults=[{"at_s": 6.0, "stop": "tyo"}, {"at_s": 10.0, "restart": "tyo"}])
-    path = tmp_path / "stop.yaml"
-    path.write_text(yaml.safe_dump(s))
-    assert sim_main(["run", str(path), "--out", str(tmp_path / "out")]) == 0
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert not summary["violations"]
-    lat = _live_latencies(_trace(tmp_path / "out"), ("tyo",))
-    steady = percentile(_window(lat, 3.0, 5.5), 99)
+    lat, steady = _simulated(tmp_path, "clock", "stop", ("tyo",), seed=seed, duration_s=14.0,
+                             faults=[{"at_s": 6.0, "stop": "tyo"}, {"at_s": 10.0, "restart": "tyo"}])
     worst = max(_window(lat, 6.0, 9.0))
     assert worst <= 1.5 * steady, (worst, steady)
     back = max(_window(lat, 10.0, 13.0))
@@ -101,23 +109,9 @@ def test_two_regions_returning_together_cost_derecho_one_view_change(tmp_path):
     before Tokyo's JOIN had crossed the Pacific, and a second view change
     took Tokyo: the live regions' worst latency in the 5 s after the return
     was 2.2x their steady p99 (make bench on 4f17d53), 1.7x since."""
-    import json
-
-    from kdsync.testing.stats import percentile
-    from bench.region import _trace
-    from sim.cli import main as sim_main
-
-    base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
-    s = _scenario(base, "derecho", "two crash")
-    s.update(seed=27, duration_s=18.0, faults=[{"at_s": 6.0, "crash": "tyo"}, {"at_s": 6.0, "crash": "or"},
-                                                {"at_s": 12.0, "restart": "tyo"}, {"at_s": 12.0, "restart": "or"}])
-    path = tmp_path / "two.yaml"
-    path.write_text(yaml.safe_dump(s))
-    assert sim_main(["run", str(path), "--out", str(tmp_path / "out")]) == 0
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert not summary["violations"]
-    lat = _live_latencies(_trace(tmp_path / "out"), ("tyo", "or"))
-    steady = percentile(_window(lat, 3.0, 5.5), 99)
+    lat, steady = _simulated(tmp_path, "derecho", "two crash", ("tyo", "or"), seed=27, duration_s=18.0,
+                             faults=[{"at_s": 6.0, "crash": "tyo"}, {"at_s": 6.0, "crash": "or"},
+                                     {"at_s": 12.0, "restart": "tyo"}, {"at_s": 12.0, "restart": "or"}])
     back = max(_window(lat, 12.0, 17.0))
     assert back <= 2.0 * steady, (back, steady)  # seeds 25-27: 1.5-1.7x (2.1-2.2x before)
 
@@ -127,28 +121,14 @@ def test_two_regions_crashing_together_cost_the_others_one_quick_view_change(tmp
     (make bench's `two crash` row), Tokyo and Oregon crash together at 6 s
     and restart at 10 s.  No fence can be reached (it needs every other
     member's cap), so the three others suspect both once they are unusually
-    silent (kdsync.core.crash_fence: `_suspect_the_silent`) rather than after
+    silent (kdsync.core.several_silent: `_suspect_the_silent`) rather than after
     suspect_ms (3 000 here): the live regions' worst latency for events
     created in the 3 s after the crash is 2.9x their steady p99 (25.8x with
     suspect_ms, 5.1x with adaptive suspicion, on the code before), every
     invariant kept; the return stays within 2x."""
-    import json
-
-    from kdsync.testing.stats import percentile
-    from bench.region import _trace
-    from sim.cli import main as sim_main
-
-    base = yaml.safe_load((SCENARIOS / f"{FIVE}.yaml").read_text())
-    s = _scenario(base, "clock+fence", "two crash")
-    s.update(duration_s=14.0, faults=[{"at_s": 6.0, "crash": "tyo"}, {"at_s": 6.0, "crash": "or"},
-                                      {"at_s": 10.0, "restart": "tyo"}, {"at_s": 10.0, "restart": "or"}])
-    path = tmp_path / "two.yaml"
-    path.write_text(yaml.safe_dump(s))
-    assert sim_main(["run", str(path), "--out", str(tmp_path / "out")]) == 0
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert not summary["violations"]
-    lat = _live_latencies(_trace(tmp_path / "out"), ("tyo", "or"))
-    steady = percentile(_window(lat, 3.0, 5.5), 99)
+    lat, steady = _simulated(tmp_path, "clock+fence", "two crash", ("tyo", "or"), duration_s=14.0,
+                             faults=[{"at_s": 6.0, "crash": "tyo"}, {"at_s": 6.0, "crash": "or"},
+                                     {"at_s": 10.0, "restart": "tyo"}, {"at_s": 10.0, "restart": "or"}])
     worst = max(_window(lat, 6.0, 9.0))
     assert worst <= 3.5 * steady, (worst, steady)
     back = max(_window(lat, 10.0, 13.0))
