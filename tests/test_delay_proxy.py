@@ -52,9 +52,11 @@ def test_proxy_adds_its_one_way_delay_each_way(echo, delay_ms):
     direct = statistics.median(_rtts(echo))
     with DelayProxy(("127.0.0.1", echo), delay_ms) as p:
         rtts = _rtts(p.port)
+        late_ms = 1000.0 * statistics.median(p.late) if p.late else 0.0  # its own scheduling, each hop
     assert min(rtts) >= 2 * delay_ms, rtts  # never early
     added = statistics.median(rtts) - direct
-    assert 2 * delay_ms <= added + 0.5 and added < 2 * delay_ms + 8.0, (added, rtts)
+    # at most 8 ms more than the two delays, beyond what the proxy measured as its own lateness on a busy box
+    assert 2 * delay_ms <= added + 0.5 and added < 2 * delay_ms + 8.0 + 2 * late_ms, (added, late_ms, rtts)
 
 
 def test_proxy_keeps_the_stream_intact_and_in_order(echo):
