@@ -14,7 +14,7 @@ newer view change names another source).  Meanwhile the member already
 receives and acknowledges the new view's slots, so the view does not stall
 while it catches up.
 
-Once it has reported in a change of its view (ViewChange.reported), a
+Once it has reported in a change of its view (ViewChange.report), a
 member catching up delivers nothing past the `next` position it reported
 until the next view is installed: a leader that finds no holder of the
 view's data starts the next view at the highest `next` reported, and
@@ -67,7 +67,7 @@ class Catchup:
 
     def _stop(self) -> int:
         """Where catch-up stops for now: at the `next` position we reported in
-        this view's change, once we did (ViewChange.reported), else nowhere."""
+        this view's change, once we did (ViewChange.report), else nowhere."""
         r = self.n.vc.reported_next
         return _END if r is None else r
 
@@ -156,10 +156,11 @@ class Catchup:
         if n.next_seq + sum(b.count for b in batches) > vstart:
             raise RemoteProtocolError("catch-up data past the view start")
         self.vstart = vstart
-        if batches and self._paused():
-            return  # we reported our position in this view's change: it stays until the next view
         if batches:
-            self._take(read_positions(batches, n.next_seq, self._stop(), n.next_seq))
+            # not past the position we reported in this view's change (`_stop`): it stays until the next view
+            batches = read_positions(batches, n.next_seq, self._stop(), n.next_seq)
+            if batches:
+                self._take(batches)
         elif n.next_seq == vstart:
             n._finish_catchup(vstart)
         else:

@@ -85,11 +85,7 @@ class Leading:
                     n._send(m, data)
 
     def own_report(self) -> Report:
-        n = self.n
-        acc_b, acc = self.accepted_here()
-        self.reported()
-        return Report(n.me, n.incarnation, n.view.view_id, self.round.ballot, n._holds_view_data(),
-                      tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc)
+        return self.report(self.round.ballot)
 
     def collecting(self, msg) -> LeaderRound | None:
         """The round this member leads, if it collects reports and `msg`

@@ -38,9 +38,10 @@ class SeveralSilent(SilenceMeter):
         member's cap), or one once this view fenced a member already (one
         fence per view).  Silent for twice what a cap needs
         (kdsync.core.silence's SUSPECT_MARGIN: a lossy link's gaps do not
-        make its sender look gone).  Suspect them now, not after `suspect_ms` — where
-        the members still heard can form the next view without them: a
-        majority of the view, and n - q + 1 reporters for the trim.  Else
+        make its sender look gone).  Suspect them now, not after
+        `suspect_ms` — where the members still heard can form the next view
+        without them: a majority of the view, and n - q + 1 reporters for
+        the trim.  Else
         (a minority, or commit quorum 2 with two of five gone) nothing
         changes: that view change could not end before a return anyway.
         They stay suspected until they speak (a false alarm costs a view
@@ -52,9 +53,12 @@ class SeveralSilent(SilenceMeter):
         if self._last_tick_us is not None and self.now_us - self._last_tick_us > 4 * self._tick_us:
             return False  # our own loop ran late: the silence may be ours (a late loop is not a silent peer)
         v, fenced, since = self.view, self.fenced, self._wait_since
-        silent = {m for m in v.members if m != self.me and m not in fenced
-                  and self._unusually_silent(m, since, SUSPECT_MARGIN)}
-        if len(silent) + (1 if fenced else 0) < 2 or not silent.intersection(v.senders[j] for j in st.waits_for()):
+        quiet = self._unusually_silent
+        # the senders our order waits for first (every tick while it waits): mostly none is silent
+        if not any(quiet(v.senders[j], since, SUSPECT_MARGIN) for j in st.waits_for()):
+            return False
+        silent = {m for m in v.members if m != self.me and m not in fenced and quiet(m, since, SUSPECT_MARGIN)}
+        if len(silent) + (1 if fenced else 0) < 2:
             return False
         live = len(v.members) - len(silent) - len(fenced)
         if live <= len(v.members) // 2 or live < len(v.members) - self._quorum(v) + 1:

@@ -131,15 +131,19 @@ class ViewChange(Leading, Joining):
         # nothing past it until the next view is installed, since a leader may start that view there
         self.reported_next: int | None = None
 
-    def reported(self) -> None:
-        """A report of ours (with `next` = our next position) goes out, or is
-        counted by our own round: from now on in this view our delivered
-        prefix must not grow (kdsync.core.catchup: a leader that found no
-        holder of the view's data starts the next view at the highest `next`
+    def report(self, b: Ballot) -> Report:
+        """Our report for ballot `b` of the current view's change.  From now on
+        in this view our delivered prefix must not grow past its `next`
+        (`reported_next`; kdsync.core.catchup: a leader that found no holder
+        of the view's data starts the next view at the highest `next`
         reported, and positions we delivered past ours would be given other
         records — swarm clock seed 9040162)."""
+        n = self.n
         if self.reported_next is None:
-            self.reported_next = self.n.next_seq
+            self.reported_next = n.next_seq
+        acc_b, acc = self.accepted_here()
+        return Report(n.me, n.incarnation, n.view.view_id, b, n._holds_view_data(),
+                      tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc)
 
     # ------------------------------------------------------------ leadership
     def leader(self) -> str | None:
@@ -270,11 +274,7 @@ class ViewChange(Leading, Joining):
         b = (max(self.awake_round, self.promised[0]) + 1, n.rank_of[lead])
         if not self.promise(b):
             return
-        v = n.view
-        acc_b, acc = self.accepted_here()
-        self.reported()
-        n._send(lead, Report(n.me, n.incarnation, v.view_id, b, n._holds_view_data(),
-                             tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc).encode())
+        n._send(lead, self.report(b).encode())
 
     def of_this_view(self, msg: Collect | Accept) -> bool:
         """A leader's message about the current view from one of its members
@@ -289,7 +289,6 @@ class ViewChange(Leading, Joining):
         n = self.n
         if not self.of_this_view(msg):
             return
-        v = n.view
         s = msg.sender
         n.last_heard[s] = n.now
         b = msg.ballot
@@ -300,10 +299,7 @@ class ViewChange(Leading, Joining):
         self.round_seen = True
         n._wedge()
         # joining members report too: no data, but a vote
-        acc_b, acc = self.accepted_here()
-        self.reported()
-        n._send(s, Report(n.me, n.incarnation, v.view_id, b, n._holds_view_data(),
-                          tuple(n.stream.received), n.durable_seq, n.next_seq, acc_b, acc).encode())
+        n._send(s, self.report(b).encode())
 
     def on_accept(self, msg: Accept) -> None:
         n = self.n
