@@ -98,6 +98,26 @@ def test_content_is_checked_where_the_driver_has_the_bytes():
     assert anomalies(found) == ["corrupt"] and "first: a/0/1 at seq 1" in found[0].detail
 
 
+def test_members_holding_the_same_topic_are_each_judged():
+    """The checker judges a topic the same as a clean one once (its runs decide
+    duplicates, foreign events, order and loss); every member that holds a
+    wrong one is still named, and the bytes are checked at every member."""
+    sub = OffsetRanges.from_keys([ev("a", 0, x) for x in range(4)])
+    good = [ev("a", 0, x) for x in range(4)]
+    bad = good + [ev("a", 0, 1), ev("c", 0, 0)]
+    found = check({m: runs_from_events(bad) for m in ("x", "y", "z")}, submitted=sub)
+    assert sorted((v.anomaly, v.member) for v in found) == sorted(
+        (a, m) for m in ("x", "y", "z") for a in ("duplicate", "foreign", "nonmonotonic"))
+    short = check({m: runs_from_events(good[:2]) for m in ("x", "y")}, submitted=sub)
+    assert sorted((v.anomaly, v.member) for v in short) == [("lost-write", "x"), ("lost-write", "y")]
+
+    def content(member, run):  # y's bytes differ, x's and z's do not: the same runs everywhere
+        return (1, 0) if member == "y" else None
+
+    found = check({m: runs_from_events(good) for m in ("x", "y", "z")}, submitted=sub, content=content)
+    assert [(v.anomaly, v.member) for v in found] == [("corrupt", "y")]
+
+
 def _mutate(rng: random.Random, base: list) -> list:
     t = list(base)
     for _ in range(rng.randrange(3)):

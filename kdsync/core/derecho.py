@@ -426,7 +426,7 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
                 self.vc.step()
             else:
                 self._minority = False
-                if self.vc.leader() == self.me and self.vc.wanted_joiners():
+                if self.vc.joiners and self.vc.wanted_joiners() and self.vc.leader() == self.me:  # cheap test first
                     self._wedge()
                     self.vc.start_collect()
 

@@ -65,6 +65,8 @@ class FarLinks:
 
     def _init_far_links(self) -> None:
         self._gap: dict[str, int] = {}  # peer -> ticks between stream messages to it (absent: 1)
+        self._gap_key: tuple | None = None  # what the last gaps measured were computed from
+        self._gap_was: dict[str, int] = {}  # and those gaps
         self._owed: dict[str, int] = {}  # peer -> the first own slot cut and not sent to it yet
         self._owed_ack: set[str] = set()  # peers an acknowledgement or report is due to
         self._far_due: dict[str, int] = {}  # peer -> the tick by which it must hear of far slots we hold
@@ -78,8 +80,13 @@ class FarLinks:
         delay = self.leads.delays(members)
         if delay is None:
             return  # a delay is not known yet: every gap stays 1
+        key = (tuple(members), tuple(delay.values()), self.lead_us, self._quorum(self.view), self._tick_us)
+        if key == self._gap_key:
+            self._gap = self._gap_was  # the same inputs: the same gaps (never changed in place)
+            return
         lead = {m: self.lead_us if m == self.me else rule(m, members, delay) for m in members}
-        self._gap = gaps(self.me, members, delay, lead, self._quorum(self.view), self._tick_us)
+        self._gap = self._gap_was = gaps(self.me, members, delay, lead, key[3], self._tick_us)
+        self._gap_key = key
 
     def _held(self, p: str) -> bool:
         """A message to p now would come within p's gap of the last one."""
