@@ -55,6 +55,14 @@ class Leading:
                  and (old is None or r.ballot[0] > old.ballot[0])]
         if ahead:
             rnd = max(ahead, key=lambda r: (ahead.count(r), r))
+        else:
+            # none in hand yet: the round members wedging on their own offer us (on_wedged), when the
+            # only rounds above it heard of are wedged peers' promises of it — their reports may be on
+            # the way (a peer wedged in a partition named it before they wedged: seed 28 of Region
+            # failure's isolation waited a second round trip to Oregon for reports of ours above it)
+            offer = max(self.awake_round, self.promised[0]) + 1
+            if offer == self.max_round and (offer, me) > self.promised and (old is None or offer > old.ballot[0]):
+                rnd = offer
         self.max_round = max(self.max_round, rnd)
         lr = self.round = LeaderRound((rnd, n.rank_of[n.me]), n.now)
         self.promise(lr.ballot)
