@@ -279,13 +279,12 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
 
     def receive(self, sender: str, data: bytes) -> None:
         try:
-            msg = self.codec.decode(data, sender)
-            if self.leaving and self._leaving_answer(msg):
-                return
-            self._handlers[type(msg)](msg)
+            self._dispatch(self.codec.decode(data, sender))
         except RemoteProtocolError:
             self.stats["bad_messages"] += 1
             raise
+        if self._ahead:  # the view they were held for may be installed now (peers.py)
+            self._replay_ahead()
 
     # ------------------------------------------------------------- stream
     def _on_append(self, msg: Append) -> None:
@@ -361,9 +360,9 @@ class DerechoNode(Departures, HoleRepair, PeerTalk, NodeBase):
     # ------------------------------------------------------------- ticks
     def tick(self) -> None:
         super().tick()
-        now = self.now
-        cfg = self.cfg
-        state = self.state
+        if self._ahead:
+            self._replay_ahead()
+        now, cfg, state = self.now, self.cfg, self.state
         if self.leaving:  # nothing but the Leave until the group took note of it
             if not self.left and now - self._leave_sent >= cfg.retransmit_ticks:
                 self._send_leave()

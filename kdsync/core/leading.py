@@ -137,6 +137,10 @@ class Leading:
         live = self.live()
         if not self.majority(len(live)) or any(m not in lr.reports for m in live):
             return
+        if lr.ballot < self.promised:
+            # promised a higher ballot since the round began: another leader's round is on.  No ACCEPT
+            # of ours goes out — an acceptor counts the leader's ACCEPT as its vote (on_accept)
+            return
         reps = {m: lr.reports[m] for m in live}
         best = None
         for r in reps.values():
@@ -206,6 +210,8 @@ class Leading:
         return ragged_trim(reps[m].recv for m in holders), ()
 
     def accept_local(self, b: Ballot, prop: Proposal) -> None:
+        """The leader votes for its own proposal, persisted in the Ready that
+        sends its ACCEPT (never promised above `b`: leader_progress)."""
         n = self.n
         if self.promise(b):
             self.accepted = (b, prop)

@@ -11,13 +11,18 @@ incarnation, `last_heard` / `last_sent` / `acked_sent` / `ack_progress`,
 
 from __future__ import annotations
 
+from kdsync.core.errors import RemoteProtocolError
 from kdsync.core.messages import Ack, Append, Message
 
-__all__ = ["PeerTalk"]
+__all__ = ["AHEAD_MAX", "PeerTalk"]
+
+AHEAD_MAX = 256  # messages of the next view held, at most, until it is installed here
 
 
 class PeerTalk:
     """The peer-facing duties of a DerechoNode (module docstring)."""
+
+    _ahead: list[Message] | None = None  # messages of the next view, held (`_hold_ahead`)
 
     def _from_view_member(self, msg: Message) -> bool:
         """True when msg comes from the current incarnation of a member of our view."""
@@ -37,12 +42,49 @@ class PeerTalk:
 
     def _in_current_view(self, msg: Message) -> bool:
         """msg names our view and comes from the current incarnation of one of
-        its members; an older view gets a helping reply instead."""
+        its members; an older view gets a helping reply instead, the next
+        view's message is held until we are in it (`_hold_ahead`)."""
         if msg.view != self.view.view_id:
             if msg.view < self.view.view_id:
                 self.vc.stale_reply(msg.sender, msg.view)
+            elif msg.view == self.view.view_id + 1:
+                self._hold_ahead(msg)
             return False
         return self._from_view_member(msg)
+
+    def _dispatch(self, msg: Message) -> None:
+        if self.leaving and self._leaving_answer(msg):
+            return
+        self._handlers[type(msg)](msg)
+
+    def _hold_ahead(self, msg: Message) -> None:
+        """A message of the view after ours: its sender installed that view
+        before us (members learn the choice from the votes, each when a
+        majority's reached it, kdsync.core.viewchange).  Dropped, the slots
+        it carries waited for a retransmission (derecho's first slots of a
+        view: a quarter of a second on five regions); held instead, up to
+        AHEAD_MAX, and handled once we are in that view — as if the network
+        had delayed it, which every handler already allows for."""
+        ahead = self._ahead
+        if ahead is None or (ahead and ahead[0].view != msg.view):
+            ahead = self._ahead = []
+        if len(ahead) < AHEAD_MAX and (not ahead or ahead[-1] is not msg):
+            ahead.append(msg)
+            self.stats["held_ahead"] = self.stats.get("held_ahead", 0) + 1
+
+    def _replay_ahead(self) -> None:
+        """After an input: the messages held for the view we are in now, handled
+        (those of a view we passed, dropped; a bad one counted, as on arrival)."""
+        ahead, vid = self._ahead, self.view.view_id
+        if ahead[0].view > vid:
+            return
+        self._ahead = None
+        for msg in ahead:
+            if msg.view == self.view.view_id:
+                try:
+                    self._dispatch(msg)
+                except RemoteProtocolError:
+                    self.stats["bad_messages"] += 1
 
     def dormant(self) -> bool:
         """Quiet (nothing but heartbeats and silence counting until input):

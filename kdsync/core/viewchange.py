@@ -323,6 +323,10 @@ class ViewChange(Leading, Joining):
             for m in v.members:
                 if m == s or (m != n.me and m not in n.suspected):  # the leader always, even when suspected
                     n._send(m, data)
+            # the ACCEPT is its leader's vote too: the leader accepted its proposal at b, on disk
+            # before the ACCEPT left (Leading.accept_local, the Ready contract), so a majority may be
+            # the leader, us and one more a member of five, not three votes besides the leader's
+            self.learned.setdefault(b, set()).add(s)
             self.learn(b)
 
     def on_install(self, msg: Install) -> None:
