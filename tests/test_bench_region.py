@@ -8,6 +8,7 @@ import yaml
 
 from bench.region import FAULT_S, FAULTS, FIVE, PROTOCOLS, RETURN_S, TIMING, _curve, _live_latencies, _scenario, _window
 from bench.wan import SCENARIOS
+from kdsync.core.silence import MARGIN
 from sim.scenario import Scenario
 
 
@@ -151,3 +152,35 @@ def test_an_isolated_region_returns_in_one_round_of_the_view_change(tmp_path):
                                       "until_s": 10.0}])
     back = max(_window(lat, 10.0, 13.0))
     assert back <= 3.0 * steady, (back, steady)
+
+
+def test_under_load_a_crashed_region_is_capped_as_soon_as_the_order_waits_for_it(tmp_path, monkeypatch):
+    """Five regions, clock with the crash fence, Tokyo crashes at 6 s.  Tokyo's
+    lead makes its last promises run ahead, so Oregon's order begins to wait
+    for it some 85 ms after its last message; every member has held
+    undelivered slots all along (longer than a round trip to Tokyo), so a
+    live Tokyo would have spoken meanwhile, and each member caps it the tick
+    its order begins to wait — no later than its usual-silence margin after
+    its last message (kdsync.core.crash_fence: `_owed_since`).  Oregon used
+    to count the silence from when its order began to wait, capping 46 ms
+    later, and every other member's fence waited for Oregon's cap.  The
+    fence holds: no violation, every event once."""
+    from kdsync.core.crash_fence import CrashFencing
+
+    caps, cap = [], CrashFencing._cap
+
+    def noted(self, k, a):  # (member, its clock, since when its order waited, the capped one's last message, margin)
+        s = self.view.senders[k]
+        margin = MARGIN * (self._usual_gap(s) or 0) + 2 * self._tick_us
+        caps.append((self.me, self.now_us, self._wait_since, self._heard_us[s], margin))
+        return cap(self, k, a)
+
+    monkeypatch.setattr(CrashFencing, "_cap", noted)
+    lat, steady = _simulated(tmp_path, "clock+fence", "crash", ("tyo",), duration_s=12.0,
+                             faults=[{"at_s": 6.0, "crash": "tyo"}, {"at_s": 9.0, "restart": "tyo"}])
+    assert {m for m, *_ in caps} == {"fra", "ie", "va", "or"}, caps  # one cap each: the crash
+    tick = 5_000
+    for m, now, waited, heard, margin in caps:
+        assert now <= max(waited + tick, heard + margin + tick), (m, now - waited, now - heard, margin)
+    worst = max(_window(lat, 6.0, 8.5))  # before the return's view change
+    assert worst <= 2.2 * steady, (worst, steady)

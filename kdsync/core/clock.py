@@ -291,6 +291,8 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
         st = self.stream
         if msg.k >= st.n:
             raise RemoteProtocolError("slot data names no sender")
+        if st.caps is not None:
+            self._keep_beyond(msg)  # a capped sender's slots sent ahead (kdsync.core.crash_fence)
         if st.add(msg.k, msg.first, msg.slots):
             self._ack_due.add(self.view.senders[msg.k])  # acknowledged at once: a repair, not a far slot's first arrival
             self._due_stamp = max(self._due_stamp, msg.slots[-1][0])

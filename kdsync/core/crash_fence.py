@@ -111,12 +111,13 @@ from __future__ import annotations
 
 from kdsync.core.fence import may_fence
 from kdsync.core.fenced_return import FencedReturn
-from kdsync.core.messages import Cap, NoCap, SlotReq
+from kdsync.core.messages import Cap, NoCap, SlotData, SlotReq
 from kdsync.core.several_silent import SeveralSilent
 from kdsync.core.types import RemoteProtocolError
 
 __all__ = ["CrashFencing"]
 
+BEYOND_MAX = 64  # slots of a capped sender sent ahead to, or kept aside by, one member
 MAX_ATTEMPTS = 8  # attempts to fence one sender in one view that a NOCAP ended: then only suspicion
 
 
@@ -134,7 +135,10 @@ class CrashFencing(FencedReturn, SeveralSilent):
         self._cap_sent = -10**9
         self._crash_fenced = False  # we fenced it (every other member's cap of that attempt is here)
         self._fence_holder: str | None = None  # a member holding its slots up to the fence
+        self._beyond: dict[int, tuple] = {}  # the capped sender's slots past our cap, sent by a higher capper
+        self._pushed: set[tuple[str, int, int]] = set()  # (capper, sender index, attempt) we sent our slots past its cap
         self._wait_since: int | None = None  # since when our order waits for a promise (None: it does not)
+        self._busy_since: int | None = None  # since when some held slot is undelivered here (None: none is)
         self._told_since: int | None = None  # the member we fenced spoke again: since when we tell it so
         self._told_sent = -10**9  # our last FENCE naming it, to it
         self._knows_capped = False  # a CAP naming us came: we do not trust our own count of our slots either
@@ -147,12 +151,37 @@ class CrashFencing(FencedReturn, SeveralSilent):
         return heard[2] if heard is not None else -1
 
     def _note_wait(self) -> None:
-        """After a delivery attempt: since when our order waits for some sender's promise."""
+        """After a delivery attempt: since when our order waits for some
+        sender's promise, and since when it holds slots it has not delivered."""
         st = self.stream
         if st.blocked < 0:
             self._wait_since = None
         elif self._wait_since is None:
             self._wait_since = self.now_us
+        if self._wait_since is not None or st.waiting():
+            if self._busy_since is None:
+                self._busy_since = self.now_us
+        else:
+            self._busy_since = None
+
+    def _owed_since(self, s: str) -> int | None:
+        """Since when a live s owes us messages, as far as we can tell: when
+        our order began to wait for it, or — when we have held undelivered
+        slots for longer than a round trip to s — our busy period's start
+        plus that round trip.  Every slot we hold went to s too, and s reports
+        every tick while anything waits there, so its reports about the
+        first of them reached us within a round trip to s (one way from its
+        origin to s, then s to us: triangle inequality).  Under steady load
+        s's silence then counts from its last message rather than from when
+        our order first needed it; s's lead (its promises run ahead) used to
+        add most of that wait (Region failure's crash: Oregon capped Tokyo
+        85 ms after Tokyo's last message).  Only how soon we cap changes: a
+        cap of a live sender costs a NOCAP round trip, never safety."""
+        w, b = self._wait_since, self._busy_since
+        if w is None or b is None:
+            return w
+        one_way = self.leads.one_way(s)
+        return w if one_way is None else min(w, b + 2 * one_way)
 
     def _may_cap(self, k: int, since: int | None) -> bool:
         """We may cap sender k: the crash fence is on, C1 needs two holders
@@ -197,7 +226,7 @@ class CrashFencing(FencedReturn, SeveralSilent):
         if k < 0 or self._dead.get(k, -1) >= MAX_ATTEMPTS - 1:
             return
         s = senders[k]
-        if self._clock_of(s) > self._recap_clock.get(k, -1) and self._unusually_silent(s, self._wait_since) \
+        if self._clock_of(s) > self._recap_clock.get(k, -1) and self._unusually_silent(s, self._owed_since(s)) \
                 and self._may_cap(k, self._wait_since):
             self._cap(k, self._dead.get(k, -1) + 1)
 
@@ -215,7 +244,8 @@ class CrashFencing(FencedReturn, SeveralSilent):
             self._nocap(k, a)
         else:
             since = since if self._wait_since is None else self._wait_since
-            if self._unusually_silent(s, since) and self._may_cap(k, since):
+            if self._unusually_silent(s, self._owed_since(s) if self._wait_since is not None else since) \
+                    and self._may_cap(k, since):
                 self._pending.pop(k, None)
                 self._cap(k, a)
 
@@ -262,6 +292,7 @@ class CrashFencing(FencedReturn, SeveralSilent):
             self._cap_k = self._cap_a = -1
             self._recap_clock[k] = self._clock_of(self.view.senders[k])
             self.stream.cap(k, None)  # (none once wedged: caps end with the view's order)
+            self._beyond.clear()
             self.stats["caps_lifted"] = self.stats.get("caps_lifted", 0) + 1
             self._try_deliver()
 
@@ -279,6 +310,7 @@ class CrashFencing(FencedReturn, SeveralSilent):
         if prev is not None and prev != msg.count:
             raise RemoteProtocolError("two caps of one sender from one member in one attempt")
         caps[msg.sender] = msg.count
+        self._push_beyond(msg.sender, k, a, msg.count)
         if (self._cap_k, self._cap_a) == (k, a):
             if not msg.echo:  # it may lack ours (a cap goes again only to those whose cap is missing)
                 self._send_cap(missing_only=False, to=msg.sender)
@@ -344,13 +376,50 @@ class CrashFencing(FencedReturn, SeveralSilent):
         self.fence_recv = ()  # its final received vector is not known: the trim needs n - q + 1 reporters
         st.fence(k, c)
         self.stats["crash_fences"] = self.stats.get("crash_fences", 0) + 1
+        for i in sorted(i for i in self._beyond if i < c):  # sent ahead by a higher capper (`_push_beyond`)
+            st.add(k, i, (self._beyond[i],))
+            self.stats["fence_slots_ahead"] = self.stats.get("fence_slots_ahead", 0) + 1
+        self._beyond.clear()
         if st.received[k] < c:
+            # the nearest member whose cap was the fence (measured one-way delays; rank without one):
+            # Oregon, one slot short of the fence, asked Frankfurt 80 ms away, not Virginia at 44
+            near = self.leads.one_way
             self._fence_holder = min((m for m, x in caps.items() if x == c and m != self.me),
-                                     key=self.rank_of.__getitem__)
+                                     key=lambda m: (near(m) is None, near(m) or 0, self.rank_of[m]))
             self._note_hole(k, c)
             self._send(self._fence_holder, SlotReq(self.me, self.incarnation, v.view_id, k, st.received[k],
                                                    min(c, st.received[k] + 64)).encode())
         self._try_deliver()
+
+    def _push_beyond(self, capper: str, k: int, a: int, count: int) -> None:
+        """A CAP of sender k below our count: the fence, the largest cap, will be
+        at least ours, and the capper would then fetch the slots it lacks, a
+        round trip after it fences (a 391-ms crash window on Region failure's
+        seed 30: Oregon one slot short, Frankfurt asked).  Send them now,
+        once per capper and attempt; it keeps them aside, uncounted, until it
+        fences (`_keep_beyond`)."""
+        st = self.stream
+        if self.wedged or capper == self.view.senders[k] or count >= st.received[k] \
+                or (capper, k, a) in self._pushed:
+            return
+        run = st.held_run(k, count, min(st.received[k], count + BEYOND_MAX))
+        if run:
+            self._pushed.add((capper, k, a))
+            self._send(capper, SlotData(self.me, self.incarnation, self.view.view_id, k, count, tuple(run)).encode())
+
+    def _keep_beyond(self, msg: SlotData) -> None:
+        """Slot data of the current view from one of its members, while a cap
+        is in force (ClockNode._on_slot_data): slots of the sender we capped
+        past our cap, sent ahead by a member that capped higher, are kept
+        aside — not held, so neither counted nor acknowledged, and our cap's
+        promise stands — and taken once the fence is known and covers them
+        (`_check_caps`)."""
+        k = msg.k
+        if k == self._cap_k and not self._crash_fenced:
+            top = self.stream.caps[k]
+            for i, slot in enumerate(msg.slots, msg.first):
+                if i >= top and len(self._beyond) < BEYOND_MAX:
+                    self._beyond[i] = slot
 
     # ------------------------------------------------------------ who leads
     def refused_leader(self, s: str) -> None:
