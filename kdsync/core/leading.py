@@ -6,7 +6,7 @@ ACCEPTED, INSTALL — as a mixin of ViewChange, which holds the Paxos state
 
 from __future__ import annotations
 
-from kdsync.core.messages import Accept, Collect, Install, Proposal, Report
+from kdsync.core.messages import Accept, Accepted, Collect, Install, Proposal, Report
 from kdsync.core.stream import ragged_trim
 from kdsync.core.types import RemoteProtocolError
 
@@ -88,9 +88,17 @@ class Leading:
             self.leader_progress()
         else:
             data = Accept(n.me, n.incarnation, v.view_id, lr.ballot, lr.proposal).encode()
+            # our own vote goes with it (ACCEPTED, as every voter's): an acceptor counts it, so of five
+            # members the leader, it and one more install the view (ViewChange.learn), half a round
+            # trip to the leader sooner than its INSTALL.  Sent only when we voted (accept_local; on
+            # disk in the same Ready): an ACCEPT alone says nothing of the leader's vote (an older
+            # release sends it also after it promised a higher ballot)
+            vote = Accepted(n.me, n.incarnation, v.view_id, lr.ballot).encode() if n.me in lr.accepts else None
             for m in lr.acceptors:
                 if m not in lr.accepts and m != n.me:
                     n._send(m, data)
+                    if vote is not None:
+                        n._send(m, vote)
 
     def own_report(self) -> Report:
         return self.report(self.round.ballot)
@@ -136,10 +144,6 @@ class Leading:
             return
         live = self.live()
         if not self.majority(len(live)) or any(m not in lr.reports for m in live):
-            return
-        if lr.ballot < self.promised:
-            # promised a higher ballot since the round began: another leader's round is on.  No ACCEPT
-            # of ours goes out — an acceptor counts the leader's ACCEPT as its vote (on_accept)
             return
         reps = {m: lr.reports[m] for m in live}
         best = None
@@ -210,8 +214,8 @@ class Leading:
         return ragged_trim(reps[m].recv for m in holders), ()
 
     def accept_local(self, b: Ballot, prop: Proposal) -> None:
-        """The leader votes for its own proposal, persisted in the Ready that
-        sends its ACCEPT (never promised above `b`: leader_progress)."""
+        """The leader votes for its own proposal unless it promised a higher
+        ballot meanwhile (persisted in the Ready that sends its ACCEPT)."""
         n = self.n
         if self.promise(b):
             self.accepted = (b, prop)

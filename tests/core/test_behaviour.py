@@ -589,14 +589,14 @@ def test_a_leader_starts_at_the_round_its_wedged_peers_offered_it():
     assert not check_invariants(net, submitted=sub, live=live)
 
 
-def test_an_acceptor_counts_the_leaders_accept_as_its_vote():
-    """The leader votes for its own proposal before its ACCEPT leaves (on
-    disk in the same Ready), so the ACCEPT is a vote: of five members, an
-    acceptor holding the ACCEPT and one other's ACCEPTED has three votes
-    and installs the view at once, without the leader's INSTALL (half a
-    round trip to the leader sooner; every INSTALL is dropped here, and one
-    acceptor's ACCEPTED too).  Before, it counted only the ACCEPTED votes and
-    waited for the INSTALL.  Every event once, everywhere."""
+def test_an_acceptor_counts_the_leaders_own_vote():
+    """The leader votes for its own proposal (on disk in the Ready that sends
+    its ACCEPT) and sends its ACCEPTED with the ACCEPT: of five members, an
+    acceptor holding the leader's vote and one other's has three votes and
+    installs the view at once, without the leader's INSTALL (half a round
+    trip to the leader sooner; every INSTALL is dropped here, and one
+    acceptor's ACCEPTED too).  Before, the leader's vote reached nobody and
+    they waited for the INSTALL.  Every event once, everywhere."""
     from kdsync.core.messages import Accepted, Install
 
     ids = ["a", "b", "c", "d", "e"]
