@@ -6,7 +6,7 @@ ACCEPTED, INSTALL — as a mixin of ViewChange, which holds the Paxos state
 
 from __future__ import annotations
 
-from kdsync.core.messages import Accept, Accepted, Collect, Install, Proposal, Report
+from kdsync.core.messages import Accept, Collect, Install, Proposal, Report
 from kdsync.core.stream import ragged_trim
 from kdsync.core.types import RemoteProtocolError
 
@@ -55,14 +55,6 @@ class Leading:
                  and (old is None or r.ballot[0] > old.ballot[0])]
         if ahead:
             rnd = max(ahead, key=lambda r: (ahead.count(r), r))
-        else:
-            # none in hand yet: the round members wedging on their own offer us (on_wedged), when the
-            # only rounds above it heard of are wedged peers' promises of it — their reports may be on
-            # the way (a peer wedged in a partition named it before they wedged: seed 28 of Region
-            # failure's isolation waited a second round trip to Oregon for reports of ours above it)
-            offer = max(self.awake_round, self.promised[0]) + 1
-            if offer == self.max_round and (offer, me) > self.promised and (old is None or offer > old.ballot[0]):
-                rnd = offer
         self.max_round = max(self.max_round, rnd)
         lr = self.round = LeaderRound((rnd, n.rank_of[n.me]), n.now)
         self.promise(lr.ballot)
@@ -88,17 +80,9 @@ class Leading:
             self.leader_progress()
         else:
             data = Accept(n.me, n.incarnation, v.view_id, lr.ballot, lr.proposal).encode()
-            # our own vote goes with it (ACCEPTED, as every voter's): an acceptor counts it, so of five
-            # members the leader, it and one more install the view (ViewChange.learn), half a round
-            # trip to the leader sooner than its INSTALL.  Sent only when we voted (accept_local; on
-            # disk in the same Ready): an ACCEPT alone says nothing of the leader's vote (an older
-            # release sends it also after it promised a higher ballot)
-            vote = Accepted(n.me, n.incarnation, v.view_id, lr.ballot).encode() if n.me in lr.accepts else None
             for m in lr.acceptors:
                 if m not in lr.accepts and m != n.me:
                     n._send(m, data)
-                    if vote is not None:
-                        n._send(m, vote)
 
     def own_report(self) -> Report:
         return self.report(self.round.ballot)
