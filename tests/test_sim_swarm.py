@@ -103,6 +103,10 @@ REGRESSION_SCENARIOS = {
     "swarm-clock-9303115.yaml": "every member crashed or stopped and restarted, then partitions and flapping links: "
                                 "the leader sending its own ACCEPTED with its ACCEPT (a stop-66 change, reverted "
                                 "before landing) left the group wedged for good",
+    "swarm-clock-9304842.yaml": "commit quorum 1, every member but m0 crashed and restarted while m0 was paused: "
+                                "the others ran rounds up to 21 and refused m0's lower COLLECTs without a word; "
+                                "m0 climbed one round per timed-out attempt and was not past them when the settle "
+                                "ended (2 000 events unordered; stuck until refusals named the promised round)",
     # the fail-over sequencer (protocol: sequencer in the YAML)
     "swarm-seq-4759.yaml": "a forwarder resent one chunk of its outbox per round after a lost FORWARD: a backlog "
                            "drained too slowly to be ordered before the settle ended (lost writes)",
@@ -127,8 +131,6 @@ def test_swarm_regression_scenario(name):
 # not fixed yet: each must keep failing until it is (strict xfail), then moves
 # to REGRESSION_SCENARIOS.
 OPEN_SCENARIOS: dict[str, str] = {
-    "swarm-clock-9304842.yaml": "five members (found at stop 66, fails on b2c49e7 too): the group ends wedged and "
-                                "forming, some 2 000 acknowledged events never ordered (stuck; not traced yet)",
 }
 
 

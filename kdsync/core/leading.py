@@ -18,7 +18,7 @@ class LeaderRound:
     """The leader's side of one ballot: COLLECT, then ACCEPT (exists only while
     this member leads a view change)."""
 
-    __slots__ = ("ballot", "phase", "reports", "accepts", "proposal", "acceptors", "started", "sent", "gap")
+    __slots__ = ("ballot", "phase", "reports", "accepts", "proposal", "acceptors", "started", "sent", "gap", "wanted")
 
     COLLECT = "collect"
     ACCEPT = "accept"
@@ -33,6 +33,7 @@ class LeaderRound:
         self.started = now
         self.sent = -10**9
         self.gap = 0  # ticks from the last send to the next retransmission (0: retransmit_ticks)
+        self.wanted: set[str] = set()  # suspected members whose report the base path waits for (asked too)
 
 
 class Leading:
@@ -71,7 +72,7 @@ class Leading:
         lr.sent = n.now
         v = n.view
         if lr.phase == LeaderRound.COLLECT:
-            for m in self.live():
+            for m in [*self.live(), *sorted(lr.wanted)]:
                 if m == n.me:
                     if m not in lr.reports:
                         lr.reports[m] = self.own_report()
@@ -114,6 +115,8 @@ class Leading:
             if lr is not None and n.wedged and self.leader() == n.me:
                 self.start_collect()
             return
+        if msg.ballot[1] != n.rank_of[n.me]:
+            self.heard_round(msg.ballot[0], True)  # another leader's round, promised: ours must go above it
         lr = self.collecting(msg)
         if lr is None or msg.ballot != lr.ballot:
             return
@@ -157,13 +160,26 @@ class Leading:
         v = n.view
         holders = self.trim_holders(live, reps)
         if not holders:
+            # a suspected member of the view that answered this round's COLLECT is alive: the base path
+            # takes it in as it takes a joiner (its report names its incarnation and delivered prefix),
+            # where it used to wait for a JOIN that a member nobody excluded never sends (swarm clock
+            # seed 9303115: the leader suspected the member whose report it waited for)
+            answered = {m: r for m, r in self.round.reports.items() if m not in reps} if self.round else {}
+            reps = {**reps, **answered}
+            live = [m for m in v.members if m in reps]
             # every durable prefix must be known before a start is chosen: those of
             # the old view's members, and of every cluster, since a member excluded
             # from the old view may hold positions that no member of it made durable
             # (swarm seed 8935: the old view's only cluster never finished catching
             # up; its start was durable only at the excluded member)
             needed = set(v.members) | set(n.sender_ids)
-            if any(m not in reps and m not in self.joiners for m in needed):
+            missing = {m for m in needed if m not in reps and m not in self.joiners}
+            if missing:
+                ask = {m for m in missing if m in v.members} - self.round.wanted
+                if ask:  # suspected members of the view: asked as well (above), alive ones answer
+                    self.round.wanted |= ask
+                    for m in sorted(ask):
+                        n._send(m, Collect(n.me, n.incarnation, v.view_id, self.round.ballot).encode())
                 return None
         members = sorted(set(live) | set(self.joiners), key=n.rank_of.__getitem__)
         incs = [reps[m].inc if m in reps else self.joiners[m][0] for m in members]
