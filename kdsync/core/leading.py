@@ -45,17 +45,30 @@ class Leading:
     def start_collect(self) -> None:
         n = self.n
         old = self.round
-        rnd = max(self.max_round, self.promised[0], old.ballot[0] if old else 0) + 1
+        rnd = max(self.max_round, self.taken_round, self.promised[0], old.ballot[0] if old else 0) + 1
         # a ballot of ours that members reported for already (on_wedged),
-        # when we never used it (every ballot we used is at most our promise)
-        # and no round above it was heard of but theirs (their promises raise
+        # when we never used it (every ballot we used is at most our promise),
+        # no round above it was heard of but theirs (their promises raise
         # max_round through their acknowledgements: that one does not count)
+        # and no other leader is known to use its round (`taken_round`)
         me = n.rank_of[n.me]
         ahead = [r.ballot[0] for r in self.eager.values()
-                 if (r.ballot[0], me) > self.promised and r.ballot[0] >= self.max_round
+                 if (r.ballot[0], me) > self.promised and self.taken_round < r.ballot[0] >= self.max_round
                  and (old is None or r.ballot[0] > old.ballot[0])]
         if ahead:
             rnd = max(ahead, key=lambda r: (ahead.count(r), r))
+        else:
+            # none in hand yet: the round members wedging on their own offer us (on_wedged), when the
+            # only rounds above it heard of are wedged peers' promises of it — their reports may be on
+            # the way (a peer wedged in a partition named it before they wedged: seed 28 of Region
+            # failure's isolation waited a second round trip to Oregon for reports of ours above it)
+            # the failure that first reverted this rule (swarm clock seed 9300287): the round heard of was
+            # a leading peer's, and our ballot of the same round stayed below its one at every member that
+            # promised it; a round another leader is known to use (`taken_round`) is never offered to us
+            offer = max(self.awake_round, self.promised[0]) + 1
+            if (offer == self.max_round and offer > self.taken_round and (offer, me) > self.promised
+                    and (old is None or offer > old.ballot[0])):
+                rnd = offer
         self.max_round = max(self.max_round, rnd)
         lr = self.round = LeaderRound((rnd, n.rank_of[n.me]), n.now)
         self.promise(lr.ballot)
@@ -117,6 +130,7 @@ class Leading:
             return
         if msg.ballot[1] != n.rank_of[n.me]:
             self.heard_round(msg.ballot[0], True)  # another leader's round, promised: ours must go above it
+            self.taken(msg.ballot)
         lr = self.collecting(msg)
         if lr is None or msg.ballot != lr.ballot:
             return

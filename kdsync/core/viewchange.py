@@ -101,6 +101,10 @@ class ViewChange(Leading, Joining):
         self.promised: Ballot = promised
         self.accepted = accepted  # (ballot, proposal): the vote, persisted until a newer one replaces it
         self.max_round = promised[0]
+        # the highest round another leader is known to have used (its COLLECT or ACCEPT came, or a refusal
+        # named its ballot): a round heard of only through acknowledgements may be one offered to us
+        # (leading.py `start_collect`), never one of these
+        self.taken_round = 0
         # the highest round heard of but from the acknowledgements of wedged peers: an early
         # report's ballot (on_wedged) is chosen from it, so that members wedging one after
         # another offer the same ballot (a wedged peer's round may be its own early offer)
@@ -287,8 +291,14 @@ class ViewChange(Leading, Joining):
             return False
         return msg.view == n.view.view_id and msg.sender in n.view.members
 
+    def taken(self, b: Ballot) -> None:
+        """Ballot `b` is another member's: its round is not ours to take."""
+        if b[1] != self.n.rank_of.get(self.n.me) and b[0] > self.taken_round:
+            self.taken_round = b[0]
+
     def on_collect(self, msg: Collect) -> None:
         n = self.n
+        self.taken(msg.ballot)
         if not self.of_this_view(msg):
             return
         s = msg.sender
@@ -318,6 +328,7 @@ class ViewChange(Leading, Joining):
 
     def on_accept(self, msg: Accept) -> None:
         n = self.n
+        self.taken(msg.ballot)
         if not self.of_this_view(msg):
             return
         v = n.view
