@@ -48,7 +48,14 @@ position, first: a member excluded earlier can hold durable positions that
 no member of the old view made durable, and no durable position may be
 reused.  Positions that were ordered but are durable nowhere (held only in
 the memory of processes that all died) are given to new records: no
-cluster ever showed them.
+cluster ever showed them.  A member the leader suspects is asked too when
+its report is missing; one that answers is alive and taken into the new
+view as a joiner is (leading.py `new_proposal`).
+
+Liveness of the ballots: a member refusing a COLLECT or ACCEPT below its
+promise answers with its report for the ballot it promised (`refuse`), and
+no round the leader picks is at or below one another member is known to
+use (`taken_round`; leading.py `start_collect`).
 
 A restarted member (new incarnation, amnesiac) or an excluded one sends
 JOIN; the leader wedges its view and takes it in with the next view change
