@@ -60,11 +60,9 @@ class Leading:
         else:
             # none in hand yet: the round members wedging on their own offer us (on_wedged), when the
             # only rounds above it heard of are wedged peers' promises of it — their reports may be on
-            # the way (a peer wedged in a partition named it before they wedged: seed 28 of Region
-            # failure's isolation waited a second round trip to Oregon for reports of ours above it)
-            # the failure that first reverted this rule (swarm clock seed 9300287): the round heard of was
-            # a leading peer's, and our ballot of the same round stayed below its one at every member that
-            # promised it; a round another leader is known to use (`taken_round`) is never offered to us
+            # the way (isolation seed 28 of Region failure waited a second round trip to Oregon).  Not a
+            # round another leader is known to use (`taken_round`): our ballot of it would stay below
+            # theirs wherever they were promised (swarm clock seed 9300287)
             offer = max(self.awake_round, self.promised[0]) + 1
             if (offer == self.max_round and offer > self.taken_round and (offer, me) > self.promised
                     and (old is None or offer > old.ballot[0])):
@@ -178,7 +176,8 @@ class Leading:
             # takes it in as it takes a joiner (its report names its incarnation and delivered prefix),
             # where it used to wait for a JOIN that a member nobody excluded never sends (swarm clock
             # seed 9303115: the leader suspected the member whose report it waited for)
-            answered = {m: r for m, r in self.round.reports.items() if m not in reps} if self.round else {}
+            lr = self.round  # the round we lead (None: called outside one, as a unit test does)
+            answered = {m: r for m, r in lr.reports.items() if m not in reps} if lr is not None else {}
             reps = {**reps, **answered}
             live = [m for m in v.members if m in reps]
             # every durable prefix must be known before a start is chosen: those of
@@ -189,11 +188,11 @@ class Leading:
             needed = set(v.members) | set(n.sender_ids)
             missing = {m for m in needed if m not in reps and m not in self.joiners}
             if missing:
-                ask = {m for m in missing if m in v.members} - self.round.wanted
-                if ask:  # suspected members of the view: asked as well (above), alive ones answer
-                    self.round.wanted |= ask
+                ask = {m for m in missing if m in v.members} - lr.wanted if lr is not None else set()
+                if ask:  # suspected members of the view: asked now and with each retransmission (broadcast)
+                    lr.wanted |= ask
                     for m in sorted(ask):
-                        n._send(m, Collect(n.me, n.incarnation, v.view_id, self.round.ballot).encode())
+                        n._send(m, Collect(n.me, n.incarnation, v.view_id, lr.ballot).encode())
                 return None
         members = sorted(set(live) | set(self.joiners), key=n.rank_of.__getitem__)
         incs = [reps[m].inc if m in reps else self.joiners[m][0] for m in members]

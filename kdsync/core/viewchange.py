@@ -346,20 +346,19 @@ class ViewChange(Leading, Joining):
         if b < self.promised:
             self.refuse(s)
             return
-        if b >= self.promised:
-            self.round_seen = True
-            n._wedge()
-            self.promise(b)
-            self.accepted = (b, msg.proposal)
-            n._hard_dirty = True
-            # the vote goes to every member, not only the leader: each learns
-            # the choice from a majority of votes (on_accepted) half a round
-            # trip before the leader's INSTALL would reach it
-            data = Accepted(n.me, n.incarnation, v.view_id, b).encode()
-            for m in v.members:
-                if m == s or (m != n.me and m not in n.suspected):  # the leader always, even when suspected
-                    n._send(m, data)
-            self.learn(b)
+        self.round_seen = True
+        n._wedge()
+        self.promise(b)
+        self.accepted = (b, msg.proposal)
+        n._hard_dirty = True
+        # the vote goes to every member, not only the leader: each learns
+        # the choice from a majority of votes (on_accepted) half a round
+        # trip before the leader's INSTALL would reach it
+        data = Accepted(n.me, n.incarnation, v.view_id, b).encode()
+        for m in v.members:
+            if m == s or (m != n.me and m not in n.suspected):  # the leader always, even when suspected
+                n._send(m, data)
+        self.learn(b)
 
     def on_install(self, msg: Install) -> None:
         n = self.n
