@@ -63,9 +63,9 @@ def write_outputs(result, out: Path) -> None:
     # one row group per (shard, member): memory holds one member's rows, not the run's
     with pq.ParquetWriter(out / "trace.parquet", schema) as w:
         wrote = False
-        for t in result.trace_chunks():
-            if t["seq"]:
-                w.write_table(pa.table({name: t[name] for name in schema.names}, schema=schema))
+        for t in result.trace_tables():
+            if t.num_rows:
+                w.write_table(t.select(schema.names).cast(schema))
                 wrote = True
         if not wrote:
             w.write_table(schema.empty_table())

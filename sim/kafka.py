@@ -62,7 +62,7 @@ class SourcePartition:
 class GlobalTopic:
     """The durable global topic of one cluster: batches in position order."""
 
-    __slots__ = ("batches", "firsts", "ts", "handed", "length", "watermarks")
+    __slots__ = ("batches", "firsts", "ts", "handed", "length", "watermarks", "acks")
 
     def __init__(self) -> None:
         self.batches: list[Batch] = []
@@ -71,6 +71,7 @@ class GlobalTopic:
         self.handed: list[float] = []  # when the member handed it to its producer (the record's CreateTime)
         self.length = 0
         self.watermarks: dict[tuple[str, int], int] = {}
+        self.acks = None  # sim.trace.batch_acks: per batch, when its source acknowledged it (set after the run)
 
     def append(self, b: Batch, now: float, handed: float | None = None) -> None:
         self.batches.append(b)

@@ -44,6 +44,7 @@ from sim.kafka import Cluster
 from sim.members import SERVICE_RECORDS, SimMember
 from sim.network import SimNetwork
 from sim.scenario import Scenario, ScenarioError
+from sim.trace import TraceSource, batch_acks, batch_columns
 from sim.workload import writes
 
 TICK_S = 0.010  # one node tick = 10 ms of simulated time
@@ -112,60 +113,11 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
 
 
 @dataclass
-class _TraceSource:
-    run_id: str
-    clusters: dict[str, Cluster]
-    shards: int = 1
-
-    def columns(self) -> dict[str, list]:
-        """One row per (member, record in its global topic): expanded only here.
-        With shards, each shard (one partition of every global topic) is a run of
-        its own (`run_id` ends in /SHARD): its positions are per partition."""
-        t: dict[str, list] = {c: [] for c in TRACE_COLUMNS}
-        for part in self.chunks():
-            for name, values in part.items():
-                t[name].extend(values)
-        return t
-
-    def chunks(self) -> Iterator[dict[str, list]]:
-        """The rows of `columns()`, one (shard, member) at a time: a writer that
-        streams them holds one member's global topic in memory, not every
-        member's (50 sites x 800 000 events is 40 M rows)."""
-        for shard in range(self.shards):
-            run_id = self.run_id if self.shards == 1 else f"{self.run_id}/{shard}"
-            for mid, c in self.clusters.items():
-                t: dict[str, list] = {name: [] for name in TRACE_COLUMNS}
-                topic = c.topics[shard]
-                n = topic.length
-                t["run_id"].extend([run_id] * n)
-                t["member"].extend([mid] * n)
-                t["seq"].extend(range(n))
-                for b, dts in zip(topic.batches, topic.ts):
-                    o, p, f, k = b.origin, b.partition, b.first_offset, b.count
-                    offs = range(f, f + k)
-                    t["event_id"].extend(f"{o}/{p}/{x}" for x in offs)  # as kdsync audit
-                    t["origin"].extend([o] * k)
-                    t["origin_partition"].extend([p] * k)
-                    t["origin_offset"].extend(offs)
-                    t["submit_ts"].extend([_ack_time(self.clusters, b)] * k)
-                    t["deliver_ts"].extend([dts] * k)
-                yield t
-
-
-def _ack_time(sources: dict[str, Cluster], b: Batch) -> float:
-    """When the origin cluster acknowledged the records of `b` (one source batch)."""
-    c = sources.get(b.origin)
-    if c is None or b.partition >= len(c.source) or b.first_offset >= c.source[b.partition].end:
-        return float("nan")
-    return c.source[b.partition].ack_time(b.first_offset)
-
-
-@dataclass
 class RunResult:
     summary: dict[str, Any]
     violations: list[Violation]
     failing: list[Violation]  # the violations that make the exit code 1
-    _trace_source: _TraceSource
+    _trace_source: TraceSource
     _trace: dict[str, list] | None = None
 
     @property
@@ -186,6 +138,15 @@ class RunResult:
             yield self._trace
         else:
             yield from self._trace_source.chunks()
+
+    def trace_tables(self) -> Iterator:
+        """The rows of `trace` as one `pyarrow.Table` per shard and member."""
+        if self._trace is not None:
+            import pyarrow as pa
+
+            yield pa.table(self._trace)
+        else:
+            yield from self._trace_source.tables()
 
 
 NodeFactory = Callable[..., Any]
@@ -520,30 +481,32 @@ class Simulation:
         first_opens = self.scenario.kafka.writer_linger_ms / 1000.0  # librdkafka: the first record waits it all
         handed, sent, counts = [], [], []
         for t in (t for c in self.clusters.values() for t in c.topics):
-            for b, h in zip(t.batches, t.handed):
-                ack = _ack_time(self.clusters, b)
-                if ack == ack:  # not NaN
-                    handed.append(h)
-                    sent.append(ack - self.produce_s)
-                    counts.append(b.count)
-        if not counts:
+            ack = batch_acks(self.clusters, t)
+            ok = ~np.isnan(ack)
+            handed.append(np.asarray(t.handed, dtype=np.float64)[ok])
+            sent.append(ack[ok] - self.produce_s)
+            counts.append(batch_columns(t)[0][ok])
+        if not counts or not sum(len(k) for k in counts):
             return np.zeros(0), np.zeros(0)
-        k = np.asarray(counts)
+        handed, sent, counts = np.concatenate(handed), np.concatenate(sent), np.concatenate(counts)
+        k = counts
         idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # index of each record in its batch
         if first_opens > 0:
-            created = np.repeat(np.asarray(sent), k) - first_opens * (1.0 - idx / np.repeat(k, k))
+            created = np.repeat(sent, k) - first_opens * (1.0 - idx / np.repeat(k, k))
         else:
-            created = np.repeat(np.asarray(sent), k) - linger * (idx + 0.5) / np.repeat(k, k)
-        return np.floor(np.repeat(np.asarray(handed), k) * 1000.0) - np.floor(created * 1000.0), created
+            created = np.repeat(sent, k) - linger * (idx + 0.5) / np.repeat(k, k)
+        return np.floor(np.repeat(handed, k) * 1000.0) - np.floor(created * 1000.0), created
 
     def latencies(self) -> list[tuple[float, int]]:
         """(latency ms, records) per delivered batch, every cluster."""
+        import numpy as np
+
         out: list[tuple[float, int]] = []
         for t in (t for c in self.clusters.values() for t in c.topics):
-            for b, dts in zip(t.batches, t.ts):
-                ack = _ack_time(self.clusters, b)
-                if ack == ack:  # not NaN
-                    out.append(((dts - ack) * 1000.0, b.count))
+            ack = batch_acks(self.clusters, t)
+            ok = ~np.isnan(ack)
+            lat = (np.asarray(t.ts, dtype=np.float64)[ok] - ack[ok]) * 1000.0
+            out += zip(lat.tolist(), batch_columns(t)[0][ok].tolist())
         return out
 
 
@@ -648,7 +611,7 @@ def run_scenario(
         "member_state": {site: _site_state(nodes) for site, nodes in sim.site_nodes.items()},
         "shards": k,
     }
-    return RunResult(summary, violations, failing, _TraceSource(f"{s.name}:{seed}", sim.clusters, k))
+    return RunResult(summary, violations, failing, TraceSource(f"{s.name}:{seed}", sim.clusters, k))
 
 
 def _stage_means(sim: Simulation) -> dict:

@@ -103,3 +103,47 @@ def test_trace_is_written_one_member_at_a_time(tmp_path):
     assert f.metadata.num_row_groups == 6
     assert f.read().to_pydict() == r.trace  # the same rows as the whole trace, in the same order
     assert len(r.trace["seq"]) == 3 * (3 * 8)  # each member holds the 24 events once, each in its shard
+
+
+def test_trace_and_latencies_are_each_record_of_each_global_batch(tmp_path):
+    """The trace and the latency summaries are built in columns (sim.trace):
+    they hold, record by record, what a plain walk of every member's global
+    topic gives — positions, event ids, offsets, the source's acknowledgement
+    time and the durable time — across shards, partitions and a crash."""
+    need_protocol("clock")
+    import math
+
+    from sim.runner import Simulation, run_scenario
+    from sim.scenario import parse_scenario
+
+    s = parse_scenario("name: t\nprotocol: clock\nduration_s: 2\nsettle_s: 3\nshards: 2\n"
+                       "members: [{id: a}, {id: b}, {id: c}]\n"
+                       "workload: [{member: all, rate_eps: 200, partitions: 3}]\n"
+                       "faults: [{at_s: 0.5, crash: c}, {at_s: 1.2, restart: c}]\n")
+    r = run_scenario(s)
+    assert r.exit_code == 0
+    clusters = r._trace_source.clusters
+    want = {c: [] for c in TRACE_COLUMNS}
+    lat = []
+    for shard in range(2):
+        for mid, c in clusters.items():
+            seq = 0
+            for b, dts in zip(c.topics[shard].batches, c.topics[shard].ts):
+                src = clusters[b.origin].source[b.partition]
+                ack = src.ack_time(b.first_offset)
+                for off in range(b.first_offset, b.first_offset + b.count):
+                    for name, v in (("run_id", f"t:{s.seed}/{shard}"), ("member", mid),
+                                    ("event_id", f"{b.origin}/{b.partition}/{off}"), ("origin", b.origin),
+                                    ("origin_partition", b.partition), ("origin_offset", off), ("seq", seq),
+                                    ("submit_ts", ack), ("deliver_ts", dts)):
+                        want[name].append(v)
+                    seq += 1
+    for c in clusters.values():  # latencies(): per cluster, per shard
+        for t in c.topics:
+            for b, dts in zip(t.batches, t.ts):
+                lat.append(((dts - clusters[b.origin].source[b.partition].ack_time(b.first_offset)) * 1000.0, b.count))
+    assert len(want["seq"]) > 3 * 200 and r.trace == want
+    assert not any(math.isnan(x) for x in want["submit_ts"])
+    sim = Simulation.__new__(Simulation)  # the latencies of the finished run's clusters
+    sim.clusters = clusters
+    assert Simulation.latencies(sim) == lat
