@@ -89,6 +89,28 @@ class _ContentCheck:
 
     def __init__(self, topics: Mapping[str, GlobalTopic], sources: Mapping[str, Cluster]) -> None:
         self.topics, self.sources = topics, sources
+        self._want: dict[tuple, Batch | None] = {}  # (origin, partition, first offset, count) -> the source's records
+
+    def whole(self, member: str) -> bool:
+        """Every record of `member`'s global topic is the submitted one: each
+        delivered batch against the source records of its offsets (joined
+        once per distinct batch, which every member delivers alike)."""
+        want, get = self._want, self._want.get
+        for b in self.topics[member].batches:
+            key = (b.origin, b.partition, b.first_offset, b.count)
+            w = get(key, False)
+            if w is False:
+                w = want[key] = self._source_batch(*key)
+            if w is None or b.data != w.data or b.lengths != w.lengths or b.timestamps != w.timestamps:
+                return False  # the runs say which and where
+        return True
+
+    def _source_batch(self, origin: str, partition: int, first_offset: int, count: int) -> Batch | None:
+        c = self.sources.get(origin)
+        if c is None or partition >= len(c.source):
+            return None
+        parts = _source_slice(c.source[partition], first_offset, count)
+        return None if parts is None else Batch.join(parts)
 
     def __call__(self, member: str, run: Run) -> tuple[int, int] | None:
         src_c = self.sources.get(run.origin)
