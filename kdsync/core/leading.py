@@ -6,7 +6,7 @@ ACCEPTED, INSTALL — as a mixin of ViewChange, which holds the Paxos state
 
 from __future__ import annotations
 
-from kdsync.core.messages import Accept, Collect, Install, Proposal, Report
+from kdsync.core.messages import Accept, Accepted, Collect, Install, Proposal, Report
 from kdsync.core.stream import ragged_trim
 from kdsync.core.types import RemoteProtocolError
 
@@ -92,9 +92,16 @@ class Leading:
             self.leader_progress()
         else:
             data = Accept(n.me, n.incarnation, v.view_id, lr.ballot, lr.proposal).encode()
+            # our own vote goes with it (ACCEPTED, as every voter's): of five members an acceptor holding
+            # it and one more installs (ViewChange.learn), half a round trip to us before our INSTALL.
+            # Only when we voted (accept_local, on disk in the same Ready): an ACCEPT alone says nothing
+            # of the leader's vote (an older release sends it also after it promised a higher ballot)
+            vote = Accepted(n.me, n.incarnation, v.view_id, lr.ballot).encode() if n.me in lr.accepts else None
             for m in lr.acceptors:
                 if m not in lr.accepts and m != n.me:
                     n._send(m, data)
+                    if vote is not None:
+                        n._send(m, vote)
 
     def own_report(self) -> Report:
         return self.report(self.round.ballot)
@@ -228,7 +235,8 @@ class Leading:
 
     def accept_local(self, b: Ballot, prop: Proposal) -> None:
         """The leader votes for its own proposal unless it promised a higher
-        ballot meanwhile (persisted in the Ready that sends its ACCEPT)."""
+        ballot meanwhile (persisted in the Ready that sends its ACCEPT, and
+        its ACCEPTED goes with the ACCEPT: `broadcast`)."""
         n = self.n
         if self.promise(b):
             self.accepted = (b, prop)

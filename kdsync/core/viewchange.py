@@ -17,14 +17,16 @@ decided history once a newer view exists and never enters a later instance
 (it would be re-proposed for the wrong view and refused by every acceptor:
 swarm seed 102261).
 
-Two shortcuts save a round trip each without changing what is chosen.  A
+Three shortcuts save time without changing what is chosen.  A
 member that wedges on its own (a suspicion, a leave, a peer's wedge) reports
 at once to the leader it sees, for the ballot that leader would start next
 (`on_wedged`); the leader starts its round at that ballot when it never used
 it, and the reports it holds count (`eager`).  Every voter sends ACCEPTED to
 every member, and a voter installs once a majority voted for its ballot
-(`learn`); the leader's INSTALL still goes to everyone.  Members so
-install at different instants: a message of the next view is held until it
+(`learn`) — the leader's own vote included: it sends its ACCEPTED with its
+ACCEPT when it voted (an older release sends none, and its voters wait as
+before); the leader's INSTALL still goes to everyone.  Members so install
+at different instants: a message of the next view is held until it
 is installed here (kdsync.core.peers, `_hold_ahead`).
 
 The leader's round lives in kdsync.core.leading (`Leading`, a mixin of

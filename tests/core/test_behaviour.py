@@ -539,6 +539,41 @@ def test_members_report_on_wedging_and_learn_the_next_view_from_the_votes():
     assert not check_invariants(net, submitted=sub, live=live)
 
 
+def test_an_acceptor_counts_the_leaders_own_vote():
+    """The leader votes for its own proposal (on disk in the Ready that sends
+    its ACCEPT) and sends its ACCEPTED with the ACCEPT: of five members, an
+    acceptor holding the leader's vote and one other's has three votes and
+    installs the view at once, without the leader's INSTALL (half a round
+    trip to the leader sooner; every INSTALL is dropped here, and one
+    acceptor's ACCEPTED too).  Before, the leader's vote reached nobody and
+    they waited for the INSTALL.  Every event once, everywhere."""
+    from kdsync.core.messages import Accepted, Install
+
+    ids = ["a", "b", "c", "d", "e"]
+    net = formed(ids, **dict(VIEW_CHANGING_STOP, suspect_ticks=300))
+    sub = keys(net.submit("b", 3))
+    net.stabilize()
+    enqueue, dropped = net._enqueue, []
+
+    def drop(a, b, data):
+        if isinstance(data, bytes) and (data[1] == Install.TYPE or (a == "d" and data[1] == Accepted.TYPE)):
+            dropped.append(data[1])
+            return None
+        return enqueue(a, b, data)
+
+    net._enqueue = drop
+    net.node("e").leave()
+    live = ("a", "b", "c", "d")
+    net.run_until(lambda: all(net.node(m).status == "active" and net.node(m).view.members == live for m in live),
+                  300)
+    assert Install.TYPE in dropped and Accepted.TYPE in dropped  # what was dropped was sent
+    net._enqueue = enqueue
+    net.crash("e")
+    sub |= keys(net.submit("c", 4))
+    net.tick(10)
+    assert not check_invariants(net, submitted=sub, live=live)
+
+
 def test_a_message_of_the_next_view_waits_until_that_view_is_installed():
     """Members install a view each when a majority's votes reach it, so one
     may send in the new view to a peer that has not installed it yet.  That
