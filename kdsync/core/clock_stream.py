@@ -41,7 +41,7 @@ C2 holds, never what is delivered.
 from __future__ import annotations
 
 from collections import deque
-from operator import itemgetter
+from operator import itemgetter, lt
 from typing import Iterable, Sequence
 
 from kdsync.core.batch import Batch
@@ -281,8 +281,7 @@ class ClockStream:
 
     def waiting(self) -> bool:
         """Some held slot is not delivered here yet (clock reports are due)."""
-        nxt, rcv = self.next, self.received
-        return any(nxt[k] < rcv[k] for k in range(self.n))
+        return any(map(lt, self.next, self.received))  # (hot: once per tick and Ready)
 
     def forget_stable(self) -> None:
         """Drop delivered slots every member holds: no view change can need
