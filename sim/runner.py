@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import simpy
 from simpy.events import Timeout
 
-from kdsync.invariants import TRACE_COLUMNS
+from kdsync.invariants import TRACE_COLUMNS  # noqa: F401  (the trace schema, for callers of the runner)
 from kdsync.testing.stats import percentiles, weighted_percentile
 from kdsync.testing.clocks import PERFECT, ClockFault
 from kdsync.core import Batch, Delivery, HardState, LocalProtocolError, NodeConfig, OrderingNode, make_node
@@ -488,8 +488,7 @@ class Simulation:
             counts.append(batch_columns(t)[0][ok])
         if not counts or not sum(len(k) for k in counts):
             return np.zeros(0), np.zeros(0)
-        handed, sent, counts = np.concatenate(handed), np.concatenate(sent), np.concatenate(counts)
-        k = counts
+        handed, sent, k = np.concatenate(handed), np.concatenate(sent), np.concatenate(counts)
         idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # index of each record in its batch
         if first_opens > 0:
             created = np.repeat(sent, k) - first_opens * (1.0 - idx / np.repeat(k, k))
