@@ -44,7 +44,7 @@ from sim.kafka import Cluster
 from sim.members import SERVICE_RECORDS, SimMember
 from sim.network import SimNetwork
 from sim.scenario import Scenario, ScenarioError
-from sim.trace import TraceSource, batch_acks, batch_columns
+from sim.trace import TraceSource, batch_acks, batch_counts
 from sim.workload import writes
 
 TICK_S = 0.010  # one node tick = 10 ms of simulated time
@@ -485,7 +485,7 @@ class Simulation:
             ok = ~np.isnan(ack)
             handed.append(np.asarray(t.handed, dtype=np.float64)[ok])
             sent.append(ack[ok] - self.produce_s)
-            counts.append(batch_columns(t)[0][ok])
+            counts.append(batch_counts(t)[ok])
         if not counts or not sum(len(k) for k in counts):
             return np.zeros(0), np.zeros(0)
         handed, sent, k = np.concatenate(handed), np.concatenate(sent), np.concatenate(counts)
@@ -505,7 +505,7 @@ class Simulation:
             ack = batch_acks(self.clusters, t)
             ok = ~np.isnan(ack)
             lat = (np.asarray(t.ts, dtype=np.float64)[ok] - ack[ok]) * 1000.0
-            out += zip(lat.tolist(), batch_columns(t)[0][ok].tolist())
+            out += zip(lat.tolist(), batch_counts(t)[ok].tolist())
         return out
 
 

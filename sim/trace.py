@@ -57,11 +57,16 @@ def batch_acks(sources: Mapping[str, Cluster], topic: GlobalTopic) -> np.ndarray
     return out
 
 
+def batch_counts(topic: GlobalTopic) -> np.ndarray:
+    """The record count of each batch of `topic`."""
+    return np.fromiter((x.count for x in topic.batches), dtype=np.int64, count=len(topic.batches))
+
+
 def batch_columns(topic: GlobalTopic) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """(record counts, partitions, first offsets, origins) of the batches of `topic`."""
     b = topic.batches
     n = len(b)
-    counts = np.fromiter((x.count for x in b), dtype=np.int64, count=n)
+    counts = batch_counts(topic)
     parts = np.fromiter((x.partition for x in b), dtype=np.int64, count=n)
     firsts = np.fromiter((x.first_offset for x in b), dtype=np.int64, count=n)
     return counts, parts, firsts, [x.origin for x in b]
