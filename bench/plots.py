@@ -10,8 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"derecho": "#1f77b4", "clock": "#2ca02c", "clock+fence": "#d62728", "sequencer": "#ff7f0e",
-          "mirror": "#7f7f7f"}
+COLORS = {"derecho": "#1f77b4", "clock": "#2ca02c", "clock+fence": "#d62728", "clock+lift": "#9467bd",
+          "sequencer": "#ff7f0e", "mirror": "#7f7f7f"}
 PROTOCOLS = ("derecho", "sequencer", "mirror")
 
 

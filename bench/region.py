@@ -42,7 +42,9 @@ from bench.wan import SCENARIOS, _run, _violations
 from kdsync.testing.stats import percentile
 
 FIVE = "wan-five-regions"
-PROTOCOLS = ("derecho", "clock", "clock+fence")  # clock+fence: clock with protocol.crash_fence (kdsync.core.crash_fence)
+# clock+fence: clock with protocol.crash_fence (kdsync.core.crash_fence); clock+lift: and protocol.lift_fence
+# (the fenced region's return taken back in place, without a view change: kdsync.core.lift)
+PROTOCOLS = ("derecho", "clock", "clock+fence", "clock+lift")
 FAULT_S, RETURN_S, DURATION_S = 10.0, 20.0, 30.0
 STEADY = (4.0, 9.5)  # creation times of the steady window (s)
 AFTER_FAULT_S, AFTER_RETURN_S = 3.0, 5.0
@@ -70,7 +72,8 @@ def _scenario(base: dict, protocol: str, fault: str, suspicion: str = "fixed") -
     name, protocol = protocol, protocol.split("+")[0]
     s = dict(base, name=f"{FIVE}-{_key(name, fault, suspicion)}", protocol=protocol, duration_s=DURATION_S,
              faults=faults, timing=dict(TIMING))
-    s["crash_fence"] = name.endswith("+fence")  # clock: without it (the default since stop 61 is with it)
+    s["crash_fence"] = name.endswith(("+fence", "+lift"))  # clock: without it (the default since stop 61 is with it)
+    s["lift_fence"] = name.endswith("+lift")
     if suspicion == "adaptive":
         s["adaptive_suspect"] = True
     if fault in MAJORITY_FAULTS and protocol == "clock":

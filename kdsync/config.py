@@ -327,6 +327,9 @@ class ProtocolSection(_Model):
     # other member instead of stopping the order until a view change
     # (kdsync.core.crash_fence; the default since stop 61: docs/wan.md)
     crash_fence: bool = True
+    # clock: a fenced member's restart is taken back in place, without a
+    # view change (kdsync.core.lift; off by default until the swarm has run it)
+    lift_fence: bool = False
 
     @model_validator(mode="before")
     @classmethod

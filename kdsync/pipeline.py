@@ -151,7 +151,8 @@ def node_config(cfg: Config) -> NodeConfig:
                       log_retention=p.log_retention, catchup_chunk=p.catchup_chunk,
                       clock_lead_us=int((p.clock_lead_ms or 0) * 1000),
                       auto_lead=p.clock_lead_ms is None, commit_quorum=p.commit_quorum,
-                      adaptive_suspect=p.adaptive_suspect, crash_fence=p.crash_fence)
+                      adaptive_suspect=p.adaptive_suspect, crash_fence=p.crash_fence,
+                      lift_fence=p.lift_fence)
 
 
 class ReadHost(Protocol):

@@ -82,7 +82,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
                           suspect_ticks=ticks(t["suspect_ms"]), heartbeat_ticks=ticks(t["heartbeat_ms"]),
                           retransmit_ticks=ticks(t["retransmit_ms"]), clock_lead_us=lead_us, auto_lead=auto_lead,
                           commit_quorum=s.commit_quorum, adaptive_suspect=s.adaptive_suspect,
-                          crash_fence=s.crash_fence)
+                          crash_fence=s.crash_fence, lift_fence=s.lift_fence)
     worst_ms = s.network.default.latency_ms or 1.0
     worst_ms += 3 * (s.network.default.jitter_ms or 0.0)
     for o in s.network.links:
@@ -109,6 +109,7 @@ def node_config(s: Scenario, member_id: str) -> NodeConfig:
         commit_quorum=s.commit_quorum,
         adaptive_suspect=s.adaptive_suspect,
         crash_fence=s.crash_fence,
+        lift_fence=s.lift_fence,
     )
 
 

@@ -273,6 +273,9 @@ class Scenario(_Strict):
     # extension: kdsync run's protocol.crash_fence (clock: a member silent while the order waits for it
     # is fenced by every other member, without a view change: kdsync.core.crash_fence)
     crash_fence: bool = True
+    # extension: kdsync run's protocol.lift_fence (clock: a fenced member's restart is taken back in
+    # place, without a view change: kdsync.core.lift)
+    lift_fence: bool = False
 
     @property
     def member_ids(self) -> tuple[str, ...]:

@@ -61,6 +61,7 @@ PROBE_S = 0.2  # the liveness probe: this long after the fault phase
 EVENT_BUDGET = 2400
 SETTLE_S = 12.0  # the liveness phase ends earlier once every member has converged
 CRASH_FENCE_SHARE = 0.5  # clock seeds run with protocol.crash_fence (the default; the rest without it)
+LIFT_SHARE = 0.5  # of those, the share run with protocol.lift_fence (kdsync.core.lift)
 EPISODES = (
     ("crash", 3),
     ("crash-in-view-change", 2),
@@ -266,6 +267,8 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
     kinds += ["adaptive-suspect"] if adaptive else []
     crash_fence = protocol == "clock" and random.Random(f"swarm2/{seed}/crash_fence").random() < CRASH_FENCE_SHARE
     kinds += ["crash-fence"] if crash_fence else []
+    lift = crash_fence and random.Random(f"swarm2/{seed}/lift").random() < LIFT_SHARE  # its own stream, as quiesce's
+    kinds += ["lift"] if lift else []
     return (
         {
             "name": f"swarm-{seed}",
@@ -288,6 +291,7 @@ def _draw(seed: int, protocol: str) -> tuple[dict, list[str]]:
             **({"quiesce": True} if quiesce else {}),
             **({"adaptive_suspect": True} if adaptive else {}),
             "crash_fence": crash_fence,
+            **({"lift_fence": True} if lift else {}),
         },
         kinds,
     )

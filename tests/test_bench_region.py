@@ -40,7 +40,8 @@ def test_every_run_is_a_valid_scenario_with_its_fault_and_return():
         for fault, (down, _) in FAULTS.items():
             s = Scenario.model_validate(_scenario(base, proto, fault))
             assert s.protocol == proto.split("+")[0] and s.timing.suspect_ms == TIMING["suspect_ms"]
-            assert s.crash_fence == (proto == "clock+fence")
+            assert s.crash_fence == (proto in ("clock+fence", "clock+lift"))
+            assert s.lift_fence == (proto == "clock+lift")
             kinds = [f.model_dump(by_alias=True, exclude_none=True) for f in s.faults]
             hit = {v for f in kinds for k, v in f.items() if k in ("crash", "stop")}
             if fault == "isolate":

@@ -201,7 +201,9 @@ def test_swarm_draws_clock_faults_for_clock_only():
     assert all(any(m.clock_lead_ms is None for m in s.members) for s in drawn)  # ...beside chosen ones
     assert {s.commit_quorum for s in drawn} == {0, 1, 2}
     assert {s.crash_fence for s in drawn} == {False, True}  # kdsync.core.crash_fence in about half
-    ours = {"protocol": True, "clocks": True, "commit_quorum": True, "crash_fence": True,
+    assert {s.lift_fence for s in drawn if s.crash_fence} == {False, True}  # kdsync.core.lift in half of those
+    assert not any(s.lift_fence for s in drawn if not s.crash_fence)
+    ours = {"protocol": True, "clocks": True, "commit_quorum": True, "crash_fence": True, "lift_fence": True,
             "members": {"__all__": {"clock_lead_ms"}}}
     for seed in range(40):  # the rest of the scenario is the derecho seed's
         d = swarm_scenario(seed, "derecho")

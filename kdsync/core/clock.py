@@ -95,6 +95,9 @@ for that falls silent for longer than usual is capped by the member that
 notices (it takes none of its slots past those it holds) and by every
 member that hears so while it too finds the sender silent; once every other
 member's cap is known, the sender is fenced at the largest, as a leaver is.
+With `lift_fence` a fenced member's return is taken back in place, each
+other member waiting for its clock from a timestamp it promised, without a
+view change (kdsync.core.lift).
 
 *Clean stop* (kdsync.core.fence).  A leaver cuts nothing more, so it
 promises the end of time: its peers fence it (C2 skips it once its slots
@@ -116,6 +119,7 @@ from kdsync.core.derecho import DerechoNode
 from kdsync.core.far_links import FAR_ACK_AGE_PART, FAR_ACK_MAX_TICKS, FAR_TICKS, FarLinks
 from kdsync.core.fence import Fencing
 from kdsync.core.leads import Leads
+from kdsync.core.lift import LiftFence
 from kdsync.core.clock_viewchange import ClockViewChange
 from kdsync.core.messages import (CLOCK_MESSAGES, Ack, Append, Cap, ClockAck, ClockAppend, Delays, Fence, NoCap, SlotData,
                                   SlotReq)
@@ -130,7 +134,7 @@ NEVER = 1 << 62
 REPORT_GAP = 2  # a clock report goes to a peer that got nothing from us in the last REPORT_GAP ticks
 
 
-class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
+class ClockNode(LiftFence, CrashFencing, Fencing, FarLinks, DerechoNode):
     protocol = "clock"
     MESSAGES = CLOCK_MESSAGES
     VIEW_CHANGE = ClockViewChange
@@ -220,6 +224,8 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
         if self.wedged:
             if self.state is self.State.WEDGED:
                 self.vc.keep_late(senders.index(s), msg.first, msg.slots)
+            elif self._lift_on:
+                self._lifted_append(senders.index(s), msg)
             return
         st = self.stream
         k = senders.index(s)
@@ -344,7 +350,7 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
             # that got nothing from us since the previous tick (every message reports)
             last = self.now - REPORT_GAP
             for p in self.view.members:
-                if p != self.me and p not in self.suspected and self.last_sent[p] < last:
+                if p != self.me and p not in self.suspected and self.last_sent[p] < last and p not in self._lifted_inc:
                     self._ack_to(p)
         self._report_while_joining()
 
@@ -352,7 +358,10 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
         """Asking to be taken in: a clock report to every peer each heartbeat,
         promising a heartbeat and a tick ahead of the clock (each tick until
         the tick's length is known); module doc: promises outlive views."""
-        if self.state not in (self.State.JOINING, self.State.REJOINING) or self.leaving:
+        if self.state not in (self.State.JOINING, self.State.REJOINING) or self.leaving \
+                or (self._lift_asked is not None and not self._lift_off):
+            # (asking to be taken back in place, or taken back: our reports go every few ticks, at our clock,
+            # kdsync.core.lift; a report a heartbeat ahead would move every member's clock, so its stamps, ahead)
             self._joining_since = NEVER
             return
         now, hb, tick_us = self.now, self.cfg.heartbeat_ticks, self._tick_us
@@ -368,7 +377,7 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
 
     # -------------------------------------------------------------- output
     def _may_cut(self) -> bool:
-        return bool(self.pending) and not self.wedged and self.stream.may_cut(IN_FLIGHT)
+        return bool(self.pending) and (not self.wedged or self._lift_on) and self.stream.may_cut(IN_FLIGHT)
 
     def has_ready(self) -> bool:
         return self._ack_due or self._may_cut() or super(DerechoNode, self).has_ready()
@@ -396,7 +405,7 @@ class ClockNode(CrashFencing, Fencing, FarLinks, DerechoNode):
         matters only to its C2.  (Far slots: kdsync.core.far_links.)"""
         due, stamp = self._ack_due, self._due_stamp
         self._ack_due, self._due_stamp = set(), -1
-        if self._is_member() and not self.wedged:
+        if self._is_member() and (not self.wedged or self._lift_on):
             every = self._quorum(self.view) > 2
             view, promised = self.view.view_id, self._promised
             for p in self.view.members:

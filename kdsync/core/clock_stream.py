@@ -133,6 +133,16 @@ class ClockStream:
         while inflight and inflight[0] < low:
             inflight.popleft()
 
+    def lift(self, k: int, floor: int) -> None:
+        """Sender k, fenced (every slot of it below the fence held), returns
+        as a new incarnation (kdsync.core.lift): its slots continue from the
+        fence, each stamped above `floor`, and its promise is `floor` until it
+        reports past it.  Its acknowledgements still count for nothing here."""
+        self.cap(k, None)
+        self.reports[k].clear()
+        self.promised[k] = floor
+        self.changed = True
+
     def cap(self, k: int, upto: int | None) -> None:
         """Take no slot of sender k at index `upto` or past it (its received
         count stays at most `upto`): a crash fence's promise

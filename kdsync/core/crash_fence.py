@@ -193,8 +193,8 @@ class CrashFencing(FencedReturn, SeveralSilent):
         could be reached."""
         v = self.view
         s = v.senders[k]
-        return (self.cfg.crash_fence and self._cap_k < 0 and not self.fenced and not self.suspected
-                and not self.wedged and not self.leaving and self._is_member()
+        return (self.cfg.crash_fence and self._cap_k < 0 and not self.fenced and not self._lifted_inc
+                and not self.suspected and not self.wedged and not self.leaving and self._is_member()
                 and self.state in (self.State.ACTIVE, self.State.CATCHING_UP)
                 and self._quorum(v) >= 2 and may_fence(len(v.members), self.cfg.commit_quorum)
                 and all(m in self._heard_here and not self._unusually_silent(m, since)

@@ -146,7 +146,7 @@ class Fencing:
         if self.leaving or leaver in self.fenced:
             self._answer_fence(leaver)
             return
-        if (self.state in (self.State.ACTIVE, self.State.CATCHING_UP) and not self.fenced
+        if (self.state in (self.State.ACTIVE, self.State.CATCHING_UP) and not self.fenced and not self._lifted_inc
                 and leaver not in self.suspected and may_fence(len(v.members), self.cfg.commit_quorum)):
             self.fenced[leaver] = msg.cut
             self.fence_recv = tuple(msg.recv)

@@ -36,7 +36,8 @@ class FencedReturn:
     def _from_view_member(self, msg) -> bool:
         ok = super()._from_view_member(msg)  # (kdsync.core.silence measures the gap)
         if ok and self._crash_fenced and self.view.senders[self._cap_k] == msg.sender \
-                and type(msg) in (ClockAck, ClockAppend) and msg.clock > self._cap_clock:
+                and type(msg) in (ClockAck, ClockAppend) and msg.clock > self._cap_clock \
+                and self._lifted_inc.get(msg.sender) != msg.inc:
             self._fenced_spoke(msg.sender)  # fenced, yet alive (cut off, not crashed)
         return ok
 

@@ -24,8 +24,8 @@ class Joining:
 
     def send_join(self) -> None:
         n = self.n
-        if n.leaving:
-            return  # a member that left cleanly does not ask to be taken back
+        if n.leaving or n.lifts_instead():
+            return  # a member that left cleanly does not ask to be taken back; one taken back in place need not
         data = Join(n.me, n.incarnation, n.durable_seq, n.next_seq).encode()
         for p in n.peers:
             n._send(p, data)

@@ -7,7 +7,7 @@ Theory of operation
 Each class below names its fields once (`FIELDS`: name and kind, see
 kdsync.core.codec); protocol code reads `msg.view`, `msg.recv`.  The tuples at
 the end of each section (`DERECHO_MESSAGES`, `CLOCK_MESSAGES`,
-`MIRROR_MESSAGES`) are the messages a protocol's codec accepts; a type code
+and kdsync.core.mirror's `MIRROR_MESSAGES`) are the messages a protocol's codec accepts; a type code
 not in them is a `RemoteProtocolError` (an older release drops a newer
 message that way, and carries on).
 """
@@ -464,31 +464,32 @@ class NoCap(Message):
     attempt: int
 
 
+class Lift(Message):
+    """The new incarnation of the sender fenced in `view` asks to be waited
+    for from timestamp `clock` on, in that view, without a view change
+    (kdsync.core.lift).  An older release drops it: the asker then joins."""
+
+    __slots__ = ("view", "clock")
+    TYPE = 26
+    FIELDS = (("view", INT), ("clock", INT))
+    view: int
+    clock: int
+
+
+class Lifted(Message):
+    """The answer to Lift: the sender waits for sender index `k` of `view`
+    at every timestamp at or above `clock` and takes its slots from `cut`
+    (the fence) on; `cut` -1: it does not (the asker joins instead)."""
+
+    __slots__ = ("view", "k", "cut", "clock")
+    TYPE = 27
+    FIELDS = (("view", INT), ("k", INT), ("cut", INT_M1), ("clock", INT))
+    view: int
+    k: int
+    cut: int
+    clock: int
+
+
 CLOCK_MESSAGES = (ClockAppend, ClockAck, Collect, Report, Accept, Accepted, Install, Join, CatchupReq, CatchupData,
-                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge, Delays, Fence, Cap, NoCap)
-
-# ------------------------------------------------------------------- mirror
-class MirrorData(Message):
-    """Own stream entries first.. as batches; `base` = where the sender
-    believes the receiver is durable."""
-
-    __slots__ = ("first", "batches", "base")
-    TYPE = 1
-    FIELDS = (("first", INT), ("batches", BATCHES), ("base", INT))
-    first: int
-    batches: tuple[Batch, ...]
-    base: int
-
-
-class MirrorAck(Message):
-    """The receiver made the stream of incarnation `stream_inc` durable up to
-    `upto`."""
-
-    __slots__ = ("stream_inc", "upto")
-    TYPE = 2
-    FIELDS = (("stream_inc", INT), ("upto", INT))
-    stream_inc: int
-    upto: int
-
-
-MIRROR_MESSAGES = (MirrorData, MirrorAck)
+                  Snapshot, Hint, LogReq, LogData, SlotReq, SlotData, Leave, Nudge, Delays, Fence, Cap, NoCap,
+                  Lift, Lifted)

@@ -22,7 +22,33 @@ from typing import Iterable
 from kdsync.core.base import NodeBase
 from kdsync.core.errors import RemoteProtocolError
 from kdsync.core.batch import Batch
-from kdsync.core.messages import MIRROR_MESSAGES, Codec, MirrorAck, MirrorData
+from kdsync.core.codec import BATCHES, INT, Codec, Message
+
+
+class MirrorData(Message):
+    """Own stream entries first.. as batches; `base` = where the sender
+    believes the receiver is durable."""
+
+    __slots__ = ("first", "batches", "base")
+    TYPE = 1
+    FIELDS = (("first", INT), ("batches", BATCHES), ("base", INT))
+    first: int
+    batches: tuple[Batch, ...]
+    base: int
+
+
+class MirrorAck(Message):
+    """The receiver made the stream of incarnation `stream_inc` durable up to
+    `upto`."""
+
+    __slots__ = ("stream_inc", "upto")
+    TYPE = 2
+    FIELDS = (("stream_inc", INT), ("upto", INT))
+    stream_inc: int
+    upto: int
+
+
+MIRROR_MESSAGES = (MirrorData, MirrorAck)
 
 
 class MirrorNode(NodeBase):

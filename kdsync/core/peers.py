@@ -23,6 +23,11 @@ class PeerTalk:
     """The peer-facing duties of a DerechoNode (module docstring)."""
 
     _ahead: list[Message] | None = None  # messages of the next view, held (`_hold_ahead`)
+    _lifted_inc: dict[str, int] = {}  # member -> its incarnation taken back in this view (clock: kdsync.core.lift)
+
+    def lifts_instead(self) -> bool:
+        """Ask to be taken back in place instead of joining (clock: kdsync.core.lift)."""
+        return False
 
     def _from_view_member(self, msg: Message) -> bool:
         """True when msg comes from the current incarnation of a member of our view."""
@@ -31,7 +36,7 @@ class PeerTalk:
         if s not in v.members:
             return False
         known = v.incarnations[v.members.index(s)]
-        if known == 0 or known == inc:
+        if known == 0 or known == inc or self._lifted_inc.get(s) == inc:
             self.last_heard[s] = self.now
             return True
         if self.vc.rejoined.get(s) == inc:

@@ -58,7 +58,7 @@ class SeveralSilent(SilenceMeter):
         if not any(quiet(v.senders[j], since, SUSPECT_MARGIN) for j in st.waits_for()):
             return False
         silent = {m for m in v.members if m != self.me and m not in fenced and quiet(m, since, SUSPECT_MARGIN)}
-        if len(silent) + (1 if fenced else 0) < 2:
+        if len(silent) + (1 if fenced or self._lifted_inc else 0) < 2:
             return False
         live = len(v.members) - len(silent) - len(fenced)
         if live <= len(v.members) // 2 or live < len(v.members) - self._quorum(v) + 1:

@@ -166,4 +166,5 @@ class NodeConfig:
     commit_quorum: int = 0  # clock protocol: members that must hold a slot before delivery (0: a majority)
     fence_stops: bool = True  # clock protocol: a clean stop fences the leaver where it may (kdsync.core.fence); False: the view changes
     crash_fence: bool = True  # clock protocol: a member silent while the order waits for it is fenced by all the others (kdsync.core.crash_fence)
+    lift_fence: bool = False  # clock protocol: the fenced member's restart is taken back without a view change (kdsync.core.lift)
     adaptive_suspect: bool = False  # suspect_ticks is a ceiling: a peer whose pings came regularly is suspected sooner (kdsync.core.liveness)

@@ -46,8 +46,9 @@ def _fmt_topic(evs) -> str:
 
 def _message_names(protocol: str) -> dict[int, str]:
     from kdsync.core import messages as m
+    from kdsync.core.mirror import MIRROR_MESSAGES
 
-    classes = {"mirror": m.MIRROR_MESSAGES, "clock": m.CLOCK_MESSAGES}.get(protocol, m.SEQUENCER_MESSAGES)
+    classes = {"mirror": MIRROR_MESSAGES, "clock": m.CLOCK_MESSAGES}.get(protocol, m.SEQUENCER_MESSAGES)
     return {c.TYPE: c.__name__.lower() for c in classes}
 
 
