@@ -35,8 +35,9 @@ class PeerTalk:
         v = self.view
         if s not in v.members:
             return False
-        known = v.incarnations[v.members.index(s)]
-        if known == 0 or known == inc or self._lifted_inc.get(s) == inc:
+        # a member taken back in place is its new incarnation (clock: kdsync.core.lift); the old one is gone
+        known = self._lifted_inc.get(s) or v.incarnations[v.members.index(s)]
+        if known == 0 or known == inc:
             self.last_heard[s] = self.now
             return True
         if self.vc.rejoined.get(s) == inc:

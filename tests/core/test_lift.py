@@ -184,3 +184,30 @@ def test_a_member_in_a_view_change_refuses_and_the_restart_joins_at_once():
                               for i in IDS), 1500)
     whole(net, sub)
     assert not check(net, sub)
+
+
+def test_a_late_message_of_the_old_incarnation_is_dropped_once_the_new_one_is_taken_back():
+    """e was cut off, then told it was fenced and taken back in place as a
+    new incarnation; a message its old incarnation sent before that arrives
+    late (a newer clock report): the old incarnation is gone, so it is
+    dropped — not taken as the fenced member speaking again (swarm seed
+    found it: the FENCE for it named a member no longer fenced)."""
+    from kdsync.core.messages import ClockAck
+
+    net, sub = lifting(seed=7)
+    old = net.node("e").incarnation
+    net.isolate("e")
+    everyone_submits(net, sub, LIVE, 40)
+    net.run_until(lambda: all("e" in net.node(i).fenced for i in LIVE), 200)
+    net.recover()
+    net.run_until(lambda: net.node("e")._lift_on, 300)
+    a = net.node("a")
+    view = a.view.view_id
+    told = a.stats.get("fences_told", 0)  # (e learned it was fenced that way)
+    late = ClockAck("e", old, view, tuple(a.stream.received), (), 0, False, 0, 10**15).encode()
+    a.receive("e", late)
+    net.tick(5)
+    everyone_submits(net, sub, IDS, 30)
+    whole(net, sub)
+    assert a.view.view_id == view and a.stats.get("fences_told", 0) == told
+    assert not check(net, sub)
