@@ -103,6 +103,10 @@ REGRESSION_SCENARIOS = {
     "swarm-clock-9303115.yaml": "every member crashed or stopped and restarted, then partitions and flapping links: "
                                 "the leader sending its own ACCEPTED with its ACCEPT (a stop-66 change, reverted "
                                 "before landing) left the group wedged for good",
+    "swarm-clock-9390197.yaml": "a member taken back in place (lift_fence) dropped its own slots once every peer "
+                                "held them, before they came back to it as positions; a view change then left "
+                                "them to its resubmission, which no longer had them: 2 events lost",
+    "swarm-clock-9391600.yaml": "the same, 69 events lost",
     "swarm-clock-9304842.yaml": "commit quorum 1, every member but m0 crashed and restarted while m0 was paused: "
                                 "the others ran rounds up to 21 and refused m0's lower COLLECTs without a word; "
                                 "m0 climbed one round per timed-out attempt and was not past them when the settle "

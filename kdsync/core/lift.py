@@ -61,6 +61,7 @@ from __future__ import annotations
 from kdsync.core.base import watermarks_of
 from kdsync.core.batch import read_positions
 from kdsync.core.messages import Lift, Lifted, LogData, LogReq
+from kdsync.core.stream import NULL
 from kdsync.core.types import Delivery, RemoteProtocolError
 
 __all__ = ["LiftFence"]
@@ -211,8 +212,12 @@ class LiftFence:
                 self.ack_progress[p] = now  # resend what it lacks (derecho's tick does this once active)
                 self._send_slots(p, have, have + 64)
         low = min((a[k] for a in st.acks.values()), default=st.cut_upto)
-        store = st.slots[k]
-        while st.low[k] < low:  # held by every peer: no longer ours to resend
+        store, wm = st.slots[k], self.watermarks
+        while st.low[k] < low:  # held by every peer and come back to us as positions: no longer ours to resend
+            slot = store.get(st.low[k])
+            if slot is not None and slot[1] is not NULL and any(
+                    b.first_offset + b.count - 1 > wm.get((b.origin, b.partition), -1) for b in slot[1]):
+                break  # not delivered here yet: a view change may still need it resubmitted (`_reset_view_state`)
             store.pop(st.low[k], None)
             st.low[k] += 1
         st.next[k] = max(st.next[k], st.low[k])
