@@ -123,6 +123,26 @@ def test_kill9_with_the_crash_fence_is_fenced_by_the_others_without_a_view_chang
         _order_on_and_take_dc3_back(g, expected=320)
 
 
+def test_kill9_and_restart_with_lift_fence_is_taken_back_without_any_view_change(tmp_path):
+    """Real processes: with `protocol.lift_fence` a member killed with
+    SIGKILL is fenced by the others, and its restart is taken back in place
+    (kdsync.core.lift): no view is installed after the first at dc1 and
+    dc2, and every cluster holds the same events exactly once."""
+    g = LocalGroup(3, tmp_path, protocol="clock", suspect_ms=SUSPECT_MS, heartbeat_ms=100, metrics=True,
+                   extra={"protocol": {"crash_fence": True, "lift_fence": True}})
+    with g:
+        _ordering(g)
+        views = [g.log_text(i).count("view installed") for i in range(2)]
+        g.signal_member(2, signal.SIGKILL)
+        g.wait_member(2, 30)
+        for i in range(2):  # records that wait for dc3's clock at dc1 and dc2
+            write_events(g.bootstrap(i), g.topic, 10, f"k{i}")
+        wait_until(lambda: "fenced=dc3" in g.log_text(0) and "fenced=dc3" in g.log_text(1), 30,
+                   "dc1 and dc2 fence dc3")
+        _order_on_and_take_dc3_back(g, expected=320)
+        assert [g.log_text(i).count("view installed") for i in range(2)] == views, member_logs(g)
+
+
 def test_a_paused_member_is_fenced_then_told_so_and_rejoins_as_a_new_incarnation(tmp_path):
     """Real processes, with `protocol.crash_fence`: dc3 is paused
     (SIGSTOP: cut off, not crashed) while records keep coming in every

@@ -107,6 +107,9 @@ REGRESSION_SCENARIOS = {
                                 "held them, before they came back to it as positions; a view change then left "
                                 "them to its resubmission, which no longer had them: 2 events lost",
     "swarm-clock-9391600.yaml": "the same, 69 events lost",
+    "swarm-clock-9390208.yaml": "a member taken back in place took positions only from the member it last asked: "
+                                "each answer came a tick after it had moved on to the next, and its cluster "
+                                "stayed 1 561 events behind for good",
     "swarm-clock-9304842.yaml": "commit quorum 1, every member but m0 crashed and restarted while m0 was paused: "
                                 "the others ran rounds up to 21 and refused m0's lower COLLECTs without a word; "
                                 "m0 climbed one round per timed-out attempt and was not past them when the settle "

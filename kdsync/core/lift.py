@@ -239,8 +239,8 @@ class LiftFence:
         if not self._lift_on or self.target is not None or self.state is not self.State.REJOINING:
             self.catchup.on_log_data(msg)
             return
-        if msg.sender != self._follow_src or msg.start > self.next_seq:
-            return
+        if msg.sender not in self.view.members or msg.start > self.next_seq:
+            return  # (from any member: a position holds the same records everywhere; an answer may come late)
         self._follow_asked = None  # answered: asked again on the tick, or now when it brought positions
         batches = read_positions(msg.batches, self.next_seq, self.catchup._stop(), msg.start)
         if batches:
