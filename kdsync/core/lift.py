@@ -24,8 +24,10 @@ for about a round trip to the farthest.  Here it is taken back in place:
    (C1, forgetting), from m's own counts on.  A member
    that cannot (another view, wedged, no fence of k, another incarnation
    lifted already) answers with cut -1 and k' joins at once; an older
-   release drops LIFT, and k' joins after eight retransmit periods (a lossy link
-   may take a few to carry a LIFT and its answer).
+   release drops LIFT, and k' joins after eight retransmit periods or
+   suspect_ticks, the longer (a lossy link may take a few periods to carry
+   a LIFT and its answer; a restarted process's first frames wait for its
+   connections: 250 ms and more on a LAN, where eight periods are 240).
 3. k' cuts its first slot only once every other member of v promised, each
    slot stamped above every T_m, numbered from c.  From its first LIFT on it
    reports its clock to every member every REPORT_GAP ticks (a member's C2
@@ -68,7 +70,7 @@ __all__ = ["LiftFence"]
 
 _END = 1 << 62
 REPORT_GAP = 2  # ticks: a lifted member reports to every peer at least this often (as kdsync.core.clock does)
-ASK_PERIODS = 8  # retransmit periods a restart waits for every promise before it joins instead
+ASK_PERIODS = 8  # retransmit periods (suspect_ticks at least) a restart waits for every promise before it joins
 
 
 class LiftFence:
@@ -120,7 +122,7 @@ class LiftFence:
             self._lift_asked = self.now
             self._ask_lift()
             return True
-        if self.now - self._lift_asked < ASK_PERIODS * self.cfg.retransmit_ticks:
+        if self.now - self._lift_asked < max(ASK_PERIODS * self.cfg.retransmit_ticks, self.cfg.suspect_ticks):
             return True
         self._give_up()
         return False
