@@ -119,7 +119,7 @@ from kdsync.core.derecho import DerechoNode
 from kdsync.core.far_links import FAR_ACK_AGE_PART, FAR_ACK_MAX_TICKS, FAR_TICKS, FarLinks
 from kdsync.core.fence import Fencing
 from kdsync.core.leads import Leads
-from kdsync.core.lift import LiftFence
+from kdsync.core.lift import REPORT_GAP, LiftFence
 from kdsync.core.clock_viewchange import ClockViewChange
 from kdsync.core.messages import (CLOCK_MESSAGES, Ack, Append, Cap, ClockAck, ClockAppend, Delays, Fence, NoCap, SlotData,
                                   SlotReq)
@@ -131,7 +131,6 @@ __all__ = ["ClockNode"]
 # acknowledgement takes a round trip, and a small window would cost one per slot
 IN_FLIGHT = 64
 NEVER = 1 << 62
-REPORT_GAP = 2  # a clock report goes to a peer that got nothing from us in the last REPORT_GAP ticks
 
 
 class ClockNode(LiftFence, CrashFencing, Fencing, FarLinks, DerechoNode):

@@ -69,7 +69,7 @@ from kdsync.core.types import Delivery, RemoteProtocolError
 __all__ = ["LiftFence"]
 
 _END = 1 << 62
-REPORT_GAP = 2  # ticks: a lifted member reports to every peer at least this often (as kdsync.core.clock does)
+REPORT_GAP = 2  # ticks: a clock report goes to a peer that got nothing from us in the last REPORT_GAP ticks
 ASK_PERIODS = 8  # retransmit periods (suspect_ticks at least) a restart waits for every promise before it joins
 
 
@@ -84,7 +84,7 @@ class LiftFence:
 
     def _reset_view_state(self) -> None:
         st = getattr(self, "stream", None)
-        if st is not None and getattr(self, "_lift_on", False):
+        if st is not None and self._lift_on:
             self._resubmit_own()  # our slots of the view that ends: ordered again (watermarks drop the delivered)
         # the member fenced: (its sender index, the incarnation taken back, our T, the fence)
         self._lift_by: tuple[int, int, int, int] | None = None
@@ -102,7 +102,7 @@ class LiftFence:
     @property
     def status(self) -> str:
         """Taken back in place, we order and deliver: "active" to the adapter."""
-        if getattr(self, "_lift_on", False) and self.state is self.State.REJOINING:
+        if self._lift_on and self.state is self.State.REJOINING:
             return "active"
         return super().status
 
@@ -206,13 +206,7 @@ class LiftFence:
             if now - self._lift_sent >= cfg.retransmit_ticks:
                 self._ask_lift()
             return
-        k = st.my_k
-        for p, acks in st.acks.items():
-            have = acks[k]
-            if p not in self.suspected and have < st.cut_upto \
-                    and now - self.ack_progress[p] >= cfg.retransmit_ticks + cfg.heartbeat_ticks:
-                self.ack_progress[p] = now  # resend what it lacks (derecho's tick does this once active)
-                self._send_slots(p, have, have + 64)
+        k = st.my_k  # (what a peer lacks is resent by derecho's tick)
         low = min((a[k] for a in st.acks.values()), default=st.cut_upto)
         store, wm = st.slots[k], self.watermarks
         while st.low[k] < low:  # held by every peer and come back to us as positions: no longer ours to resend

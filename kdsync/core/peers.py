@@ -24,6 +24,7 @@ class PeerTalk:
 
     _ahead: list[Message] | None = None  # messages of the next view, held (`_hold_ahead`)
     _lifted_inc: dict[str, int] = {}  # member -> its incarnation taken back in this view (clock: kdsync.core.lift)
+    _lift_on = False  # this member was taken back in place: it cuts and resends while wedged (kdsync.core.lift)
 
     def lifts_instead(self) -> bool:
         """Ask to be taken back in place instead of joining (clock: kdsync.core.lift)."""

@@ -29,6 +29,11 @@ def everyone_submits(net, sub, members, rounds):
         net.tick(1)
 
 
+def all_five_in(net, within):
+    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 5
+                              for i in IDS), within)
+
+
 def whole(net, sub, ids=IDS, within=600):
     net.run_until(lambda: all(keys(net.topic(i)) == sub for i in ids), within)
 
@@ -84,8 +89,7 @@ def test_without_every_promise_the_restart_joins_and_the_view_changes():
     before = view_changes(net)
     net.restart("e")
     everyone_submits(net, sub, IDS, 60)
-    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 5
-                              for i in IDS), 600)
+    all_five_in(net, 600)
     whole(net, sub)
     assert view_changes(net) > before and net.node("e").stats.get("lifts_given_up") == 1
     assert not net.node("e")._lift_on
@@ -108,8 +112,7 @@ def test_a_lifted_member_that_crashes_again_is_suspected_and_the_view_changes():
                               for i in LIVE), 1500)
     assert view_changes(net) > before
     net.restart("e")
-    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 5
-                              for i in IDS), 1500)
+    all_five_in(net, 1500)
     whole(net, sub)
     assert not check(net, sub)
 
@@ -126,8 +129,7 @@ def test_a_view_change_while_a_member_is_lifted_keeps_one_order():
     net.crash("d")
     everyone_submits(net, sub, ("a", "b", "c", "e"), 60)
     net.restart("d")
-    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 5
-                              for i in IDS), 2000)
+    all_five_in(net, 2000)
     whole(net, sub)
     assert not check(net, sub)
 
@@ -180,8 +182,7 @@ def test_a_member_in_a_view_change_refuses_and_the_restart_joins_at_once():
     net.run_until(lambda: net.node("e").stats.get("lifts_given_up") == 1, 30)
     assert not net.node("e")._lift_on
     everyone_submits(net, sub, IDS, 30)
-    net.run_until(lambda: all(net.node(i).status == "active" and len(net.node(i).view.members) == 5
-                              for i in IDS), 1500)
+    all_five_in(net, 1500)
     whole(net, sub)
     assert not check(net, sub)
 
